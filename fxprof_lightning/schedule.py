@@ -1,0 +1,87 @@
+"""The profiling schedule: which training steps are idle, warm-up or recorded.
+
+A pure function of the step number with exactly the semantics of
+``torch.profiler.schedule``, plus the cycle arithmetic the callback needs
+(which cycle a step belongs to, which steps a cycle traces and records).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.profiler import ProfilerAction
+
+__all__ = ["ProfilerAction", "Schedule"]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """``skip_first`` idle steps, then cycles of ``wait`` idle, ``warmup`` traced-and-discarded
+    and ``active`` recorded steps, ``repeat`` times (0: for ever).
+
+    Example:
+        >>> s = Schedule(skip_first=2, wait=1, warmup=1, active=2, repeat=1)
+        >>> [s.action(i).name for i in range(7)]
+        ['NONE', 'NONE', 'NONE', 'WARMUP', 'RECORD', 'RECORD_AND_SAVE', 'NONE']
+        >>> s.recorded_steps(0)
+        [4, 5]
+    """
+
+    wait: int = 0
+    warmup: int = 1
+    active: int = 3
+    repeat: int = 0
+    skip_first: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("skip_first", "wait", "warmup", "active", "repeat"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.active < 1:
+            raise ValueError(f"active must be >= 1 (at least one recorded step per cycle), got {self.active}")
+
+    @property
+    def cycle_length(self) -> int:
+        return self.wait + self.warmup + self.active
+
+    def cycle_of(self, step: int) -> int | None:
+        """The 0-based cycle a step falls in, or None before the first cycle or after the last."""
+        if step < self.skip_first:
+            return None
+        cycle = (step - self.skip_first) // self.cycle_length
+        if self.repeat and cycle >= self.repeat:
+            return None
+        return cycle
+
+    def action(self, step: int) -> ProfilerAction:
+        """What to do at ``step``; equal to ``torch.profiler.schedule(...)(step)``."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        cycle = self.cycle_of(step)
+        if cycle is None:
+            return ProfilerAction.NONE
+        position = (step - self.skip_first) % self.cycle_length
+        if position < self.wait:
+            return ProfilerAction.NONE
+        if position < self.wait + self.warmup:
+            return ProfilerAction.WARMUP
+        if position < self.cycle_length - 1:
+            return ProfilerAction.RECORD
+        return ProfilerAction.RECORD_AND_SAVE
+
+    def first_traced_step(self, cycle: int) -> int:
+        """The first warm-up (or, with ``warmup=0``, recorded) step of ``cycle``."""
+        return self.skip_first + cycle * self.cycle_length + self.wait
+
+    def traced_steps(self, cycle: int) -> list[int]:
+        """Warm-up and recorded steps of ``cycle``, in order."""
+        first = self.first_traced_step(cycle)
+        return list(range(first, first + self.warmup + self.active))
+
+    def recorded_steps(self, cycle: int) -> list[int]:
+        """The ``active`` steps of ``cycle``, in order."""
+        first = self.first_traced_step(cycle) + self.warmup
+        return list(range(first, first + self.active))
