@@ -7,6 +7,7 @@ modules that know nothing of Lightning: ``schedule``, ``node_timing``, ``torch_t
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,7 +226,14 @@ class FXProfilerCallback(Callback):
         if cycle.timer is not None and cycle.recorded:
             report.nodes = summarize_nodes(cycle.timer.nodes, cycle.timer.samples)
             cycle.timer.reset()
-            _write_atomically(cycle.directory / "fx_nodes.csv", report.to_csv())
+            if report.nodes:
+                _write_atomically(cycle.directory / "fx_nodes.csv", report.to_csv())
+            else:
+                rank_zero_warn(
+                    f"FXProfilerCallback: {type(self._target).__name__}.forward did not run in the recorded steps "
+                    f"{cycle.recorded}, so no node was timed. If training_step calls a submodule instead, "
+                    "name it with module='...'."
+                )
         self.cycles.append(report)
         if report.nodes:
             self._log(trainer, report)
@@ -269,10 +277,8 @@ class FXProfilerCallback(Callback):
             if cycle.timer is not None:
                 cycle.timer.uninstall(self._target)
             if cycle.trace is not None:
-                try:
+                with contextlib.suppress(Exception):  # already failing; the warning has been given
                     cycle.trace.stop()
-                except Exception:  # already failing; the warning has been given
-                    pass
 
     def _summary(self, trainer: pl.Trainer) -> str:
         last = self.cycles[-1]

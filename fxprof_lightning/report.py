@@ -41,7 +41,7 @@ def summarize_nodes(nodes: list[NodeInfo], samples: list[list[int]]) -> list[Nod
     """Statistics per node (nodes that never ran are left out), slowest total first."""
     grand_total = sum(sum(s) for s in samples) or 1
     stats = []
-    for info, ns in zip(nodes, samples):
+    for info, ns in zip(nodes, samples, strict=True):
         if not ns:
             continue
         total = sum(ns)

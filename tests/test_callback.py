@@ -1,0 +1,229 @@
+"""FXProfilerCallback through real Trainers and a real TensorBoardLogger: what users read back."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import re
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import LitClassifier, SmallNet, image_loader, make_trainer
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.util import tensor_util
+
+from fxprof_lightning import FXProfilerCallback
+
+TRACE_NAME = re.compile(r"^rank0\.\d+\.pt\.trace\.json\.gz$")
+SMALLNET_NODES = {"conv", "bn", "relu", "mean", "drop", "head"}
+
+
+def read_events(log_dir):
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    return events
+
+
+def scalar_steps(events, tag):
+    return [e.step for e in events.Scalars(tag)]
+
+
+class RecordsInstrumentation(LitClassifier):
+    """Notes, at each training step, whether the profiler's instrumented forward is installed."""
+
+    def __init__(self):
+        super().__init__()
+        self.instrumented_steps = []
+        self.steps_seen = 0
+
+    def training_step(self, batch, batch_idx):
+        if "forward" in self.model.__dict__:
+            self.instrumented_steps.append(self.steps_seen)
+        self.steps_seen += 1
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.fixture(scope="module")
+def profiled_run(tmp_path_factory):
+    """Two cycles (skip_first=2, wait=1, warmup=1, active=2) over 2 epochs of 8 batches."""
+    root = tmp_path_factory.mktemp("run")
+    callback = FXProfilerCallback(skip_first=2, wait=1, warmup=1, active=2, repeat=2, module="model", top_k=3)
+    model = RecordsInstrumentation()
+    trainer = make_trainer(root, [callback], max_steps=14)
+    trainer.fit(model, image_loader(samples=32))  # 8 batches per epoch: cycle 1 spans the epoch boundary
+    return root, trainer, callback, model
+
+
+def test_cycles_report_recorded_steps_and_nodes(profiled_run):
+    _, _, callback, _ = profiled_run
+    assert [c.index for c in callback.cycles] == [0, 1]
+    assert [c.steps for c in callback.cycles] == [[4, 5], [8, 9]]
+    for cycle in callback.cycles:
+        assert not cycle.partial
+        assert {n.name for n in cycle.nodes} == SMALLNET_NODES
+        head = next(n for n in cycle.nodes if n.name == "head")
+        assert (head.op, head.target, head.module_path, head.calls) == ("call_module", "head", "head", 2)
+        relu = next(n for n in cycle.nodes if n.name == "relu")
+        assert (relu.op, relu.target, relu.module_path) == ("call_function", "torch.nn.functional.relu", "")
+        for n in cycle.nodes:
+            assert 0 < n.min_ms <= n.median_ms <= n.max_ms and n.min_ms <= n.mean_ms <= n.max_ms
+        assert sum(n.pct for n in cycle.nodes) == pytest.approx(100.0)
+        assert [n.total_ms for n in cycle.nodes] == sorted((n.total_ms for n in cycle.nodes), reverse=True)
+        markdown = cycle.to_markdown()
+        assert "| op type | node | target | mean ms | % of total | calls |" in markdown
+        assert all(f"`{name}`" in markdown for name in SMALLNET_NODES)
+
+
+def test_module_runs_its_own_forward_outside_traced_steps(profiled_run):
+    _, _, _, model = profiled_run
+    assert model.instrumented_steps == [3, 4, 5, 7, 8, 9]  # warm-up and recorded steps only
+    assert "forward" not in model.model.__dict__
+
+
+def test_cycle_directories_hold_one_trace_and_the_csv(profiled_run):
+    root, _, callback, _ = profiled_run
+    fxprof = root / "logs" / "version_0" / "fxprof"
+    assert sorted(p.name for p in fxprof.iterdir()) == ["cycle_0000", "cycle_0001"]
+    for cycle in callback.cycles:
+        assert cycle.directory == fxprof / f"cycle_{cycle.index:04d}"
+        assert sorted(p.name for p in cycle.directory.iterdir() if not TRACE_NAME.match(p.name)) == ["fx_nodes.csv"]
+        assert [p.parent for p in cycle.trace_paths] == [cycle.directory]
+        assert TRACE_NAME.match(cycle.trace_paths[0].name)
+        trace = json.loads(gzip.decompress(cycle.trace_paths[0].read_bytes()))
+        names = {e.get("name") for e in trace["traceEvents"]}
+        assert {f"ProfilerStep#{s}" for s in cycle.steps} <= names  # steps numbered as in training
+        assert SMALLNET_NODES <= names  # every FX node is a record_function range
+        assert "Framework" not in trace  # the plugin's Lightning mode would hide python events
+
+        with open(cycle.directory / "fx_nodes.csv") as f:
+            rows = list(csv.DictReader(f))
+        assert {r["name"] for r in rows} == SMALLNET_NODES
+        assert {"name", "op", "target", "module_path", "calls", "mean_ms", "median_ms", "min_ms", "max_ms", "pct"} <= set(rows[0])
+        assert rows[0]["name"] == cycle.nodes[0].name
+        assert float(rows[0]["mean_ms"]) == pytest.approx(cycle.nodes[0].mean_ms, abs=1e-6)
+
+
+def test_scalars_and_text_reach_tensorboard(profiled_run):
+    root, _, callback, _ = profiled_run
+    events = read_events(root / "logs" / "version_0")
+    tags = set(events.Tags()["scalars"])
+    assert scalar_steps(events, "fxprof/fwd_ms/total") == [5, 9]
+    per_node = {t for t in tags if t.startswith("fxprof/fwd_ms/") and t != "fxprof/fwd_ms/total"}
+    top3 = {f"fxprof/fwd_ms/{n.name}" for c in callback.cycles for n in c.nodes[:3]}
+    assert per_node == top3
+    for cycle in callback.cycles:
+        logged = {t: v for t in per_node for e in events.Scalars(t) if e.step == cycle.steps[-1] for v in [e.value]}
+        assert logged == pytest.approx({f"fxprof/fwd_ms/{n.name}": n.mean_ms for n in cycle.nodes[:3]})
+        total = next(e.value for e in events.Scalars("fxprof/fwd_ms/total") if e.step == cycle.steps[-1])
+        assert total == pytest.approx(sum(n.total_ms for n in cycle.nodes) / 2, rel=1e-5)
+
+    texts = events.Tensors("fxprof/nodes/text_summary")  # add_text appends /text_summary
+    assert [t.step for t in texts] == [5, 9]
+    for text, cycle in zip(texts, callback.cycles, strict=True):
+        markdown = tensor_util.make_ndarray(text.tensor_proto).item().decode()
+        assert markdown == cycle.to_markdown(3)
+        assert markdown.count("\n| call_") == 3  # top_k rows
+
+
+def test_summary_printed_at_end_of_fit(tmp_path, capsys):
+    callback = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=2, repeat=1, module="model")
+    make_trainer(tmp_path, [callback], max_steps=4).fit(LitClassifier(), image_loader())
+    out = capsys.readouterr().out
+    assert "FXProfilerCallback: 1 cycle(s) recorded" in out
+    assert "Slowest nodes of cycle 0 (steps 1-2)" in out
+    assert f"tensorboard --logdir {tmp_path / 'logs'}" in out
+
+
+def _train(root, callbacks, steps=10, model=None):
+    pl.seed_everything(7, verbose=False)
+    model = model or LitClassifier(SmallNet())
+    make_trainer(root, callbacks, max_steps=steps).fit(model, image_loader())
+    return model
+
+
+def test_training_is_bitwise_unchanged(tmp_path):
+    plain = _train(tmp_path / "plain", [])
+    callback = FXProfilerCallback(skip_first=1, wait=1, warmup=1, active=2)
+    profiled = _train(tmp_path / "profiled", [callback])
+    assert len(callback.cycles) == 2  # steps 3-4 and 7-8 were timed, with dropout and batch norm
+    reference = plain.state_dict()
+    assert all(torch.equal(tensor, reference[name]) for name, tensor in profiled.state_dict().items())
+
+
+def test_torch_profiler_only_and_fx_only(tmp_path):
+    traces_only = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=1, repeat=1, fx_timing=False)
+    _train(tmp_path / "a", [traces_only], steps=3)
+    (cycle,) = traces_only.cycles
+    assert cycle.nodes == [] and len(cycle.trace_paths) == 1
+    assert not (cycle.directory / "fx_nodes.csv").exists()
+
+    fx_only = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=1, repeat=1, torch_profiler=False, module="model")
+    _train(tmp_path / "b", [fx_only], steps=3)
+    (cycle,) = fx_only.cycles
+    assert cycle.trace_paths == [] and {n.name for n in cycle.nodes} == SMALLNET_NODES
+    assert [p.name for p in cycle.directory.iterdir()] == ["fx_nodes.csv"]
+
+
+def test_a_target_forward_that_never_runs_is_reported(tmp_path):
+    callback = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=1, repeat=1)  # LitClassifier.forward is unused
+    with pytest.warns(UserWarning, match=r"LitClassifier.forward did not run in the recorded steps \[1\].*module="):
+        _train(tmp_path, [callback], steps=3)
+    assert callback.cycles[0].nodes == []
+
+
+def test_no_logger_warns_and_still_writes_files(tmp_path):
+    callback = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=1, repeat=1, module="model")
+    with pytest.warns(UserWarning, match="no logger"):
+        make_trainer(tmp_path, [callback], max_steps=3, logger=False).fit(LitClassifier(), image_loader())
+    assert (tmp_path / "fxprof" / "cycle_0000" / "fx_nodes.csv").exists()
+    assert len(callback.cycles[0].trace_paths) == 1
+
+
+def test_untraceable_model_warns_and_keeps_torch_profiler(tmp_path):
+    class Branchy(SmallNet):
+        def forward(self, x):
+            x = super().forward(x)
+            return x if x.sum() > 0 else -x
+
+    callback = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=1, repeat=1, module="model")
+    with pytest.warns(UserWarning, match=r"torch.fx could not trace Branchy: TraceError: .*Node timing is off"):
+        _train(tmp_path, [callback], steps=4, model=LitClassifier(Branchy()))
+    (cycle,) = callback.cycles
+    assert cycle.nodes == [] and len(cycle.trace_paths) == 1
+    assert "fxprof/fwd_ms/total" not in read_events(tmp_path / "logs" / "version_0").Tags()["scalars"]
+
+
+def test_a_failing_profiler_never_ends_training(tmp_path):
+    blocker = tmp_path / "not_a_directory"
+    blocker.write_text("")
+    callback = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=1, dirpath=blocker)
+    with pytest.warns(UserWarning, match="FXProfilerCallback failed while starting a profiled step.*training goes on"):
+        model = _train(tmp_path, [callback], steps=6)
+    assert callback.cycles == []
+    assert "forward" not in model.model.__dict__
+
+
+def test_missing_module_path_raises_at_setup_listing_children(tmp_path):
+    with pytest.raises(ValueError, match=r"LitClassifier has no submodule 'backbone'. Its child modules are: model"):
+        _train(tmp_path, [FXProfilerCallback(module="backbone")])
+    with pytest.raises(ValueError, match=r"model has no submodule 'body'. Its child modules are: conv, bn, drop, head"):
+        _train(tmp_path, [FXProfilerCallback(module="model.body")])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"profiler_kwargs": {"schedule": None}}, "may not set schedule"),
+        ({"profiler_kwargs": {"on_trace_ready": print}}, "may not set on_trace_ready"),
+        ({"profiler_kwargs": {"record_shape": True}}, r"unknown torch.profiler.profile arguments \['record_shape'\]"),
+        ({"profiler_kwargs": ["with_stack"]}, "profiler_kwargs must be a dict"),
+        ({"torch_profiler": False, "fx_timing": False}, "turn at least one on"),
+        ({"top_k": 0}, "top_k must be an int >= 1"),
+        ({"module": ""}, "module must be a dotted attribute path"),
+    ],
+)
+def test_bad_arguments_are_refused_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        FXProfilerCallback(**kwargs)

@@ -1,0 +1,94 @@
+"""FX node timing outside Lightning: same numbers as eager, clean install/uninstall, sane samples."""
+
+import copy
+
+import pytest
+import torch
+import torchvision
+from conftest import SmallNet
+
+from fxprof_lightning.node_timing import NodeTimer, TraceError, trace_module
+
+
+def _forward_backward(model, x):
+    out = model(x)
+    out.square().sum().backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("annotate", [False, True])
+@pytest.mark.parametrize("make", [SmallNet, lambda: torchvision.models.resnet18(num_classes=5)])
+def test_outputs_and_gradients_equal_eager(make, annotate):
+    eager = make().train()
+    timed = copy.deepcopy(eager)
+    x = torch.randn(2, 3, 32, 32)
+    timer = NodeTimer(trace_module(timed), annotate=annotate)
+
+    torch.manual_seed(1)  # dropout draws the same numbers only if timing uses none
+    out_ref, grads_ref = _forward_backward(eager, x)
+    torch.manual_seed(1)
+    timer.install(timed)
+    out, grads = _forward_backward(timed, x)
+    timer.uninstall(timed)
+    random_after_timed = torch.rand(3)
+
+    assert torch.equal(out, out_ref)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_ref, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(timed.state_dict().values(), eager.state_dict().values(), strict=True))
+    torch.manual_seed(1)
+    eager(x)
+    assert torch.equal(random_after_timed, torch.rand(3))  # timing draws no random numbers
+
+
+def test_every_node_is_timed_once_per_call():
+    model = SmallNet()
+    timer = NodeTimer(trace_module(model))
+    assert [(n.name, n.op) for n in timer.nodes] == [
+        ("conv", "call_module"),
+        ("bn", "call_module"),
+        ("relu", "call_function"),
+        ("mean", "call_method"),
+        ("drop", "call_module"),
+        ("head", "call_module"),
+    ]
+    assert timer.nodes[2].target == "torch.nn.functional.relu"
+    timer.install(model)
+    model(torch.randn(2, 3, 8, 8))
+    model(torch.randn(2, 3, 8, 8))  # a forward called twice counts two calls
+    timer.uninstall(model)
+    assert [len(s) for s in timer.samples] == [2] * 6
+    assert all(ns > 0 for s in timer.samples for ns in s)
+    timer.reset()
+    assert all(s == [] for s in timer.samples)
+
+
+def test_uninstall_restores_the_modules_own_forward():
+    model = SmallNet()
+    timer = NodeTimer(trace_module(model))
+    timer.install(model)
+    assert "forward" in model.__dict__
+    timer.uninstall(model)
+    assert "forward" not in model.__dict__
+    assert type(model).forward is SmallNet.forward
+    model(torch.randn(1, 3, 8, 8))
+    assert all(s == [] for s in timer.samples)  # the module's own forward records nothing
+    timer.uninstall(model)  # a second uninstall is harmless
+
+
+def test_module_path_comes_from_the_module_stack():
+    timer = NodeTimer(trace_module(torchvision.models.resnet18()))
+    paths = {n.name: n.module_path for n in timer.nodes}
+    assert paths["layer1_0_conv1"] == "layer1.0.conv1"
+    assert paths["add"] == "layer1.0"  # the residual add inside BasicBlock layer1.0
+    assert paths["flatten"] == ""  # torch.flatten in ResNet.forward itself
+
+
+def test_untraceable_module_raises_trace_error_naming_the_cause():
+    class Branchy(torch.nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:
+                return x
+            return -x
+
+    with pytest.raises(TraceError, match=r"torch.fx could not trace Branchy: TraceError: .*"):
+        trace_module(Branchy())

@@ -1,0 +1,61 @@
+"""The schedule against torch.profiler.schedule itself, and its argument checks."""
+
+import itertools
+import warnings
+
+import pytest
+import torch
+
+from fxprof_lightning import FXProfilerCallback, Schedule
+from fxprof_lightning.schedule import ProfilerAction
+
+COMBOS = list(itertools.product([0, 1, 3], [0, 1, 2], [0, 2], [1, 2, 4], [0, 1, 3]))  # skip_first, wait, warmup, active, repeat
+
+
+@pytest.mark.parametrize(("skip_first", "wait", "warmup", "active", "repeat"), COMBOS)
+def test_matches_torch_profiler_schedule(skip_first, wait, warmup, active, repeat):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns about warmup=0
+        reference = torch.profiler.schedule(skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat)
+    ours = Schedule(skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat)
+    assert [ours.action(step) for step in range(120)] == [reference(step) for step in range(120)]
+
+
+@pytest.mark.parametrize(("skip_first", "wait", "warmup", "active", "repeat"), COMBOS)
+def test_cycle_arithmetic_agrees_with_actions(skip_first, wait, warmup, active, repeat):
+    s = Schedule(skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat)
+    traced = {step for step in range(120) if s.action(step) is not ProfilerAction.NONE}
+    recorded = {step for step in range(120) if s.action(step) in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)}
+    cycles = range(repeat) if repeat else range(120 // s.cycle_length + 1)
+    assert traced == {step for c in cycles for step in s.traced_steps(c) if step < 120}
+    assert recorded == {step for c in cycles for step in s.recorded_steps(c) if step < 120}
+    for c in cycles:
+        steps = s.recorded_steps(c)
+        if steps[-1] < 120:
+            assert s.action(steps[-1]) is ProfilerAction.RECORD_AND_SAVE
+            assert {s.cycle_of(step) for step in s.traced_steps(c)} == {c}
+
+
+def test_documented_example():
+    s = Schedule(skip_first=2, wait=1, warmup=1, active=2, repeat=1)
+    assert s.recorded_steps(0) == [4, 5]
+    assert s.cycle_of(7) is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"wait": -1}, "wait"),
+        ({"warmup": -2}, "warmup"),
+        ({"active": 0}, "active"),
+        ({"repeat": -1}, "repeat"),
+        ({"skip_first": -5}, "skip_first"),
+        ({"active": 2.0}, "active"),
+        ({"wait": "3"}, "wait"),
+        ({"warmup": True}, "warmup"),
+        ({"repeat": None}, "repeat"),
+    ],
+)
+def test_bad_schedule_numbers_are_refused_at_construction(kwargs, name):
+    with pytest.raises(ValueError, match=rf"^{name} must"):
+        FXProfilerCallback(**kwargs)
