@@ -284,7 +284,10 @@ class FXProfilerCallback(Callback):
         last = self.cycles[-1]
         lines = [f"FXProfilerCallback: {len(self.cycles)} cycle(s) recorded; output in {self._out_dir}"]
         if last.nodes:
-            lines.append(f"Slowest nodes of cycle {last.index} (steps {last.steps[0]}-{last.steps[-1]}), mean forward ms per call:")
+            partial = ", partial" if last.partial else ""
+            lines.append(
+                f"Slowest nodes of cycle {last.index} (steps {last.steps[0]}-{last.steps[-1]}{partial}), mean forward ms per call:"
+            )
             for n in last.nodes[:5]:
                 lines.append(f"  {n.name:<28} {n.op:<14} {n.mean_ms:9.3f} ms  {n.pct:5.1f} %")
         if any(c.trace_paths for c in self.cycles):
