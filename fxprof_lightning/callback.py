@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
@@ -21,7 +23,7 @@ from torch import nn
 from typing_extensions import override
 
 from fxprof_lightning.node_timing import NodeTimer, TraceError, trace_module
-from fxprof_lightning.report import CycleReport, summarize_nodes
+from fxprof_lightning.report import CycleReport, merge_ranks, summarize_nodes
 from fxprof_lightning.schedule import ProfilerAction, Schedule
 from fxprof_lightning.torch_trace import CycleTrace, check_profiler_kwargs
 
@@ -39,6 +41,21 @@ class _OpenCycle:
     trace: CycleTrace | None
     timer: NodeTimer | None
     recorded: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Stage:
+    """Schedule position and cycles of one loop: training batches or validation batches."""
+
+    name: str  # "train" or "val"
+    dir_prefix: str  # "cycle_" or "val_cycle_"
+    tag_prefix: str  # "fxprof" or "fxprof/val"
+    step: int = 0
+    open: _OpenCycle | None = None
+    cycles: list[CycleReport] = field(default_factory=list)
+    directories: list[Path] = field(default_factory=list)  # written in this fit, oldest first
+    last_index: int | None = None  # the cycle opened last, to name the pieces of a cut cycle
+    piece: int = 0
 
 
 class FXProfilerCallback(Callback):
@@ -65,6 +82,9 @@ class FXProfilerCallback(Callback):
         dirpath: output directory (None: ``<trainer.log_dir>/fxprof``).
         top_k: how many of the slowest nodes get scalars and table rows.
         use_gzip: write traces as ``.pt.trace.json.gz`` (else plain ``.pt.trace.json``).
+        keep_cycles: keep only the newest N cycle directories (and reports in ``cycles``); None keeps all.
+        profile_validation: also profile validation batches, with their own schedule position,
+            ``val_cycle_NNNN`` directories, ``fxprof/val/...`` tags and ``val_cycles`` reports.
 
     Example:
         >>> profiler = FXProfilerCallback(wait=5, warmup=1, active=3, module="model")
@@ -88,6 +108,8 @@ class FXProfilerCallback(Callback):
         dirpath: str | os.PathLike | None = None,
         top_k: int = 20,
         use_gzip: bool = True,
+        keep_cycles: int | None = None,
+        profile_validation: bool = False,
     ) -> None:
         self.schedule = Schedule(skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat)
         if not torch_profiler and not fx_timing:
@@ -96,6 +118,8 @@ class FXProfilerCallback(Callback):
             raise ValueError(f"module must be a dotted attribute path such as 'model.backbone' or None, got {module!r}")
         if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
             raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
+        if keep_cycles is not None and (not isinstance(keep_cycles, int) or isinstance(keep_cycles, bool) or keep_cycles < 1):
+            raise ValueError(f"keep_cycles must be an int >= 1 or None (keep all), got {keep_cycles!r}")
         self.module_path = module
         self.torch_profiler = torch_profiler
         self.fx_timing = fx_timing
@@ -103,24 +127,39 @@ class FXProfilerCallback(Callback):
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.top_k = top_k
         self.use_gzip = use_gzip
+        self.keep_cycles = keep_cycles
+        self.profile_validation = profile_validation
 
-        self.cycles: list[CycleReport] = []
-        self._step = 0
+        self._train = _Stage("train", "cycle_", "fxprof")
+        self._val = _Stage("val", "val_cycle_", "fxprof/val")
         self._enabled = True  # False after a failure inside the profiler
         self._fx_on = fx_timing  # False when the target cannot be traced
         self._target: nn.Module | None = None
         self._timers: dict[bool, NodeTimer] = {}  # one instrumented graph per training mode
-        self._cycle: _OpenCycle | None = None
         self._out_dir: Path | None = None
+        self._run_suffix = ""  # "-rN" when dirpath already holds cycles of an earlier run
+
+    @property
+    def cycles(self) -> list[CycleReport]:
+        """One report per completed (or cut-short) training cycle of the current or last ``fit``."""
+        return self._train.cycles
+
+    @property
+    def val_cycles(self) -> list[CycleReport]:
+        """Like ``cycles``, for validation batches (``profile_validation=True``)."""
+        return self._val.cycles
 
     # ----------------------------------------------------------------- set-up
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
+        if stage not in ("fit", "validate"):
             return
         self._target = _resolve_module(pl_module, self.module_path)
-        self._enabled, self._fx_on = True, self.fx_timing
+        self._enabled, self._fx_on, self._timers = True, self.fx_timing, {}
+        if stage == "fit":  # a new fit counts from 0 unless a checkpoint says otherwise
+            self._train = _Stage("train", "cycle_", "fxprof")
+        self._val = _Stage("val", "val_cycle_", "fxprof/val")
         if self._fx_on and hasattr(self._target, "_orig_mod"):
             rank_zero_warn(
                 f"FXProfilerCallback: {self.module_path or 'the LightningModule'} is torch.compile'd, which torch.fx cannot "
@@ -129,6 +168,7 @@ class FXProfilerCallback(Callback):
             )
             self._fx_on = False
         self._out_dir = self.dirpath if self.dirpath is not None else Path(trainer.log_dir or trainer.default_root_dir) / "fxprof"
+        self._run_suffix = trainer.strategy.broadcast(_new_run_suffix(self._out_dir) if trainer.is_global_zero else "")
         if not trainer.loggers:
             rank_zero_warn("FXProfilerCallback: the Trainer has no logger, so no scalars or text are logged; "
                            f"the per-cycle CSV and traces are still written under {self._out_dir}")
@@ -142,27 +182,43 @@ class FXProfilerCallback(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        action = self.schedule.action(self._step)
-        if action is ProfilerAction.NONE or not self._enabled:
-            return
-        self._safely(trainer, "starting a profiled step", self._begin_step, trainer, action)
+        self._begin_step(trainer, self._train)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        step, self._step = self._step, self._step + 1
-        if self._cycle is None:
-            return
-        self._safely(trainer, "ending a profiled step", self._end_step, trainer, step)
+        self._end_step(trainer, self._train)
+
+    @override
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if self.profile_validation and not trainer.sanity_checking:
+            self._begin_step(trainer, self._val)
+
+    @override
+    def on_validation_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if self.profile_validation and not trainer.sanity_checking:
+            self._end_step(trainer, self._val)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A validation cycle never stays open over training steps: the rest of it becomes a new piece.
+        if self.profile_validation and not trainer.sanity_checking:
+            self._cut_cycle(trainer, self._val)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._cycle is not None:  # training stopped inside a cycle (max_steps, early stopping)
-            self._safely(trainer, "writing the last, partial cycle", self._finish_cycle, trainer, partial=True)
+        self._cut_cycle(trainer, self._train)  # training stopped inside a cycle (max_steps, early stopping)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if self._cycle is not None:
-            self._safely(trainer, "writing the cycle cut short by an exception", self._finish_cycle, trainer, partial=True)
+        for stage in (self._train, self._val):
+            if stage.open is not None:
+                # Other ranks may not get here: no collective, this rank's data only.
+                self._safely(trainer, "writing the cycle cut short by an exception", self._close_cycle, trainer, stage,
+                             partial=True, gather=False)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -171,82 +227,132 @@ class FXProfilerCallback(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self._step}
+        return {"step": self._train.step, "val_step": self._val.step}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._step = int(state_dict.get("step", 0))
+        self._train.step = int(state_dict.get("step", 0))
+        self._val.step = int(state_dict.get("val_step", 0))
 
     # ------------------------------------------------------------ the work
 
-    def _begin_step(self, trainer: pl.Trainer, action: ProfilerAction) -> None:
-        if self._cycle is None:
-            self._cycle = self._open_cycle(trainer)
-        timer = self._cycle.timer
+    def _begin_step(self, trainer: pl.Trainer, stage: _Stage) -> None:
+        action = self.schedule.action(stage.step)
+        if action is ProfilerAction.NONE or not self._enabled:
+            return
+        self._safely(trainer, "starting a profiled step", self._start_collecting, trainer, stage, action)
+
+    def _end_step(self, trainer: pl.Trainer, stage: _Stage) -> None:
+        step, stage.step = stage.step, stage.step + 1
+        action = self.schedule.action(step)
+        if stage.open is not None:
+            self._safely(trainer, "ending a profiled step", self._stop_collecting, stage, step, action)
+        if action is ProfilerAction.RECORD_AND_SAVE:
+            # Decided by the schedule alone, so every rank takes part in the gather, even one whose profiling failed.
+            self._safely(trainer, "writing a cycle", self._close_cycle, trainer, stage, partial=False, gather=True)
+
+    def _cut_cycle(self, trainer: pl.Trainer, stage: _Stage) -> None:
+        """Close a cycle that its loop left before its last recorded step."""
+        last = stage.step - 1
+        if last >= 0 and self.schedule.action(last) in (ProfilerAction.WARMUP, ProfilerAction.RECORD):
+            self._safely(trainer, "writing a partial cycle", self._close_cycle, trainer, stage, partial=True, gather=True)
+
+    def _start_collecting(self, trainer: pl.Trainer, stage: _Stage, action: ProfilerAction) -> None:
+        if stage.open is None:
+            stage.open = self._open_cycle(trainer, stage)
+        timer = stage.open.timer
         if timer is not None:
-            if action in RECORDING and not self._cycle.recorded:
+            if action in RECORDING and not stage.open.recorded:
                 timer.reset()  # drop what the warm-up steps measured
             timer.install(self._target)
 
-    def _end_step(self, trainer: pl.Trainer, step: int) -> None:
-        cycle = self._cycle
-        action = self.schedule.action(step)
+    def _stop_collecting(self, stage: _Stage, step: int, action: ProfilerAction) -> None:
+        cycle = stage.open
         if cycle.timer is not None:
             cycle.timer.uninstall(self._target)
         if action in RECORDING:
             cycle.recorded.append(step)
         if cycle.trace is not None:
             cycle.trace.step()
-        if action is ProfilerAction.RECORD_AND_SAVE:
-            self._finish_cycle(trainer, partial=False)
 
-    def _open_cycle(self, trainer: pl.Trainer) -> _OpenCycle:
-        index = self.schedule.cycle_of(self._step)
-        directory = self._out_dir / f"cycle_{index:04d}"
+    def _open_cycle(self, trainer: pl.Trainer, stage: _Stage) -> _OpenCycle:
+        index = self.schedule.cycle_of(stage.step)
+        stage.piece = stage.piece + 1 if index == stage.last_index else 0
+        stage.last_index = index
+        piece = f"-p{stage.piece}" if stage.piece else ""
+        directory = self._out_dir / f"{stage.dir_prefix}{index:04d}{self._run_suffix}{piece}"
         directory.mkdir(parents=True, exist_ok=True)
-        # The cycle opens at whichever of its traced steps comes first (normally its first).
-        steps = [s for s in self.schedule.traced_steps(index) if s >= self._step]
+        if not stage.directories or stage.directories[-1] != directory:
+            stage.directories.append(directory)
         trace = None
         if self.torch_profiler:
-            actions = {s: self.schedule.action(s) for s in steps}
-            trace = CycleTrace(actions, directory, f"rank{trainer.global_rank}", self.use_gzip, self.profiler_kwargs)
+            other = self._val if stage is self._train else self._train
+            if other.open is not None and other.open.trace is not None:
+                rank_zero_warn(f"FXProfilerCallback: a {other.name} cycle's torch.profiler trace is still open, so "
+                               f"{stage.name} steps {stage.step}+ get node timing only (one profiler runs at a time)")
+            else:
+                # The cycle opens at whichever of its traced steps comes first (normally its first).
+                steps = [s for s in self.schedule.traced_steps(index) if s >= stage.step]
+                actions = {s: self.schedule.action(s) for s in steps}
+                trace = CycleTrace(actions, directory, f"rank{trainer.global_rank}", self.use_gzip, self.profiler_kwargs)
         timer = self._timer_for(self._target) if self._fx_on else None
         return _OpenCycle(index=index, directory=directory, trace=trace, timer=timer)
 
-    def _finish_cycle(self, trainer: pl.Trainer, partial: bool) -> None:
-        cycle, self._cycle = self._cycle, None
-        if cycle.timer is not None:
-            cycle.timer.uninstall(self._target)
-        report = CycleReport(index=cycle.index, steps=cycle.recorded, directory=cycle.directory, partial=partial)
-        if cycle.trace is not None:
-            cycle.trace.stop()
-            report.trace_paths = list(cycle.trace.paths)
-            for error in cycle.trace.errors:
-                rank_zero_warn(f"FXProfilerCallback: {error}")
-        if cycle.timer is not None and cycle.recorded:
-            report.nodes = summarize_nodes(cycle.timer.nodes, cycle.timer.samples)
-            cycle.timer.reset()
-            if report.nodes:
-                _write_atomically(cycle.directory / "fx_nodes.csv", report.to_csv())
-            else:
-                rank_zero_warn(
-                    f"FXProfilerCallback: {type(self._target).__name__}.forward did not run in the recorded steps "
-                    f"{cycle.recorded}, so no node was timed. If training_step calls a submodule instead, "
-                    "name it with module='...'."
-                )
-        self.cycles.append(report)
-        if report.nodes:
-            self._log(trainer, report)
+    def _close_cycle(self, trainer: pl.Trainer, stage: _Stage, partial: bool, gather: bool) -> None:
+        cycle, stage.open = stage.open, None
+        nodes = None
+        if cycle is not None:
+            if cycle.timer is not None:
+                cycle.timer.uninstall(self._target)
+                if cycle.recorded:
+                    nodes = summarize_nodes(cycle.timer.nodes, cycle.timer.samples)
+                    cycle.timer.reset()
+            if cycle.trace is not None:
+                cycle.trace.stop()
+                for error in cycle.trace.errors:
+                    rank_zero_warn(f"FXProfilerCallback: {error}")
+        ranks = 1
+        if gather and trainer.world_size > 1 and torch.distributed.is_initialized():
+            gathered: list[Any] = [None] * trainer.world_size
+            torch.distributed.all_gather_object(gathered, nodes)
+            ranks = sum(1 for table in gathered if table)
+            nodes = merge_ranks(gathered)
+        if cycle is None:
+            return
+        report = CycleReport(index=cycle.index, steps=cycle.recorded, directory=cycle.directory, partial=partial,
+                             ranks=max(ranks, 1), stage=stage.name, nodes=nodes or [],
+                             trace_paths=list(cycle.trace.paths) if cycle.trace is not None else [])
+        if self._fx_on and cycle.recorded and not report.nodes:
+            rank_zero_warn(
+                f"FXProfilerCallback: {type(self._target).__name__}.forward did not run in the recorded steps "
+                f"{cycle.recorded}, so no node was timed. If training_step calls a submodule instead, "
+                "name it with module='...'."
+            )
+        if report.nodes and trainer.is_global_zero:
+            _write_atomically(cycle.directory / "fx_nodes.csv", report.to_csv())
+            self._log(trainer, stage, report)
+        stage.cycles.append(report)
+        self._forget_old_cycles(trainer, stage)
 
-    def _log(self, trainer: pl.Trainer, report: CycleReport) -> None:
+    def _forget_old_cycles(self, trainer: pl.Trainer, stage: _Stage) -> None:
+        if self.keep_cycles is None:
+            return
+        del stage.cycles[: -self.keep_cycles]
+        while len(stage.directories) > self.keep_cycles:
+            old = stage.directories.pop(0)
+            for path in old.glob(f"rank{trainer.global_rank}.*"):  # this rank's traces (its node's disk)
+                path.unlink(missing_ok=True)
+            if trainer.is_global_zero:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _log(self, trainer: pl.Trainer, stage: _Stage, report: CycleReport) -> None:
         step = report.steps[-1]
-        metrics = {f"fxprof/fwd_ms/{n.name}": n.mean_ms for n in report.nodes[: self.top_k]}
-        metrics["fxprof/fwd_ms/total"] = report.forward_ms_per_step
+        metrics = {f"{stage.tag_prefix}/fwd_ms/{n.name}": n.mean_ms for n in report.nodes[: self.top_k]}
+        metrics[f"{stage.tag_prefix}/fwd_ms/total"] = report.forward_ms_per_step
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
-            if isinstance(logger, TensorBoardLogger) and trainer.is_global_zero:
-                logger.experiment.add_text("fxprof/nodes", report.to_markdown(self.top_k), global_step=step)
-        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text(f"{stage.tag_prefix}/nodes", report.to_markdown(self.top_k), global_step=step)
             logger.save()
 
     def _timer_for(self, module: nn.Module) -> NodeTimer | None:
@@ -272,8 +378,10 @@ class FXProfilerCallback(Callback):
 
     def _disable(self) -> None:
         self._enabled = False
-        cycle, self._cycle = self._cycle, None
-        if cycle is not None:
+        for stage in (self._train, self._val):
+            cycle, stage.open = stage.open, None
+            if cycle is None:
+                continue
             if cycle.timer is not None:
                 cycle.timer.uninstall(self._target)
             if cycle.trace is not None:
@@ -294,6 +402,16 @@ class FXProfilerCallback(Callback):
             root = next((lg.root_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), self._out_dir)
             lines.append(f"Traces: {last.directory}. View them with: tensorboard --logdir {root}")
         return "\n".join(lines)
+
+
+def _new_run_suffix(out_dir: Path) -> str:
+    """'' for a fresh output directory, else '-r1', '-r2', ...: new directories never reuse old names."""
+    if not out_dir.is_dir() or not any(out_dir.glob("*cycle_*")):
+        return ""
+    run = 1
+    while any(out_dir.glob(f"*cycle_*-r{run}*")):
+        run += 1
+    return f"-r{run}"
 
 
 def _resolve_module(pl_module: pl.LightningModule, path: str | None) -> nn.Module:

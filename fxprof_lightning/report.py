@@ -5,13 +5,13 @@ from __future__ import annotations
 import csv
 import io
 import statistics
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from fxprof_lightning.node_timing import NodeInfo
 
-__all__ = ["CycleReport", "NodeStats", "summarize_nodes"]
+__all__ = ["CycleReport", "NodeStats", "merge_ranks", "summarize_nodes"]
 
 NS_PER_MS = 1e6
 
@@ -21,7 +21,10 @@ class NodeStats:
     """Forward wall time of one FX node over a cycle's recorded steps.
 
     ``mean_ms``/``median_ms``/``min_ms``/``max_ms`` are per call; ``total_ms`` is the sum over
-    all calls in the cycle and ``pct`` its share of the summed time of all nodes.
+    all calls in the cycle and ``pct`` its share of the summed time of all nodes. With several
+    ranks (see ``merge_ranks``) the figures are means over ranks, ``min_ms``/``max_ms`` the
+    extremes over ranks, and ``slowest_rank``/``slowest_rank_ms`` name the rank with the
+    highest ``mean_ms`` and that mean.
     """
 
     name: str
@@ -35,6 +38,8 @@ class NodeStats:
     max_ms: float
     total_ms: float
     pct: float
+    slowest_rank: int = 0
+    slowest_rank_ms: float = 0.0
 
 
 def summarize_nodes(nodes: list[NodeInfo], samples: list[list[int]]) -> list[NodeStats]:
@@ -58,10 +63,40 @@ def summarize_nodes(nodes: list[NodeInfo], samples: list[list[int]]) -> list[Nod
                 max_ms=max(ns) / NS_PER_MS,
                 total_ms=total / NS_PER_MS,
                 pct=100.0 * total / grand_total,
+                slowest_rank_ms=total / len(ns) / NS_PER_MS,
             )
         )
     stats.sort(key=lambda s: s.total_ms, reverse=True)
     return stats
+
+
+def merge_ranks(per_rank: list[list[NodeStats] | None]) -> list[NodeStats]:
+    """One table from every rank's table (index = rank; None or [] for a rank that timed nothing)."""
+    by_name: dict[str, list[tuple[int, NodeStats]]] = {}
+    for rank, table in enumerate(per_rank):
+        for stats in table or []:
+            by_name.setdefault(stats.name, []).append((rank, stats))
+    merged = []
+    for entries in by_name.values():
+        tables = [s for _, s in entries]
+        slowest_rank, slowest = max(entries, key=lambda entry: entry[1].mean_ms)
+        merged.append(
+            replace(
+                tables[0],
+                calls=max(s.calls for s in tables),
+                mean_ms=statistics.fmean(s.mean_ms for s in tables),
+                median_ms=statistics.median(s.median_ms for s in tables),
+                min_ms=min(s.min_ms for s in tables),
+                max_ms=max(s.max_ms for s in tables),
+                total_ms=statistics.fmean(s.total_ms for s in tables),
+                slowest_rank=slowest_rank,
+                slowest_rank_ms=slowest.mean_ms,
+            )
+        )
+    grand_total = sum(s.total_ms for s in merged) or 1.0
+    merged = [replace(s, pct=100.0 * s.total_ms / grand_total) for s in merged]
+    merged.sort(key=lambda s: s.total_ms, reverse=True)
+    return merged
 
 
 @dataclass
@@ -75,6 +110,8 @@ class CycleReport:
         trace_paths: torch.profiler trace files written for this cycle.
         directory: the cycle's output directory.
         partial: True when training stopped before the cycle's last recorded step.
+        ranks: how many ranks' node tables were merged into ``nodes``.
+        stage: ``"train"`` or ``"val"``.
     """
 
     index: int
@@ -83,6 +120,8 @@ class CycleReport:
     trace_paths: list[Path] = field(default_factory=list)
     directory: Path | None = None
     partial: bool = False
+    ranks: int = 1
+    stage: str = "train"
 
     @property
     def forward_ms_per_step(self) -> float:
@@ -93,17 +132,21 @@ class CycleReport:
         """The node table as Markdown, slowest first (``top_k`` rows at most)."""
         shown = self.nodes if top_k is None else self.nodes[:top_k]
         steps = f"steps {self.steps[0]}-{self.steps[-1]}" if self.steps else "no recorded step"
+        stage = "Validation cycle" if self.stage == "val" else "Cycle"
+        over_ranks = f", mean over {self.ranks} ranks" if self.ranks > 1 else ""
+        straggler = self.ranks > 1
         lines = [
-            f"Cycle {self.index}{' (partial)' if self.partial else ''}, {steps}: "
-            f"forward {self.forward_ms_per_step:.3f} ms per step over {len(self.nodes)} nodes",
+            f"{stage} {self.index}{' (partial)' if self.partial else ''}, {steps}: "
+            f"forward {self.forward_ms_per_step:.3f} ms per step over {len(self.nodes)} nodes{over_ranks}",
             "",
-            "| op type | node | target | mean ms | % of total | calls |",
-            "|---|---|---|---:|---:|---:|",
+            "| op type | node | target | mean ms | % of total | calls |" + (" slowest rank ms | slowest rank |" if straggler else ""),
+            "|---|---|---|---:|---:|---:|" + ("---:|---:|" if straggler else ""),
         ]
         for n in shown:
-            lines.append(
-                f"| {n.op} | {_md(n.name)} | {_md(n.target)} | {n.mean_ms:.3f} | {n.pct:.1f} | {n.calls} |"
-            )
+            row = f"| {n.op} | {_md(n.name)} | {_md(n.target)} | {n.mean_ms:.3f} | {n.pct:.1f} | {n.calls} |"
+            if straggler:
+                row += f" {n.slowest_rank_ms:.3f} | {n.slowest_rank} |"
+            lines.append(row)
         if len(shown) < len(self.nodes):
             lines.append(f"\n{len(self.nodes) - len(shown)} faster nodes not shown.")
         return "\n".join(lines)
