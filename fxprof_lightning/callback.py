@@ -319,6 +319,16 @@ class FXProfilerCallback(Callback):
             nodes = merge_ranks(gathered)
         if cycle is None:
             return
+        if not cycle.recorded:
+            # Cut during warm-up: nothing to report (a trace holds no recorded step); the rest of the
+            # cycle, if it comes, opens a new piece.
+            for path in cycle.trace.paths if cycle.trace is not None else []:
+                path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                cycle.directory.rmdir()
+            if stage.directories and stage.directories[-1] == cycle.directory:
+                stage.directories.pop()
+            return
         report = CycleReport(index=cycle.index, steps=cycle.recorded, directory=cycle.directory, partial=partial,
                              ranks=max(ranks, 1), stage=stage.name, nodes=nodes or [],
                              trace_paths=list(cycle.trace.paths) if cycle.trace is not None else [])

@@ -103,7 +103,8 @@ class CycleTrace:
             profiler.export_chrome_trace(str(partial))
             os.replace(partial, final)
         except Exception as error:  # a trace that cannot be written must not stop training
-            partial.unlink(missing_ok=True)
+            for leftover in self._directory.glob(f"{partial.name}*"):  # the exporter may add its own .tmp
+                leftover.unlink(missing_ok=True)
             self.errors.append(f"could not write the trace {final}: {type(error).__name__}: {error}")
             return
         self.paths.append(final)

@@ -222,6 +222,7 @@ def test_missing_module_path_raises_at_setup_listing_children(tmp_path):
         ({"torch_profiler": False, "fx_timing": False}, "turn at least one on"),
         ({"top_k": 0}, "top_k must be an int >= 1"),
         ({"module": ""}, "module must be a dotted attribute path"),
+        ({"keep_cycles": 0}, r"keep_cycles must be an int >= 1 or None"),
     ],
 )
 def test_bad_arguments_are_refused_at_construction(kwargs, message):

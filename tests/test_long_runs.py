@@ -1,0 +1,64 @@
+"""Long runs: with repeat=0 over thousands of steps the callback keeps nothing per step, and keep_cycles bounds disk and memory."""
+
+from __future__ import annotations
+
+import pickle
+
+import lightning.pytorch as pl
+import torch
+from conftest import make_trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from fxprof_lightning import FXProfilerCallback
+
+
+class TinyLit(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return self.model(x).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+class Probe(pl.Callback):
+    """Measures what the profiler retains after given steps (when no cycle is open)."""
+
+    def __init__(self, profiler: FXProfilerCallback, at_steps: set[int]):
+        self.profiler, self.at_steps, self.retained, self.rss = profiler, at_steps, {}, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        if step in self.at_steps:
+            p = self.profiler
+            samples = sum(len(s) for timer in p._timers.values() for s in timer.samples)
+            kept = (p.cycles, p._train.directories, p._val.cycles)
+            self.retained[step] = (len(pickle.dumps(kept)), samples)
+            self.rss[step] = rss_bytes()
+
+
+def test_retained_data_does_not_grow_over_2000_steps(tmp_path):
+    profiler = FXProfilerCallback(skip_first=0, wait=5, warmup=1, active=4, keep_cycles=3, module="model")
+    probe = Probe(profiler, {500, 1000, 2000})
+    loader = DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=4)
+    make_trainer(tmp_path, [profiler, probe], max_steps=2000, max_epochs=-1).fit(TinyLit(), loader)
+
+    assert len(profiler.cycles) == 3 and profiler.cycles[-1].index == 199  # 200 cycles ran, 3 kept
+    sizes = {step: size for step, (size, _) in probe.retained.items()}
+    assert all(samples == 0 for _, samples in probe.retained.values())  # no per-step samples kept between cycles
+    assert max(sizes.values()) - min(sizes.values()) <= 64, sizes  # same 3 reports whatever the cycle count
+    assert probe.rss[2000] - probe.rss[500] < 64 * 2**20, probe.rss  # process memory flat (generous for allocator noise)
+
+    fxprof = tmp_path / "logs" / "version_0" / "fxprof"
+    assert sorted(p.name for p in fxprof.iterdir()) == ["cycle_0197", "cycle_0198", "cycle_0199"]
+    assert [c.directory.name for c in profiler.cycles] == ["cycle_0197", "cycle_0198", "cycle_0199"]

@@ -1,0 +1,125 @@
+"""Resume from checkpoints, and faults: exceptions, KeyboardInterrupt, unwritable output, full disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import LitClassifier, image_loader, make_trainer
+
+from fxprof_lightning import FXProfilerCallback
+
+SCHEDULE = {"skip_first": 1, "wait": 1, "warmup": 1, "active": 3}  # recorded: 3-5, 8-10, 13-15, 18-20, ...
+PLUGIN_PATTERN = r"^(.*?)(\.\d+)?\.pt\.trace\.json(?:\.gz)?$"
+
+
+def recorded(callback):
+    return [step for cycle in callback.cycles for step in cycle.steps]
+
+
+@pytest.mark.parametrize("stop_at", [6, 9])  # between cycles (in wait) / in the middle of cycle 1
+def test_resume_continues_the_schedule(tmp_path, stop_at):
+    out = tmp_path / "fxprof"
+    straight = FXProfilerCallback(**SCHEDULE, module="model", dirpath=tmp_path / "straight")
+    make_trainer(tmp_path / "a", [straight], max_steps=20).fit(LitClassifier(), image_loader(samples=96))
+
+    first = FXProfilerCallback(**SCHEDULE, module="model", dirpath=out)
+    trainer = make_trainer(tmp_path / "b", [first], max_steps=stop_at)
+    trainer.fit(LitClassifier(), image_loader(samples=96))
+    checkpoint = tmp_path / "mid.ckpt"
+    trainer.save_checkpoint(checkpoint)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    resumed = FXProfilerCallback(**SCHEDULE, module="model", dirpath=out)
+    make_trainer(tmp_path / "b", [resumed], max_steps=20).fit(LitClassifier(), image_loader(samples=96), ckpt_path=checkpoint)
+
+    assert sorted(recorded(first) + recorded(resumed)) == recorded(straight)  # nothing twice, nothing skipped
+    assert resumed.cycles[0].steps[0] >= stop_at
+    assert all(p.read_bytes() == data for p, data in before.items())  # the first run's files are untouched
+    new_dirs = {c.directory.name for c in resumed.cycles}
+    assert new_dirs.isdisjoint({c.directory.name for c in first.cycles})
+    assert all(name.endswith("-r1") for name in new_dirs)
+    if stop_at == 9:  # the checkpoint was taken mid-cycle: both halves of cycle 1 are there, marked partial
+        assert (first.cycles[-1].index, first.cycles[-1].steps, first.cycles[-1].partial) == (1, [8], True)
+        assert (resumed.cycles[0].index, resumed.cycles[0].steps) == (1, [9, 10])
+
+
+class FailsAtStep(LitClassifier):
+    def __init__(self, step: int, error: BaseException):
+        super().__init__()
+        self.fail_step, self.error, self.calls = step, error, 0
+
+    def training_step(self, batch, batch_idx):
+        self.calls += 1
+        loss = super().training_step(batch, batch_idx)
+        if self.calls - 1 == self.fail_step:
+            raise self.error
+        return loss
+
+
+def test_exception_in_a_recorded_step_propagates_and_leaves_things_clean(tmp_path):
+    callback = FXProfilerCallback(**SCHEDULE, module="model")
+    error = RuntimeError("the user's own error")
+    model = FailsAtStep(4, error)
+    with pytest.raises(RuntimeError) as raised:
+        make_trainer(tmp_path, [callback], max_steps=20).fit(model, image_loader())
+    assert raised.value is error  # unchanged
+    assert "forward" not in model.model.__dict__
+    assert not torch.autograd.profiler._is_profiler_enabled
+    (cycle,) = callback.cycles
+    assert cycle.partial and cycle.steps == [3]  # step 4 never finished
+    assert len(cycle.trace_paths) == 1 and cycle.trace_paths[0].exists()
+    assert (cycle.directory / "fx_nodes.csv").exists()
+
+
+def test_keyboard_interrupt_in_a_recorded_step_leaves_no_wrapper(tmp_path):
+    callback = FXProfilerCallback(**SCHEDULE, module="model")
+    model = FailsAtStep(4, KeyboardInterrupt())
+    with pytest.raises(SystemExit):  # Lightning turns Ctrl+C into a graceful shutdown and exit(1)
+        make_trainer(tmp_path, [callback], max_steps=20).fit(model, image_loader())
+    assert "forward" not in model.model.__dict__
+    assert not torch.autograd.profiler._is_profiler_enabled
+    assert callback.cycles[0].partial
+
+
+FULL_DISK_SCRIPT = textwrap.dedent(
+    """
+    import json, re, resource, signal, sys, warnings
+    sys.path.insert(0, sys.argv[2])
+    from conftest import LitClassifier, image_loader, make_trainer
+    from fxprof_lightning import FXProfilerCallback
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+    callback = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=1, repeat=1, module="model", use_gzip=False)
+    trainer = make_trainer(sys.argv[1], [callback], max_steps=4, logger=False)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))  # the disk is "full" at 4 KiB a file
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(LitClassifier(), image_loader())
+    print(json.dumps({"global_step": trainer.global_step, "warnings": [str(w.message) for w in caught],
+                      "cycles": [[c.steps, [str(p) for p in c.trace_paths]] for c in callback.cycles]}))
+    """
+)
+
+
+def test_a_full_disk_warns_and_training_goes_on(tmp_path):
+    tests_dir = Path(__file__).parent
+    run = subprocess.run(
+        [sys.executable, "-c", FULL_DISK_SCRIPT, str(tmp_path), str(tests_dir)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["global_step"] == 4  # training went on to the end
+    assert any("could not write the trace" in w for w in result["warnings"]), result["warnings"]
+    assert result["cycles"] == [[[1], []]]  # the cycle is reported, without a trace
+    files = [p.name for p in (tmp_path / "fxprof" / "cycle_0000").iterdir()]
+    assert not [name for name in files if re.match(PLUGIN_PATTERN, name)]  # no partial file under a plugin name
+    assert not [name for name in files if "partial" in name]  # and no temporary left behind
