@@ -217,8 +217,7 @@ class FXProfilerCallback(Callback):
         for stage in (self._train, self._val):
             if stage.open is not None:
                 # Other ranks may not get here: no collective, this rank's data only.
-                self._safely(trainer, "writing the cycle cut short by an exception", self._close_cycle, trainer, stage,
-                             partial=True, gather=False)
+                self._safely(trainer, "writing the cycle cut short by an exception", self._close_cycle, trainer, stage, gather=False)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -249,13 +248,13 @@ class FXProfilerCallback(Callback):
             self._safely(trainer, "ending a profiled step", self._stop_collecting, stage, step, action)
         if action is ProfilerAction.RECORD_AND_SAVE:
             # Decided by the schedule alone, so every rank takes part in the gather, even one whose profiling failed.
-            self._safely(trainer, "writing a cycle", self._close_cycle, trainer, stage, partial=False, gather=True)
+            self._safely(trainer, "writing a cycle", self._close_cycle, trainer, stage, gather=True)
 
     def _cut_cycle(self, trainer: pl.Trainer, stage: _Stage) -> None:
         """Close a cycle that its loop left before its last recorded step."""
         last = stage.step - 1
         if last >= 0 and self.schedule.action(last) in (ProfilerAction.WARMUP, ProfilerAction.RECORD):
-            self._safely(trainer, "writing a partial cycle", self._close_cycle, trainer, stage, partial=True, gather=True)
+            self._safely(trainer, "writing a partial cycle", self._close_cycle, trainer, stage, gather=True)
 
     def _start_collecting(self, trainer: pl.Trainer, stage: _Stage, action: ProfilerAction) -> None:
         if stage.open is None:
@@ -298,7 +297,7 @@ class FXProfilerCallback(Callback):
         timer = self._timer_for(self._target) if self._fx_on else None
         return _OpenCycle(index=index, directory=directory, trace=trace, timer=timer)
 
-    def _close_cycle(self, trainer: pl.Trainer, stage: _Stage, partial: bool, gather: bool) -> None:
+    def _close_cycle(self, trainer: pl.Trainer, stage: _Stage, gather: bool) -> None:
         cycle, stage.open = stage.open, None
         nodes = None
         if cycle is not None:
@@ -329,6 +328,7 @@ class FXProfilerCallback(Callback):
             if stage.directories and stage.directories[-1] == cycle.directory:
                 stage.directories.pop()
             return
+        partial = cycle.recorded != self.schedule.recorded_steps(cycle.index)
         report = CycleReport(index=cycle.index, steps=cycle.recorded, directory=cycle.directory, partial=partial,
                              ranks=max(ranks, 1), stage=stage.name, nodes=nodes or [],
                              trace_paths=list(cycle.trace.paths) if cycle.trace is not None else [])

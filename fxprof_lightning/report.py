@@ -109,7 +109,8 @@ class CycleReport:
         nodes: per-node statistics, slowest first (empty without FX timing).
         trace_paths: torch.profiler trace files written for this cycle.
         directory: the cycle's output directory.
-        partial: True when training stopped before the cycle's last recorded step.
+        partial: True when the report holds only some of the cycle's recorded steps (training stopped
+            inside it, or this run resumed inside it).
         ranks: how many ranks' node tables were merged into ``nodes``.
         stage: ``"train"`` or ``"val"``.
     """

@@ -48,7 +48,7 @@ def test_resume_continues_the_schedule(tmp_path, stop_at):
     assert all(name.endswith("-r1") for name in new_dirs)
     if stop_at == 9:  # the checkpoint was taken mid-cycle: both halves of cycle 1 are there, marked partial
         assert (first.cycles[-1].index, first.cycles[-1].steps, first.cycles[-1].partial) == (1, [8], True)
-        assert (resumed.cycles[0].index, resumed.cycles[0].steps) == (1, [9, 10])
+        assert (resumed.cycles[0].index, resumed.cycles[0].steps, resumed.cycles[0].partial) == (1, [9, 10], True)
 
 
 class FailsAtStep(LitClassifier):
