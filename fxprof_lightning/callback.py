@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from fxprof_lightning.node_timing import NodeTimer, TraceError, trace_module
-from fxprof_lightning.report import CycleReport, merge_ranks, summarize_nodes
+from fxprof_lightning.capture import Capture, capture
+from fxprof_lightning.flops import NodeCosts, count_costs, input_signature
+from fxprof_lightning.module_hooks import ModuleHookTimer
+from fxprof_lightning.node_timing import NodeTimer
+from fxprof_lightning.report import CycleReport, NodeStats, merge_ranks, summarize_modules, summarize_nodes
 from fxprof_lightning.schedule import ProfilerAction, Schedule
 from fxprof_lightning.torch_trace import CycleTrace, check_profiler_kwargs
 
@@ -39,8 +43,11 @@ class _OpenCycle:
     index: int
     directory: Path
     trace: CycleTrace | None
-    timer: NodeTimer | None
+    timer: NodeTimer | ModuleHookTimer | None
+    capture: Capture | None
+    training: bool
     recorded: list[int] = field(default_factory=list)
+    backward_wall_ns: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -85,6 +92,7 @@ class FXProfilerCallback(Callback):
         keep_cycles: keep only the newest N cycle directories (and reports in ``cycles``); None keeps all.
         profile_validation: also profile validation batches, with their own schedule position,
             ``val_cycle_NNNN`` directories, ``fxprof/val/...`` tags and ``val_cycles`` reports.
+        module_depth: deepest level of the module tree in the ``fxprof/modules`` text (root = 0).
 
     Example:
         >>> profiler = FXProfilerCallback(wait=5, warmup=1, active=3, module="model")
@@ -110,6 +118,7 @@ class FXProfilerCallback(Callback):
         use_gzip: bool = True,
         keep_cycles: int | None = None,
         profile_validation: bool = False,
+        module_depth: int = 3,
     ) -> None:
         self.schedule = Schedule(skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat)
         if not torch_profiler and not fx_timing:
@@ -128,6 +137,9 @@ class FXProfilerCallback(Callback):
         self.top_k = top_k
         self.use_gzip = use_gzip
         self.keep_cycles = keep_cycles
+        if not isinstance(module_depth, int) or isinstance(module_depth, bool) or module_depth < 0:
+            raise ValueError(f"module_depth must be an int >= 0, got {module_depth!r}")
+        self.module_depth = module_depth
         self.profile_validation = profile_validation
 
         self._train = _Stage("train", "cycle_", "fxprof")
@@ -135,7 +147,9 @@ class FXProfilerCallback(Callback):
         self._enabled = True  # False after a failure inside the profiler
         self._fx_on = fx_timing  # False when the target cannot be traced
         self._target: nn.Module | None = None
-        self._timers: dict[bool, NodeTimer] = {}  # one instrumented graph per training mode
+        self._timers: dict[bool, tuple[NodeTimer | ModuleHookTimer, Capture]] = {}  # one per training mode
+        self._costs: dict[tuple, NodeCosts | None] = {}  # FLOPs per input signature
+        self._backward_start: int | None = None
         self._out_dir: Path | None = None
         self._run_suffix = ""  # "-rN" when dirpath already holds cycles of an earlier run
 
@@ -156,7 +170,7 @@ class FXProfilerCallback(Callback):
         if stage not in ("fit", "validate"):
             return
         self._target = _resolve_module(pl_module, self.module_path)
-        self._enabled, self._fx_on, self._timers = True, self.fx_timing, {}
+        self._enabled, self._fx_on, self._timers, self._costs = True, self.fx_timing, {}, {}
         if stage == "fit":  # a new fit counts from 0 unless a checkpoint says otherwise
             self._train = _Stage("train", "cycle_", "fxprof")
         self._val = _Stage("val", "val_cycle_", "fxprof/val")
@@ -294,18 +308,15 @@ class FXProfilerCallback(Callback):
                 steps = [s for s in self.schedule.traced_steps(index) if s >= stage.step]
                 actions = {s: self.schedule.action(s) for s in steps}
                 trace = CycleTrace(actions, directory, f"rank{trainer.global_rank}", self.use_gzip, self.profiler_kwargs)
-        timer = self._timer_for(self._target) if self._fx_on else None
-        return _OpenCycle(index=index, directory=directory, trace=trace, timer=timer)
+        timer, how = self._timer_for(self._target) if self._fx_on else (None, None)
+        return _OpenCycle(index, directory, trace, timer, how, self._target.training)
 
     def _close_cycle(self, trainer: pl.Trainer, stage: _Stage, gather: bool) -> None:
         cycle, stage.open = stage.open, None
         nodes = None
         if cycle is not None:
             if cycle.timer is not None:
-                cycle.timer.uninstall(self._target)
-                if cycle.recorded:
-                    nodes = summarize_nodes(cycle.timer.nodes, cycle.timer.samples)
-                    cycle.timer.reset()
+                nodes = self._measure_nodes(cycle)
             if cycle.trace is not None:
                 cycle.trace.stop()
                 for error in cycle.trace.errors:
@@ -330,8 +341,12 @@ class FXProfilerCallback(Callback):
             return
         partial = cycle.recorded != self.schedule.recorded_steps(cycle.index)
         report = CycleReport(index=cycle.index, steps=cycle.recorded, directory=cycle.directory, partial=partial,
-                             ranks=max(ranks, 1), stage=stage.name, nodes=nodes or [],
+                             ranks=max(ranks, 1), stage=stage.name, nodes=nodes or [], capture=cycle.capture,
                              trace_paths=list(cycle.trace.paths) if cycle.trace is not None else [])
+        if cycle.backward_wall_ns:
+            report.backward_wall_ms = sum(cycle.backward_wall_ns) / len(cycle.backward_wall_ns) / 1e6
+        if report.nodes and cycle.timer is not None:
+            report.modules = summarize_modules(cycle.timer.nodes, report.nodes, len(cycle.recorded), self._type_name)
         if self._fx_on and cycle.recorded and not report.nodes:
             rank_zero_warn(
                 f"FXProfilerCallback: {type(self._target).__name__}.forward did not run in the recorded steps "
@@ -340,6 +355,8 @@ class FXProfilerCallback(Callback):
             )
         if report.nodes and trainer.is_global_zero:
             _write_atomically(cycle.directory / "fx_nodes.csv", report.to_csv())
+            if report.modules:
+                _write_atomically(cycle.directory / "fx_modules.csv", report.modules_to_csv())
             self._log(trainer, stage, report)
         stage.cycles.append(report)
         self._forget_old_cycles(trainer, stage)
@@ -356,26 +373,80 @@ class FXProfilerCallback(Callback):
                 shutil.rmtree(old, ignore_errors=True)
 
     def _log(self, trainer: pl.Trainer, stage: _Stage, report: CycleReport) -> None:
-        step = report.steps[-1]
-        metrics = {f"{stage.tag_prefix}/fwd_ms/{n.name}": n.mean_ms for n in report.nodes[: self.top_k]}
-        metrics[f"{stage.tag_prefix}/fwd_ms/total"] = report.forward_ms_per_step
+        step, prefix, top = report.steps[-1], stage.tag_prefix, report.nodes[: self.top_k]
+        metrics = {f"{prefix}/fwd_ms/{n.name}": n.mean_ms for n in top}
+        metrics[f"{prefix}/fwd_ms/total"] = report.forward_ms_per_step
+        if report.backward_ms_per_step:
+            metrics.update({f"{prefix}/bwd_ms/{n.name}": n.bwd_mean_ms for n in top if n.bwd_calls})
+            metrics[f"{prefix}/bwd_ms/total"] = report.backward_ms_per_step
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
             if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_text(f"{stage.tag_prefix}/nodes", report.to_markdown(self.top_k), global_step=step)
+                logger.experiment.add_text(f"{prefix}/nodes", report.to_markdown(self.top_k), global_step=step)
+                if report.modules:
+                    logger.experiment.add_text(f"{prefix}/modules", report.modules_to_text(self.module_depth), global_step=step)
             logger.save()
 
-    def _timer_for(self, module: nn.Module) -> NodeTimer | None:
-        """The instrumented graph for the module's current mode, traced on first use."""
-        if module.training not in self._timers:
+    def _measure_nodes(self, cycle: _OpenCycle) -> list[NodeStats] | None:
+        """This rank's node statistics for the cycle; the timer is emptied for the next one."""
+        timer = cycle.timer
+        timer.uninstall(self._target)
+        if not cycle.recorded:
+            return None
+        timer.resolve()
+        costs = self._costs_for(cycle)
+        backward = [timer.bwd_ns(i) for i in range(len(timer.nodes))]
+        nodes = summarize_nodes(timer.nodes, timer.fwd, backward, costs,
+                                getattr(timer, "mem_delta", None), getattr(timer, "mem_peak", None))
+        timer.reset()
+        return nodes
+
+    def _costs_for(self, cycle: _OpenCycle) -> NodeCosts | None:
+        """FLOPs and output sizes, counted once per input signature in an untimed meta-device pass."""
+        inputs = cycle.timer.forward_inputs
+        if cycle.capture is None or cycle.capture.graph_module is None or inputs is None:
+            return None
+        key = input_signature(inputs, cycle.training)
+        if key not in self._costs:
             try:
-                traced = trace_module(module)
-            except TraceError as error:
-                rank_zero_warn(f"FXProfilerCallback: {error}. Node timing is off; torch.profiler traces go on.")
-                self._fx_on = False
-                return None
-            self._timers[module.training] = NodeTimer(traced, annotate=self.torch_profiler)
+                self._costs[key] = count_costs(cycle.capture.graph_module, inputs, cycle.training)
+            except Exception as error:  # an op without a meta kernel: no FLOPs, timing goes on
+                rank_zero_warn(f"FXProfilerCallback: FLOPs not counted ({type(error).__name__}: {error})")
+                self._costs[key] = None
+        return self._costs[key]
+
+    def _type_name(self, path: str) -> str:
+        try:
+            return type(self._target.get_submodule(path)).__name__
+        except AttributeError:
+            return ""
+
+    def _timer_for(self, module: nn.Module) -> tuple[NodeTimer | ModuleHookTimer, Capture]:
+        """The timer for the module's current mode, captured on first use (see ``capture``)."""
+        if module.training not in self._timers:
+            how = capture(module)
+            if how.graph_module is not None:
+                device = next(module.parameters(), torch.empty(0)).device.type
+                timer = NodeTimer(how.graph_module, annotate=self.torch_profiler, device=device)
+            else:
+                timer = ModuleHookTimer(module)
+            if how.method != "symbolic_trace":
+                rank_zero_warn(f"FXProfilerCallback: torch.fx could not trace {type(module).__name__} whole, "
+                               f"so it is timed by {how.describe()}")
+            self._timers[module.training] = (timer, how)
         return self._timers[module.training]
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        cycle = self._train.open
+        if cycle is not None and self.schedule.action(self._train.step) in RECORDING:
+            self._backward_start = time.perf_counter_ns()
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        start, self._backward_start = self._backward_start, None
+        if start is not None and self._train.open is not None:
+            self._train.open.backward_wall_ns.append(time.perf_counter_ns() - start)
 
     def _safely(self, trainer: pl.Trainer, what: str, work: Any, *args: Any, **kwargs: Any) -> None:
         """Run profiler work; on failure warn, clean up and stop profiling, never break training."""

@@ -1,4 +1,4 @@
-"""Per-cycle results: node statistics from raw samples, and their Markdown and CSV forms."""
+"""Per-cycle results: node and module statistics from raw samples, and their Markdown and CSV forms."""
 
 from __future__ import annotations
 
@@ -11,20 +11,25 @@ from typing import Any
 
 from fxprof_lightning.node_timing import NodeInfo
 
-__all__ = ["CycleReport", "NodeStats", "merge_ranks", "summarize_nodes"]
+__all__ = ["CycleReport", "ModuleStats", "NodeStats", "merge_ranks", "summarize_modules", "summarize_nodes"]
 
 NS_PER_MS = 1e6
 
 
 @dataclass(frozen=True)
 class NodeStats:
-    """Forward wall time of one FX node over a cycle's recorded steps.
+    """Forward and backward time of one node over a cycle's recorded steps, with its costs.
 
-    ``mean_ms``/``median_ms``/``min_ms``/``max_ms`` are per call; ``total_ms`` is the sum over
-    all calls in the cycle and ``pct`` its share of the summed time of all nodes. With several
-    ranks (see ``merge_ranks``) the figures are means over ranks, ``min_ms``/``max_ms`` the
-    extremes over ranks, and ``slowest_rank``/``slowest_rank_ms`` name the rank with the
-    highest ``mean_ms`` and that mean.
+    ``mean_ms``/``median_ms``/``min_ms``/``max_ms`` are per forward call; ``total_ms`` is the
+    sum over the cycle and ``pct`` its share of the summed forward time of all nodes. The
+    ``bwd_*`` fields are the same for the backward of the autograd nodes the node created
+    (``bwd_calls`` counts the calls whose backward ran). ``fwd_flops``/``bwd_flops`` are per
+    call (a multiply-add is 2 FLOPs), ``*_gflops_per_s`` divide them by the mean times,
+    ``out_bytes`` is the size of the node's output tensors. ``mem_delta_bytes`` and
+    ``mem_peak_bytes`` (CUDA only, else None) are the mean change of allocated memory and
+    the mean peak above the starting point. With several ranks (see ``merge_ranks``) the
+    figures are means over ranks, ``min_ms``/``max_ms`` extremes over ranks, and
+    ``slowest_rank``/``slowest_rank_ms`` name the rank with the highest ``mean_ms``.
     """
 
     name: str
@@ -38,36 +43,138 @@ class NodeStats:
     max_ms: float
     total_ms: float
     pct: float
+    bwd_calls: int = 0
+    bwd_mean_ms: float = 0.0
+    bwd_median_ms: float = 0.0
+    bwd_min_ms: float = 0.0
+    bwd_max_ms: float = 0.0
+    bwd_total_ms: float = 0.0
+    bwd_pct: float = 0.0
+    fwd_flops: int | None = None
+    bwd_flops: int | None = None
+    fwd_gflops_per_s: float | None = None
+    bwd_gflops_per_s: float | None = None
+    out_bytes: int | None = None
+    mem_delta_bytes: float | None = None
+    mem_peak_bytes: float | None = None
     slowest_rank: int = 0
     slowest_rank_ms: float = 0.0
 
 
-def summarize_nodes(nodes: list[NodeInfo], samples: list[list[int]]) -> list[NodeStats]:
-    """Statistics per node (nodes that never ran are left out), slowest total first."""
-    grand_total = sum(sum(s) for s in samples) or 1
+@dataclass(frozen=True)
+class ModuleStats:
+    """A module's times per recorded step: ``self_*`` from its own nodes, ``total_*`` with its submodules."""
+
+    path: str
+    type_name: str
+    depth: int
+    calls_per_step: float
+    self_fwd_ms: float
+    total_fwd_ms: float
+    self_bwd_ms: float
+    total_bwd_ms: float
+
+
+def _spread(ns: list[int]) -> tuple[float, float, float, float, float]:
+    """mean, median, min, max, total of nanosecond samples, in ms."""
+    if not ns:
+        return 0.0, 0.0, 0.0, 0.0, 0.0
+    total = sum(ns)
+    return total / len(ns) / NS_PER_MS, statistics.median(ns) / NS_PER_MS, min(ns) / NS_PER_MS, max(ns) / NS_PER_MS, total / NS_PER_MS
+
+
+def _gflops(flops: int | None, mean_ms: float) -> float | None:
+    return flops / (mean_ms * 1e6) if flops is not None and mean_ms > 0 else None
+
+
+def summarize_nodes(
+    nodes: list[NodeInfo],
+    fwd: list[list[int]],
+    bwd: list[list[int]] | None = None,
+    costs: Any = None,
+    mem_delta: list[list[int]] | None = None,
+    mem_peak: list[list[int]] | None = None,
+) -> list[NodeStats]:
+    """Statistics per node (nodes that never ran are left out), slowest (forward + backward) first.
+
+    ``costs`` is a ``flops.NodeCosts`` for the same nodes, or None.
+    """
+    bwd = bwd or [[] for _ in nodes]
+    fwd_grand = sum(sum(s) for s in fwd) or 1
+    bwd_grand = sum(sum(s) for s in bwd) or 1
     stats = []
-    for info, ns in zip(nodes, samples, strict=True):
-        if not ns:
+    for i, info in enumerate(nodes):
+        if not fwd[i]:
             continue
-        total = sum(ns)
+        mean, median, low, high, total = _spread(fwd[i])
+        b_mean, b_median, b_low, b_high, b_total = _spread(bwd[i])
+        fwd_flops = costs.fwd_flops[i] if costs else None
+        bwd_flops = costs.bwd_flops[i] if costs else None
         stats.append(
             NodeStats(
-                name=info.name,
-                op=info.op,
-                target=info.target,
-                module_path=info.module_path,
-                calls=len(ns),
-                mean_ms=total / len(ns) / NS_PER_MS,
-                median_ms=statistics.median(ns) / NS_PER_MS,
-                min_ms=min(ns) / NS_PER_MS,
-                max_ms=max(ns) / NS_PER_MS,
-                total_ms=total / NS_PER_MS,
-                pct=100.0 * total / grand_total,
-                slowest_rank_ms=total / len(ns) / NS_PER_MS,
+                name=info.name, op=info.op, target=info.target, module_path=info.module_path,
+                calls=len(fwd[i]), mean_ms=mean, median_ms=median, min_ms=low, max_ms=high, total_ms=total,
+                pct=100.0 * sum(fwd[i]) / fwd_grand,
+                bwd_calls=len(bwd[i]), bwd_mean_ms=b_mean, bwd_median_ms=b_median, bwd_min_ms=b_low,
+                bwd_max_ms=b_high, bwd_total_ms=b_total, bwd_pct=100.0 * sum(bwd[i]) / bwd_grand,
+                fwd_flops=fwd_flops, bwd_flops=bwd_flops,
+                fwd_gflops_per_s=_gflops(fwd_flops, mean), bwd_gflops_per_s=_gflops(bwd_flops, b_mean),
+                out_bytes=costs.out_bytes[i] if costs else None,
+                mem_delta_bytes=statistics.fmean(mem_delta[i]) if mem_delta and mem_delta[i] else None,
+                mem_peak_bytes=statistics.fmean(mem_peak[i]) if mem_peak and mem_peak[i] else None,
+                slowest_rank_ms=mean,
             )
         )
-    stats.sort(key=lambda s: s.total_ms, reverse=True)
+    stats.sort(key=lambda s: s.total_ms + s.bwd_total_ms, reverse=True)
     return stats
+
+
+def summarize_modules(nodes: list[NodeInfo], stats: list[NodeStats], steps: int, type_of: Any) -> list[ModuleStats]:
+    """Aggregate node times into the module tree, depth first; each node counted once per level.
+
+    ``nodes[i].module_stack`` names the module invocations a node ran inside (``path`` or
+    ``path@N`` for the N-th extra call of a shared module); ``type_of(path)`` gives a type name.
+    """
+    by_name = {s.name: s for s in stats}
+    steps = max(steps, 1)
+    invocations: dict[str, set[str]] = {"": {""}}
+    self_fwd: dict[str, float] = {}
+    self_bwd: dict[str, float] = {}
+    total_fwd: dict[str, float] = {}
+    total_bwd: dict[str, float] = {}
+    hook_calls: dict[str, int] = {}
+    forward_calls = max((s.calls for s in stats if s.op != "module"), default=0)
+    for info in nodes:
+        s = by_name.get(info.name)
+        if s is None:
+            continue
+        paths = ["", *(key.split("@")[0] for key in info.module_stack)]
+        for key in info.module_stack:
+            invocations.setdefault(key.split("@")[0], set()).add(key)
+        for path in dict.fromkeys(paths):
+            total_fwd[path] = total_fwd.get(path, 0.0) + s.total_ms
+            total_bwd[path] = total_bwd.get(path, 0.0) + s.bwd_total_ms
+        own = paths[-1]
+        self_fwd[own] = self_fwd.get(own, 0.0) + s.total_ms
+        self_bwd[own] = self_bwd.get(own, 0.0) + s.bwd_total_ms
+        if s.op == "module":
+            hook_calls[info.module_path] = s.calls
+    modules = []
+    for path in sorted(total_fwd, key=_tree_order):
+        calls = hook_calls.get(path, len(invocations.get(path, ())) * forward_calls)
+        modules.append(
+            ModuleStats(
+                path=path, type_name=type_of(path), depth=0 if not path else path.count(".") + 1,
+                calls_per_step=calls / steps,
+                self_fwd_ms=self_fwd.get(path, 0.0) / steps, total_fwd_ms=total_fwd[path] / steps,
+                self_bwd_ms=self_bwd.get(path, 0.0) / steps, total_bwd_ms=total_bwd[path] / steps,
+            )
+        )
+    return modules
+
+
+def _tree_order(path: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in path.split(".")) if path else ()
 
 
 def merge_ranks(per_rank: list[list[NodeStats] | None]) -> list[NodeStats]:
@@ -80,22 +187,30 @@ def merge_ranks(per_rank: list[list[NodeStats] | None]) -> list[NodeStats]:
     for entries in by_name.values():
         tables = [s for _, s in entries]
         slowest_rank, slowest = max(entries, key=lambda entry: entry[1].mean_ms)
+        means = {
+            f.name: statistics.fmean(getattr(s, f.name) for s in tables)
+            for f in fields(NodeStats)
+            if f.name.endswith(("_ms", "_bytes", "gflops_per_s")) and all(getattr(s, f.name) is not None for s in tables)
+        }
         merged.append(
             replace(
                 tables[0],
+                **means,
                 calls=max(s.calls for s in tables),
-                mean_ms=statistics.fmean(s.mean_ms for s in tables),
+                bwd_calls=max(s.bwd_calls for s in tables),
                 median_ms=statistics.median(s.median_ms for s in tables),
                 min_ms=min(s.min_ms for s in tables),
                 max_ms=max(s.max_ms for s in tables),
-                total_ms=statistics.fmean(s.total_ms for s in tables),
+                bwd_min_ms=min(s.bwd_min_ms for s in tables),
+                bwd_max_ms=max(s.bwd_max_ms for s in tables),
                 slowest_rank=slowest_rank,
                 slowest_rank_ms=slowest.mean_ms,
             )
         )
-    grand_total = sum(s.total_ms for s in merged) or 1.0
-    merged = [replace(s, pct=100.0 * s.total_ms / grand_total) for s in merged]
-    merged.sort(key=lambda s: s.total_ms, reverse=True)
+    fwd_grand = sum(s.total_ms for s in merged) or 1.0
+    bwd_grand = sum(s.bwd_total_ms for s in merged) or 1.0
+    merged = [replace(s, pct=100.0 * s.total_ms / fwd_grand, bwd_pct=100.0 * s.bwd_total_ms / bwd_grand) for s in merged]
+    merged.sort(key=lambda s: s.total_ms + s.bwd_total_ms, reverse=True)
     return merged
 
 
@@ -106,28 +221,39 @@ class CycleReport:
     Attributes:
         index: 0-based cycle number in the schedule.
         steps: the recorded (active) step numbers.
-        nodes: per-node statistics, slowest first (empty without FX timing).
+        nodes: per-node statistics, slowest (forward + backward) first (empty without node timing).
+        modules: the module tree, depth first (empty without node timing).
         trace_paths: torch.profiler trace files written for this cycle.
         directory: the cycle's output directory.
         partial: True when the report holds only some of the cycle's recorded steps (training stopped
             inside it, or this run resumed inside it).
         ranks: how many ranks' node tables were merged into ``nodes``.
         stage: ``"train"`` or ``"val"``.
+        capture: how the module was captured (``capture.Capture``: method, leaf modules and why), or None.
+        backward_wall_ms: measured wall time of ``backward`` per recorded step (training), or None.
     """
 
     index: int
     steps: list[int]
     nodes: list[NodeStats] = field(default_factory=list)
+    modules: list[ModuleStats] = field(default_factory=list)
     trace_paths: list[Path] = field(default_factory=list)
     directory: Path | None = None
     partial: bool = False
     ranks: int = 1
     stage: str = "train"
+    capture: Any = None
+    backward_wall_ms: float | None = None
 
     @property
     def forward_ms_per_step(self) -> float:
         """Summed node forward time per recorded step."""
         return sum(n.total_ms for n in self.nodes) / max(len(self.steps), 1)
+
+    @property
+    def backward_ms_per_step(self) -> float:
+        """Summed node backward time per recorded step."""
+        return sum(n.bwd_total_ms for n in self.nodes) / max(len(self.steps), 1)
 
     def to_markdown(self, top_k: int | None = None) -> str:
         """The node table as Markdown, slowest first (``top_k`` rows at most)."""
@@ -136,15 +262,27 @@ class CycleReport:
         stage = "Validation cycle" if self.stage == "val" else "Cycle"
         over_ranks = f", mean over {self.ranks} ranks" if self.ranks > 1 else ""
         straggler = self.ranks > 1
+        header = f"{stage} {self.index}{' (partial)' if self.partial else ''}, {steps}: forward {self.forward_ms_per_step:.3f} ms"
+        if self.backward_ms_per_step:
+            header += f", backward {self.backward_ms_per_step:.3f} ms"
+            if self.backward_wall_ms:
+                header += f" ({100 * self.backward_ms_per_step / self.backward_wall_ms:.0f}% of the measured backward)"
+        header += f" per step over {len(self.nodes)} nodes{over_ranks}"
+        if self.capture is not None and self.capture.method != "symbolic_trace":
+            header += f"; captured by {self.capture.describe()}"
         lines = [
-            f"{stage} {self.index}{' (partial)' if self.partial else ''}, {steps}: "
-            f"forward {self.forward_ms_per_step:.3f} ms per step over {len(self.nodes)} nodes{over_ranks}",
+            header,
             "",
-            "| op type | node | target | mean ms | % of total | calls |" + (" slowest rank ms | slowest rank |" if straggler else ""),
-            "|---|---|---|---:|---:|---:|" + ("---:|---:|" if straggler else ""),
+            "| op type | node | target | mean ms | % of total | calls | bwd mean ms | bwd % | GFLOP/s |"
+            + (" slowest rank ms | slowest rank |" if straggler else ""),
+            "|---|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if straggler else ""),
         ]
         for n in shown:
-            row = f"| {n.op} | {_md(n.name)} | {_md(n.target)} | {n.mean_ms:.3f} | {n.pct:.1f} | {n.calls} |"
+            gflops = f"{n.fwd_gflops_per_s:.1f}" if n.fwd_gflops_per_s is not None else ""
+            row = (
+                f"| {n.op} | {_md(n.name)} | {_md(n.target)} | {n.mean_ms:.3f} | {n.pct:.1f} | {n.calls} "
+                f"| {n.bwd_mean_ms:.3f} | {n.bwd_pct:.1f} | {gflops} |"
+            )
             if straggler:
                 row += f" {n.slowest_rank_ms:.3f} | {n.slowest_rank} |"
             lines.append(row)
@@ -152,20 +290,37 @@ class CycleReport:
             lines.append(f"\n{len(self.nodes) - len(shown)} faster nodes not shown.")
         return "\n".join(lines)
 
+    def modules_to_text(self, depth: int | None = None) -> str:
+        """The module tree, indented like torchprof's, as a Markdown code block (ms per step)."""
+        shown = [m for m in self.modules if depth is None or m.depth <= depth]
+        rows = [(("  " * m.depth) + (m.path.rsplit(".", 1)[-1] or "(root)") + f" ({m.type_name})", m) for m in shown]
+        width = max((len(label) for label, _ in rows), default=10)
+        lines = ["```", f"{'module':<{width}}  self fwd  total fwd   self bwd  total bwd  calls/step"]
+        for label, m in rows:
+            lines.append(
+                f"{label:<{width}}  {m.self_fwd_ms:8.3f}  {m.total_fwd_ms:9.3f}  {m.self_bwd_ms:9.3f}  {m.total_bwd_ms:9.3f}  {m.calls_per_step:10g}"
+            )
+        lines.append("```")
+        return "\n".join(lines)
+
     def to_csv(self) -> str:
         """All node statistics as CSV, one row per node, slowest first."""
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=[f.name for f in fields(NodeStats)], lineterminator="\n")
-        writer.writeheader()
-        for n in self.nodes:
-            writer.writerow(_rounded(asdict(n)))
-        return buffer.getvalue()
+        return _csv(NodeStats, self.nodes)
+
+    def modules_to_csv(self) -> str:
+        """The module tree as CSV, depth first."""
+        return _csv(ModuleStats, self.modules)
+
+
+def _csv(record_type: type, records: list) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=[f.name for f in fields(record_type)], lineterminator="\n")
+    writer.writeheader()
+    for record in records:
+        writer.writerow({k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(record).items()})
+    return buffer.getvalue()
 
 
 def _md(text: str) -> str:
     """A code span that is safe inside a Markdown table cell."""
     return "`" + text.replace("|", "\\|").replace("`", "'") + "`"
-
-
-def _rounded(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()}

@@ -1,0 +1,96 @@
+"""FLOPs and output sizes per FX node, counted in a separate, untimed pass on the meta device.
+
+The pass runs the traced graph node by node (``torch.fx.Interpreter``, fine here: nothing
+is timed) on a copy of the module whose parameters and buffers live on the ``meta`` device,
+with meta inputs of the recorded shapes: no real computation, no random numbers, no change
+to the real model. ``torch.utils.flop_counter.FlopCounterMode`` counts each node's forward
+ops; the backward of the sum of the outputs is counted per node with hooks on the autograd
+nodes each node created. Convention: a multiply-add is 2 FLOPs (that of FlopCounterMode).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils.flop_counter import FlopCounterMode
+
+from fxprof_lightning.node_timing import TIMED_OPS, BackwardSpan, hook_autograd_nodes, sequence_nr_now, tensors_in
+
+__all__ = ["NodeCosts", "count_costs", "input_signature"]
+
+
+@dataclass(frozen=True)
+class NodeCosts:
+    """Per timed node, in graph order: forward and backward FLOPs, bytes of output tensors."""
+
+    fwd_flops: list[int]
+    bwd_flops: list[int]
+    out_bytes: list[int]
+
+
+def input_signature(inputs: tuple[Any, ...], training: bool) -> tuple:
+    """What FLOPs depend on: shapes and dtypes of the inputs, and the mode."""
+    return (training, *((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in inputs))
+
+
+class _FlopClock:
+    """A 'clock' that reads the running FLOP count, so ``BackwardSpan`` sums backward FLOPs."""
+
+    def __init__(self, counter: FlopCounterMode) -> None:
+        self.counter = counter
+
+    def start(self) -> int:
+        return self.counter.get_total_flops()
+
+    def stop(self, start: int) -> int:
+        return self.counter.get_total_flops() - start
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta").requires_grad_(value.requires_grad)
+    return value
+
+
+def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool) -> NodeCosts:
+    """FLOPs and output bytes of every timed node of ``traced`` for ``inputs``.
+
+    Raises whatever the meta pass raises (an op without a meta kernel, data-dependent code).
+    """
+    memo: dict[int, Any] = {}
+    for p in traced.parameters():
+        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in traced.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    meta_module = copy.deepcopy(traced, memo).train(training)
+    timed = [n for n in meta_module.graph.nodes if n.op in TIMED_OPS]
+    position = {n: i for i, n in enumerate(timed)}
+    fwd = [0] * len(timed)
+    out_bytes = [0] * len(timed)
+    backward_counter = FlopCounterMode(display=False)
+    spans = [BackwardSpan(_FlopClock(backward_counter)) for _ in timed]
+
+    class Counter(fx.Interpreter):
+        def run_node(self, node: fx.Node) -> Any:
+            if node not in position:
+                return super().run_node(node)
+            i = position[node]
+            first = sequence_nr_now()
+            with FlopCounterMode(display=False) as counter:
+                output = super().run_node(node)
+            fwd[i] = counter.get_total_flops()
+            out_bytes[i] = sum(t.numel() * t.element_size() for t in tensors_in(output))
+            hook_autograd_nodes(output, first, spans[i])
+            return output
+
+    with torch.enable_grad():
+        outputs = tensors_in(Counter(meta_module).run(*(_to_meta(x) for x in inputs)))
+        loss = sum(t.float().sum() for t in outputs if t.requires_grad and t.is_floating_point())
+        if isinstance(loss, torch.Tensor):
+            with backward_counter:
+                loss.backward()
+    return NodeCosts(fwd, [sum(span.samples) for span in spans], out_bytes)

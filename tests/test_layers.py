@@ -1,0 +1,269 @@
+"""Per-layer numbers: backward per node, module tree, FLOPs, the capture ladder and awkward models.
+
+Every model here trains through a real Trainer to the end, reports how it was captured, and
+ends with weights bitwise equal to the same model trained without the profiler.
+"""
+
+from __future__ import annotations
+
+import csv
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torchvision
+from conftest import LitClassifier, SmallNet, image_loader, make_trainer
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.util import tensor_util
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from fxprof_lightning import FXProfilerCallback
+from fxprof_lightning.node_timing import NodeTimer
+
+ONE_CYCLE = {"skip_first": 1, "wait": 0, "warmup": 1, "active": 2, "repeat": 1}
+
+
+def train_both(tmp_path, make_lit, loader_fn=image_loader, steps=4, **callback_kwargs):
+    """The same model trained without and with the profiler: (profiled module, callback), after
+    checking the weights are bitwise equal."""
+    pl.seed_everything(3, verbose=False)
+    plain = make_lit()
+    make_trainer(tmp_path / "plain", [], max_steps=steps).fit(plain, loader_fn())
+    pl.seed_everything(3, verbose=False)
+    profiled = make_lit()
+    callback = FXProfilerCallback(**{**ONE_CYCLE, "module": "model", **callback_kwargs})
+    make_trainer(tmp_path / "profiled", [callback], max_steps=steps).fit(profiled, loader_fn())
+    reference = plain.state_dict()
+    assert all(torch.equal(t, reference[k]) for k, t in profiled.state_dict().items()), "training was changed"
+    assert "forward" not in profiled.model.__dict__
+    return profiled, callback
+
+
+def by_name(cycle):
+    return {n.name: n for n in cycle.nodes}
+
+
+def test_backward_per_node_reaches_report_csv_and_tensorboard(tmp_path):
+    _, callback = train_both(tmp_path, LitClassifier)
+    (cycle,) = callback.cycles
+    nodes = by_name(cycle)
+    for name in ("conv", "bn", "relu", "mean", "head"):  # every node that created autograd nodes
+        assert nodes[name].bwd_calls == 2 and nodes[name].bwd_mean_ms > 0
+    assert nodes["drop"].bwd_calls == 2  # dropout's mask multiply
+    assert sum(n.bwd_pct for n in cycle.nodes) == pytest.approx(100.0)
+    assert cycle.backward_wall_ms > 0 and cycle.backward_ms_per_step <= cycle.backward_wall_ms
+    assert "bwd mean ms" in cycle.to_markdown()
+
+    rows = list(csv.DictReader(open(cycle.directory / "fx_nodes.csv")))
+    assert {"bwd_mean_ms", "bwd_median_ms", "bwd_total_ms", "bwd_pct", "fwd_flops", "bwd_flops"} <= set(rows[0])
+    events = EventAccumulator(str(tmp_path / "profiled" / "logs" / "version_0"), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"fxprof/bwd_ms/total", "fxprof/bwd_ms/conv", "fxprof/bwd_ms/head"} <= tags
+    assert [e.step for e in events.Scalars("fxprof/bwd_ms/total")] == [3]
+
+
+def test_backward_covers_resnet18_and_in_place_relu_is_fine(tmp_path):
+    def resnet():
+        return LitClassifier(torchvision.models.resnet18(num_classes=4))  # ReLU(inplace=True) throughout
+
+    _, callback = train_both(
+        tmp_path, resnet, lambda: image_loader(samples=32, batch_size=8, size=32), steps=8,
+        skip_first=1, wait=0, warmup=1, active=2, repeat=2, torch_profiler=False,
+    )
+    coverage = [c.backward_ms_per_step / c.backward_wall_ms for c in callback.cycles]
+    assert max(coverage) >= 0.9, coverage  # node backward times account for the step's backward
+    assert all(n.bwd_calls for n in callback.cycles[-1].nodes if n.op == "call_module" and "conv" in n.name)
+
+
+def test_module_tree_self_and_total_without_double_counting(tmp_path):
+    def resnet():
+        return LitClassifier(torchvision.models.resnet18(num_classes=4))
+
+    _, callback = train_both(tmp_path, resnet, lambda: image_loader(samples=16, batch_size=4, size=32), module_depth=2)
+    (cycle,) = callback.cycles
+    modules = {m.path: m for m in cycle.modules}
+    nodes = cycle.nodes
+    root = modules[""]
+    assert root.type_name == "ResNet" and root.calls_per_step == 1
+    assert root.total_fwd_ms == pytest.approx(sum(n.total_ms for n in nodes) / 2)
+    assert root.total_bwd_ms == pytest.approx(sum(n.bwd_total_ms for n in nodes) / 2)
+    assert sum(m.self_fwd_ms for m in cycle.modules) == pytest.approx(root.total_fwd_ms)  # each node once
+    layer1 = [n for n in nodes if n.module_path.startswith("layer1")]
+    assert modules["layer1"].total_fwd_ms == pytest.approx(sum(n.total_ms for n in layer1) / 2)
+    assert modules["layer1.0"].self_fwd_ms == pytest.approx(by_name(cycle)["add"].total_ms / 2)  # the residual add
+    assert modules["layer1.0.relu"].calls_per_step == 2  # a ReLU used twice in BasicBlock
+    assert modules["layer1.0.conv1"].type_name == "Conv2d"
+
+    text = cycle.modules_to_text(depth=2)
+    assert "layer1 (Sequential)" in text and "  0 (BasicBlock)" in text and "conv1 (Conv2d)" in text
+    assert "layer1.0.conv1" not in text and "    conv1 (Conv2d)" not in cycle.modules_to_text(depth=1)
+    events = EventAccumulator(str(tmp_path / "profiled" / "logs" / "version_0"), size_guidance={"tensors": 0})
+    events.Reload()
+    (logged,) = events.Tensors("fxprof/modules/text_summary")
+    assert tensor_util.make_ndarray(logged.tensor_proto).item().decode() == text
+    rows = list(csv.DictReader(open(cycle.directory / "fx_modules.csv")))
+    assert rows[0]["path"] == "" and {"self_fwd_ms", "total_fwd_ms", "self_bwd_ms", "total_bwd_ms", "calls_per_step"} <= set(rows[0])
+
+
+def test_flops_and_output_bytes_match_flop_counter(tmp_path):
+    _, callback = train_both(tmp_path, LitClassifier)
+    (cycle,) = callback.cycles
+    nodes = by_name(cycle)
+    x = torch.randn(4, 3, 8, 8)  # batch 4 of 3x8x8, as image_loader gives
+    reference = SmallNet()
+    with FlopCounterMode(display=False) as conv_forward:
+        reference.conv(x)
+    assert nodes["conv"].fwd_flops == conv_forward.get_total_flops() == 2 * 4 * 16 * 8 * 8 * 3 * 9
+    assert nodes["head"].fwd_flops == 2 * 4 * 16 * 4
+    assert nodes["conv"].out_bytes == 4 * 16 * 8 * 8 * 4
+    assert nodes["conv"].bwd_flops > 0 and nodes["relu"].fwd_flops == 0
+    assert nodes["conv"].fwd_gflops_per_s == pytest.approx(nodes["conv"].fwd_flops / (nodes["conv"].mean_ms * 1e6))
+    assert len(callback._costs) == 1  # counted once for the one input signature
+
+
+class DataDependentBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(x) if x.mean() > 0 else -self.lin(x)
+
+
+class PartlyTraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.block = DataDependentBlock()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = F.relu(self.conv(x)).mean(dim=(2, 3))
+        return self.head(self.block(x))
+
+
+def test_one_untraceable_block_becomes_a_leaf_and_the_rest_keeps_nodes(tmp_path):
+    with pytest.warns(UserWarning, match=r"timed by symbolic_trace\+leaves \(1 leaf module\(s\): block \[TraceError"):
+        _, callback = train_both(tmp_path, lambda: LitClassifier(PartlyTraceable()))
+    (cycle,) = callback.cycles
+    assert cycle.capture.method == "symbolic_trace+leaves" and list(cycle.capture.leaves) == ["block"]
+    assert {"conv", "relu", "mean", "block", "head"} == set(by_name(cycle))
+    assert by_name(cycle)["block"].op == "call_module" and by_name(cycle)["block"].bwd_calls == 2
+    assert "captured by symbolic_trace+leaves" in cycle.to_markdown()
+
+
+class DictInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, features, scale):
+        return self.head(F.gelu(self.embed(features)) * scale)
+
+
+class LitDict(LitClassifier):
+    def __init__(self):
+        super().__init__(DictInput())
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        inputs = {"features": x.flatten(1)[:, :8], "scale": 0.5}
+        return F.cross_entropy(self.model(**inputs), y)  # HuggingFace-style call with keywords
+
+
+def test_forward_called_with_keyword_arguments(tmp_path):
+    _, callback = train_both(tmp_path, LitDict)
+    (cycle,) = callback.cycles
+    assert cycle.capture.method == "symbolic_trace"
+    assert {"embed", "gelu", "mul", "head"} == set(by_name(cycle))
+
+
+class LitTwice(LitClassifier):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.model(x), y) + F.cross_entropy(self.model(x.flip(0)), y.flip(0))
+
+
+def test_a_forward_called_twice_per_step_counts_two_calls(tmp_path):
+    _, callback = train_both(tmp_path, LitTwice)
+    (cycle,) = callback.cycles
+    assert all(n.calls == 4 and n.bwd_calls == 4 for n in cycle.nodes)  # 2 recorded steps x 2 forwards
+    assert {m.path: m.calls_per_step for m in cycle.modules}["head"] == 2
+
+
+class NothingTraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(inplace=True))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for _ in range(int(x.abs().sum() > 0) + 1):  # data-dependent loop in the top forward
+            x = x * 1.0
+        return self.head(self.body(x).mean(dim=(2, 3)))
+
+
+def test_a_model_with_only_untraceable_code_is_timed_by_module_hooks(tmp_path):
+    with pytest.warns(UserWarning, match="timed by module_hooks"):
+        profiled, callback = train_both(tmp_path, lambda: LitClassifier(NothingTraceable()))
+    (cycle,) = callback.cycles
+    assert cycle.capture.method == "module_hooks"
+    nodes = by_name(cycle)
+    assert set(nodes) == {"(root)", "body", "body.0", "body.1", "head"}
+    assert nodes["body.0"].bwd_calls == 2 and nodes["head"].bwd_mean_ms > 0
+    assert nodes["(root)"].bwd_calls == 2  # the multiplications in the root's own forward
+    modules = {m.path: m for m in cycle.modules}
+    assert modules[""].total_fwd_ms == pytest.approx(sum(n.total_ms for n in cycle.nodes) / 2)
+    assert modules["body"].total_fwd_ms == pytest.approx((nodes["body"].total_ms + nodes["body.0"].total_ms + nodes["body.1"].total_ms) / 2)
+    assert not profiled.model._forward_hooks and not profiled.model.body[0]._forward_pre_hooks  # hooks removed
+
+
+class LitValidated(LitClassifier):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.model(x), y))
+
+
+def test_train_and_eval_mode_each_get_their_own_graph(tmp_path):
+    callback = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=2, module="model", profile_validation=True)
+    make_trainer(tmp_path, [callback], max_steps=4, num_sanity_val_steps=0).fit(
+        LitValidated(), image_loader(samples=16), image_loader(samples=16, seed=1)
+    )
+    assert set(callback._timers) == {True, False}
+    assert callback.cycles and callback.val_cycles
+    assert by_name(callback.val_cycles[0])["drop"].bwd_calls == 0  # eval: no autograd, no backward
+
+
+def test_a_torch_compiled_module_gets_a_clear_message_and_traces_only(tmp_path):
+    lit = LitClassifier(torch.compile(SmallNet(), backend="eager"))
+    callback = FXProfilerCallback(**ONE_CYCLE, module="model")
+    with pytest.warns(UserWarning, match="torch.compile'd.*node timing is off, torch.profiler traces go on"):
+        make_trainer(tmp_path, [callback], max_steps=4).fit(lit, image_loader())
+    (cycle,) = callback.cycles
+    assert cycle.nodes == [] and len(cycle.trace_paths) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_device_time_and_memory_leave_results_unchanged():
+    model = SmallNet().cuda()
+    x = torch.randn(4, 3, 8, 8, device="cuda")
+    expected = model(x)
+    expected.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    from fxprof_lightning.capture import capture
+
+    timer = NodeTimer(capture(model).graph_module, device="cuda")
+    timer.install(model)
+    out = model(x)
+    out.sum().backward()
+    timer.uninstall(model)
+    timer.resolve()
+    assert torch.equal(out, expected) and all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    assert all(isinstance(ns, int) and ns > 0 for samples in timer.fwd for ns in samples)
+    assert all(sum(timer.bwd_ns(i)) > 0 for i, n in enumerate(timer.nodes) if n.name in ("conv", "head"))
+    assert all(len(deltas) == 1 for deltas in timer.mem_delta)
