@@ -56,7 +56,7 @@ def test_backward_per_node_reaches_report_csv_and_tensorboard(tmp_path):
     assert cycle.backward_wall_ms > 0 and cycle.backward_ms_per_step <= cycle.backward_wall_ms
     assert "bwd mean ms" in cycle.to_markdown()
 
-    rows = list(csv.DictReader(open(cycle.directory / "fx_nodes.csv")))
+    rows = list(csv.DictReader((cycle.directory / "fx_nodes.csv").read_text().splitlines()))
     assert {"bwd_mean_ms", "bwd_median_ms", "bwd_total_ms", "bwd_pct", "fwd_flops", "bwd_flops"} <= set(rows[0])
     events = EventAccumulator(str(tmp_path / "profiled" / "logs" / "version_0"), size_guidance={"scalars": 0})
     events.Reload()
@@ -104,7 +104,7 @@ def test_module_tree_self_and_total_without_double_counting(tmp_path):
     events.Reload()
     (logged,) = events.Tensors("fxprof/modules/text_summary")
     assert tensor_util.make_ndarray(logged.tensor_proto).item().decode() == text
-    rows = list(csv.DictReader(open(cycle.directory / "fx_modules.csv")))
+    rows = list(csv.DictReader((cycle.directory / "fx_modules.csv").read_text().splitlines()))
     assert rows[0]["path"] == "" and {"self_fwd_ms", "total_fwd_ms", "self_bwd_ms", "total_bwd_ms", "calls_per_step"} <= set(rows[0])
 
 
