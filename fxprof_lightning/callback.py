@@ -429,7 +429,7 @@ class FXProfilerCallback(Callback):
                 device = next(module.parameters(), torch.empty(0)).device.type
                 timer = NodeTimer(how.graph_module, annotate=self.torch_profiler, device=device)
             else:
-                timer = ModuleHookTimer(module)
+                timer = ModuleHookTimer(module, annotate=self.torch_profiler)
             if how.method != "symbolic_trace":
                 rank_zero_warn(f"FXProfilerCallback: torch.fx could not trace {type(module).__name__} whole, "
                                f"so it is timed by {how.describe()}")

@@ -16,15 +16,26 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fxprof_lightning.node_timing import BackwardSpan, NodeInfo, hook_autograd_nodes, sequence_nr_now
+from fxprof_lightning.node_timing import (
+    BackwardSpan,
+    NodeInfo,
+    enter_range,
+    exit_range,
+    hook_autograd_nodes,
+    sequence_nr_now,
+)
 
 __all__ = ["ModuleHookTimer"]
 
 
 class ModuleHookTimer:
-    """Self forward and backward time of every module of ``root``, measured with hooks (host time)."""
+    """Self forward and backward time of every module of ``root``, measured with hooks (host time).
 
-    def __init__(self, root: nn.Module) -> None:
+    With ``annotate``, each module call is also a ``record_function`` range named after the module.
+    """
+
+    def __init__(self, root: nn.Module, annotate: bool = False) -> None:
+        self._annotate = annotate
         self.nodes: list[NodeInfo] = []
         self._index: dict[int, int] = {}
         for path, module in root.named_modules():
@@ -33,7 +44,7 @@ class ModuleHookTimer:
             self.nodes.append(NodeInfo(path or "(root)", "module", type(module).__name__, path, stack))
         self._modules = [m for _, m in root.named_modules()]
         self._handles: list[RemovableHandle] = []
-        self._open: list[list[Any]] = []  # per running module: [index, start ns, child ns, sequence nr]
+        self._open: list[list[Any]] = []  # per running module: [index, start ns, child ns, sequence nr, range]
         self.forward_inputs = None  # FLOPs are counted for traced graphs only
         self.reset()
 
@@ -66,13 +77,17 @@ class ModuleHookTimer:
     def _pre(self, module: nn.Module, args: Any) -> None:
         if not self._open:
             self._claimed = set()  # a new forward of the root: autograd nodes of the last one are gone
-        self._open.append([self._index[id(module)], time.perf_counter_ns(), 0, sequence_nr_now()])
+        index = self._index[id(module)]
+        annotation = enter_range(self.nodes[index].name) if self._annotate else None
+        self._open.append([index, time.perf_counter_ns(), 0, sequence_nr_now(), annotation])
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self._open:
             return
-        index, start, children, sequence_nr = self._open.pop()
+        index, start, children, sequence_nr, annotation = self._open.pop()
         elapsed = time.perf_counter_ns() - start
+        if annotation is not None:
+            exit_range(annotation)
         self.fwd[index].append(elapsed - children)
         if self._open:
             self._open[-1][2] += elapsed

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["BackwardSpan", "CudaClock", "NodeInfo", "NodeTimer", "describe_target", "hook_autograd_nodes", "tensors_in"]
+__all__ = ["BackwardSpan", "CudaClock", "NodeInfo", "NodeTimer", "describe_target", "enter_range", "exit_range", "hook_autograd_nodes", "tensors_in"]
 
 # Node kinds that run code worth timing; placeholders, get_attr and output only move references.
 TIMED_OPS = ("call_module", "call_function", "call_method")
@@ -232,7 +232,7 @@ class NodeTimer:
             index = len(self.nodes)
             self.nodes.append(node_info(node))
             if annotate:
-                annotation = graph.call_function(_enter_range, (node.name,))
+                annotation = graph.call_function(enter_range, (node.name,))
             if self._clock:
                 allocated = graph.call_function(_cuda_allocated_and_reset_peak)
             sequence_nr = graph.call_function(sequence_nr_now) if self._backward else -1
@@ -242,7 +242,7 @@ class NodeTimer:
             if self._clock:
                 graph.call_function(self._record_cuda_memory, (index, allocated))
             if annotate:
-                graph.call_function(_exit_range, (annotation,))
+                graph.call_function(exit_range, (annotation,))
         self.reset()
         return fx.GraphModule(traced, graph, class_name=f"{type(traced).__name__}Timed")
 
@@ -274,11 +274,11 @@ def _cuda_allocated_and_reset_peak() -> int:
     return torch.cuda.memory_allocated()
 
 
-def _enter_range(name: str) -> torch.profiler.record_function:
+def enter_range(name: str) -> torch.profiler.record_function:
     annotation = torch.profiler.record_function(name)
     annotation.__enter__()
     return annotation
 
 
-def _exit_range(annotation: torch.profiler.record_function) -> None:
+def exit_range(annotation: torch.profiler.record_function) -> None:
     annotation.__exit__(None, None, None)

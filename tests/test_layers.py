@@ -7,6 +7,8 @@ ends with weights bitwise equal to the same model trained without the profiler.
 from __future__ import annotations
 
 import csv
+import gzip
+import json
 
 import lightning.pytorch as pl
 import pytest
@@ -220,6 +222,8 @@ def test_a_model_with_only_untraceable_code_is_timed_by_module_hooks(tmp_path):
     assert modules[""].total_fwd_ms == pytest.approx(sum(n.total_ms for n in cycle.nodes) / 2)
     assert modules["body"].total_fwd_ms == pytest.approx((nodes["body"].total_ms + nodes["body.0"].total_ms + nodes["body.1"].total_ms) / 2)
     assert not profiled.model._forward_hooks and not profiled.model.body[0]._forward_pre_hooks  # hooks removed
+    trace = json.loads(gzip.decompress(cycle.trace_paths[0].read_bytes()))
+    assert {"(root)", "body", "body.0", "head"} <= {e.get("name") for e in trace["traceEvents"]}  # ranges per module
 
 
 class LitValidated(LitClassifier):
