@@ -189,8 +189,8 @@ class FXProfilerCallback(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._fx_on:
-            self._timer_for(self._target)
+        if self._fx_on and self._enabled:  # capture before the first timed step, not inside it
+            self._safely(trainer, "capturing the module", self._timer_for, self._target)
 
     # ------------------------------------------------------------ step hooks
 
