@@ -11,6 +11,7 @@ import contextlib
 import os
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 from torch import nn
 from typing_extensions import override
 
@@ -169,18 +171,11 @@ class FXProfilerCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage not in ("fit", "validate"):
             return
-        self._target = _resolve_module(pl_module, self.module_path)
+        self._target = None  # resolved when the loop starts: LightningModule.setup/configure_model may build it
         self._enabled, self._fx_on, self._timers, self._costs = True, self.fx_timing, {}, {}
         if stage == "fit":  # a new fit counts from 0 unless a checkpoint says otherwise
             self._train = _Stage("train", "cycle_", "fxprof")
         self._val = _Stage("val", "val_cycle_", "fxprof/val")
-        if self._fx_on and hasattr(self._target, "_orig_mod"):
-            rank_zero_warn(
-                f"FXProfilerCallback: {self.module_path or 'the LightningModule'} is torch.compile'd, which torch.fx cannot "
-                "time node by node; node timing is off, torch.profiler traces go on. Point module= at the module "
-                "before compiling it to get node timing."
-            )
-            self._fx_on = False
         self._out_dir = self.dirpath if self.dirpath is not None else Path(trainer.log_dir or trainer.default_root_dir) / "fxprof"
         self._run_suffix = trainer.strategy.broadcast(_new_run_suffix(self._out_dir) if trainer.is_global_zero else "")
         if not trainer.loggers:
@@ -188,9 +183,29 @@ class FXProfilerCallback(Callback):
                            f"the per-cycle CSV and traces are still written under {self._out_dir}")
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._resolve_target(pl_module)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._target is None and self.profile_validation:  # trainer.validate
+            self._resolve_target(pl_module)
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._fx_on and self._enabled:  # capture before the first timed step, not inside it
             self._safely(trainer, "capturing the module", self._timer_for, self._target)
+
+    def _resolve_target(self, pl_module: pl.LightningModule) -> None:
+        """Find ``module=`` in the built model (raises ValueError naming the children that exist)."""
+        self._target = _resolve_module(pl_module, self.module_path)
+        if self._fx_on and hasattr(self._target, "_orig_mod"):
+            rank_zero_warn(
+                f"FXProfilerCallback: {self.module_path or 'the LightningModule'} is torch.compile'd, which torch.fx cannot "
+                "time node by node; node timing is off, torch.profiler traces go on. Point module= at the module "
+                "before compiling it to get node timing."
+            )
+            self._fx_on = False
 
     # ------------------------------------------------------------ step hooks
 
@@ -453,8 +468,11 @@ class FXProfilerCallback(Callback):
         try:
             work(*args, **kwargs)
         except Exception as error:
-            rank_zero_warn(f"FXProfilerCallback failed while {what}: {type(error).__name__}: {error}. "
-                           "Profiling is off for the rest of this run; training goes on.")
+            message = (f"FXProfilerCallback failed while {what}: {type(error).__name__}: {error}. "
+                       "Profiling is off for the rest of this run; training goes on.")
+            # Every rank says so: a failure on one rank only must not pass unnoticed.
+            warnings.warn(rank_prefixed_message(message, trainer.global_rank) if trainer.world_size > 1 else message,
+                          stacklevel=2)
             self._disable()
 
     def _disable(self) -> None:

@@ -187,26 +187,24 @@ def merge_ranks(per_rank: list[list[NodeStats] | None]) -> list[NodeStats]:
     for entries in by_name.values():
         tables = [s for _, s in entries]
         slowest_rank, slowest = max(entries, key=lambda entry: entry[1].mean_ms)
-        means = {
+        merged_fields = {  # means over ranks by default ...
             f.name: statistics.fmean(getattr(s, f.name) for s in tables)
             for f in fields(NodeStats)
             if f.name.endswith(("_ms", "_bytes", "gflops_per_s")) and all(getattr(s, f.name) is not None for s in tables)
         }
-        merged.append(
-            replace(
-                tables[0],
-                **means,
-                calls=max(s.calls for s in tables),
-                bwd_calls=max(s.bwd_calls for s in tables),
-                median_ms=statistics.median(s.median_ms for s in tables),
-                min_ms=min(s.min_ms for s in tables),
-                max_ms=max(s.max_ms for s in tables),
-                bwd_min_ms=min(s.bwd_min_ms for s in tables),
-                bwd_max_ms=max(s.bwd_max_ms for s in tables),
-                slowest_rank=slowest_rank,
-                slowest_rank_ms=slowest.mean_ms,
-            )
+        merged_fields.update(  # ... except these
+            calls=max(s.calls for s in tables),
+            bwd_calls=max(s.bwd_calls for s in tables),
+            median_ms=statistics.median(s.median_ms for s in tables),
+            bwd_median_ms=statistics.median(s.bwd_median_ms for s in tables),
+            min_ms=min(s.min_ms for s in tables),
+            max_ms=max(s.max_ms for s in tables),
+            bwd_min_ms=min(s.bwd_min_ms for s in tables),
+            bwd_max_ms=max(s.bwd_max_ms for s in tables),
+            slowest_rank=slowest_rank,
+            slowest_rank_ms=slowest.mean_ms,
         )
+        merged.append(replace(tables[0], **merged_fields))
     fwd_grand = sum(s.total_ms for s in merged) or 1.0
     bwd_grand = sum(s.bwd_total_ms for s in merged) or 1.0
     merged = [replace(s, pct=100.0 * s.total_ms / fwd_grand, bwd_pct=100.0 * s.bwd_total_ms / bwd_grand) for s in merged]

@@ -13,6 +13,7 @@ import torch
 from conftest import LitClassifier, SmallNet, image_loader, make_trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
+from torch import nn
 
 from fxprof_lightning import FXProfilerCallback
 
@@ -230,3 +231,22 @@ def test_missing_module_path_raises_at_setup_listing_children(tmp_path):
 def test_bad_arguments_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         FXProfilerCallback(**kwargs)
+
+
+class BuiltInConfigureModel(LitClassifier):
+    """Builds its network in configure_model (and replaces a placeholder in setup), as large models do."""
+
+    def __init__(self):
+        super().__init__(nn.Identity())
+
+    def setup(self, stage):
+        self.model = nn.Identity()  # replaced again below
+
+    def configure_model(self):
+        self.model = SmallNet()
+
+
+def test_the_module_built_in_setup_or_configure_model_is_the_one_timed(tmp_path):
+    callback = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=1, repeat=1, module="model")
+    make_trainer(tmp_path, [callback], max_steps=3).fit(BuiltInConfigureModel(), image_loader())
+    assert {n.name for n in callback.cycles[0].nodes} == SMALLNET_NODES
