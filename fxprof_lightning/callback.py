@@ -493,10 +493,12 @@ class FXProfilerCallback(Callback):
         if last.nodes:
             partial = ", partial" if last.partial else ""
             lines.append(
-                f"Slowest nodes of cycle {last.index} (steps {last.steps[0]}-{last.steps[-1]}{partial}), mean forward ms per call:"
+                f"Slowest nodes of cycle {last.index} (steps {last.steps[0]}-{last.steps[-1]}{partial}), "
+                "mean ms per call (share of all nodes):"
             )
             for n in last.nodes[:5]:
-                lines.append(f"  {n.name:<28} {n.op:<14} {n.mean_ms:9.3f} ms  {n.pct:5.1f} %")
+                lines.append(f"  {n.name:<28} {n.op:<14} forward {n.mean_ms:9.3f} ({n.pct:4.1f} %)  "
+                             f"backward {n.bwd_mean_ms:9.3f} ({n.bwd_pct:4.1f} %)")
         if any(c.trace_paths for c in self.cycles):
             root = next((lg.root_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), self._out_dir)
             lines.append(f"Traces: {last.directory}. View them with: tensorboard --logdir {root}")

@@ -134,7 +134,8 @@ def test_summary_printed_at_end_of_fit(tmp_path, capsys):
     make_trainer(tmp_path, [callback], max_steps=4).fit(LitClassifier(), image_loader())
     out = capsys.readouterr().out
     assert "FXProfilerCallback: 1 cycle(s) recorded" in out
-    assert "Slowest nodes of cycle 0 (steps 1-2)" in out
+    assert "Slowest nodes of cycle 0 (steps 1-2), mean ms per call (share of all nodes):" in out
+    assert re.search(r"  \w+ +call_\w+ +forward +\d+\.\d{3} \( *\d+\.\d %\)  backward +\d+\.\d{3} \( *\d+\.\d %\)", out)
     assert f"tensorboard --logdir {tmp_path / 'logs'}" in out
 
 
