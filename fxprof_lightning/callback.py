@@ -95,6 +95,8 @@ class FXProfilerCallback(Callback):
         profile_validation: also profile validation batches, with their own schedule position,
             ``val_cycle_NNNN`` directories, ``fxprof/val/...`` tags and ``val_cycles`` reports.
         module_depth: deepest level of the module tree in the ``fxprof/modules`` text (root = 0).
+        backward_timing: time each node's backward too (hooks on its autograd nodes); False makes
+            recorded steps cheaper (see the benchmarks in the README).
 
     Example:
         >>> profiler = FXProfilerCallback(wait=5, warmup=1, active=3, module="model")
@@ -121,6 +123,7 @@ class FXProfilerCallback(Callback):
         keep_cycles: int | None = None,
         profile_validation: bool = False,
         module_depth: int = 3,
+        backward_timing: bool = True,
     ) -> None:
         self.schedule = Schedule(skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat)
         if not torch_profiler and not fx_timing:
@@ -142,6 +145,7 @@ class FXProfilerCallback(Callback):
         if not isinstance(module_depth, int) or isinstance(module_depth, bool) or module_depth < 0:
             raise ValueError(f"module_depth must be an int >= 0, got {module_depth!r}")
         self.module_depth = module_depth
+        self.backward_timing = backward_timing
         self.profile_validation = profile_validation
 
         self._train = _Stage("train", "cycle_", "fxprof")
@@ -442,7 +446,8 @@ class FXProfilerCallback(Callback):
             how = capture(module)
             if how.graph_module is not None:
                 device = next(module.parameters(), torch.empty(0)).device.type
-                timer = NodeTimer(how.graph_module, annotate=self.torch_profiler, device=device)
+                timer = NodeTimer(how.graph_module, annotate=self.torch_profiler, backward=self.backward_timing,
+                                  device=device)
             else:
                 timer = ModuleHookTimer(module, annotate=self.torch_profiler)
             if how.method != "symbolic_trace":

@@ -67,6 +67,13 @@ def test_backward_per_node_reaches_report_csv_and_tensorboard(tmp_path):
     assert [e.step for e in events.Scalars("fxprof/bwd_ms/total")] == [3]
 
 
+def test_backward_timing_can_be_turned_off(tmp_path):
+    _, callback = train_both(tmp_path, LitClassifier, backward_timing=False)
+    (cycle,) = callback.cycles
+    assert all(n.bwd_calls == 0 and n.calls == 2 for n in cycle.nodes)
+    assert cycle.backward_ms_per_step == 0 and "backward" not in cycle.to_markdown().splitlines()[0]
+
+
 def test_backward_covers_resnet18_and_in_place_relu_is_fine(tmp_path):
     def resnet():
         return LitClassifier(torchvision.models.resnet18(num_classes=4))  # ReLU(inplace=True) throughout
