@@ -22,6 +22,7 @@ random numbers are unchanged.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -221,10 +222,11 @@ class NodeTimer:
         graph = fx.Graph()
         copies: dict[fx.Node, fx.Node] = {}
         start_clock = self._clock.start if self._clock else time.perf_counter_ns
+        graph.set_codegen(copy.deepcopy(traced.graph._codegen))  # keep how inputs are passed (e.g. pytree codegen)
         placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
         for node in traced.graph.nodes:
-            if node.op != "placeholder" and placeholders:  # right after the inputs: note them
-                graph.call_function(self._inputs, tuple(copies[n] for n in placeholders))
+            if node.op != "placeholder" and placeholders and all(n in copies for n in placeholders):
+                graph.call_function(self._inputs, tuple(copies[n] for n in placeholders))  # once all inputs exist
                 placeholders = []
             if node.op not in TIMED_OPS:
                 copies[node] = graph.node_copy(node, copies.__getitem__)
@@ -237,8 +239,8 @@ class NodeTimer:
                 allocated = graph.call_function(_cuda_allocated_and_reset_peak)
             sequence_nr = graph.call_function(sequence_nr_now) if self._backward else -1
             start = graph.call_function(start_clock)
-            copies[node] = copy = graph.node_copy(node, copies.__getitem__)
-            graph.call_function(self._record, (index, start, sequence_nr, copy))
+            copies[node] = copied = graph.node_copy(node, copies.__getitem__)
+            graph.call_function(self._record, (index, start, sequence_nr, copied))
             if self._clock:
                 graph.call_function(self._record_cuda_memory, (index, allocated))
             if annotate:

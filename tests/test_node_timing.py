@@ -86,3 +86,25 @@ def test_module_path_comes_from_the_module_stack():
     assert paths["layer1_0_conv1"] == "layer1.0.conv1"
     assert paths["add"] == "layer1.0"  # the residual add inside BasicBlock layer1.0
     assert paths["flatten"] == ""  # torch.flatten in ResNet.forward itself
+
+
+def test_graphs_with_inputs_after_other_nodes_are_instrumented():
+    class Optional(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x, flag=None, y=None):
+            return self.lin(x) if flag is None else x
+
+    # concrete_args puts an assert right after the specialised input, before the next input.
+    traced = torch.fx.symbolic_trace(Optional(), concrete_args={"flag": None})
+    assert [n.op for n in traced.graph.nodes][:4] == ["placeholder", "placeholder", "call_function", "placeholder"]
+    model = Optional()
+    timer = NodeTimer(traced)
+    timer.install(model)
+    x = torch.randn(2, 4)
+    out = model(x, None, None)
+    timer.uninstall(model)
+    assert torch.equal(out, model(x)) and [len(s) for s in timer.fwd] == [1, 1]
+    assert timer.forward_inputs[0] is x
