@@ -98,9 +98,9 @@ def test_graphs_with_inputs_after_other_nodes_are_instrumented():
             return self.lin(x) if flag is None else x
 
     # concrete_args puts an assert right after the specialised input, before the next input.
-    traced = torch.fx.symbolic_trace(Optional(), concrete_args={"flag": None})
-    assert [n.op for n in traced.graph.nodes][:4] == ["placeholder", "placeholder", "call_function", "placeholder"]
     model = Optional()
+    traced = torch.fx.symbolic_trace(model, concrete_args={"flag": None})
+    assert [n.op for n in traced.graph.nodes][:4] == ["placeholder", "placeholder", "call_function", "placeholder"]
     timer = NodeTimer(traced)
     timer.install(model)
     x = torch.randn(2, 4)
