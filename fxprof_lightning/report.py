@@ -84,7 +84,7 @@ def _spread(ns: list[int]) -> tuple[float, float, float, float, float]:
 
 
 def _gflops(flops: int | None, mean_ms: float) -> float | None:
-    return flops / (mean_ms * 1e6) if flops is not None and mean_ms > 0 else None
+    return flops / (mean_ms * 1e6) if flops and mean_ms > 0 else None  # no rate for ops that count no FLOPs
 
 
 def summarize_nodes(
