@@ -415,8 +415,7 @@ class FXProfilerCallback(Callback):
         timer.resolve()
         costs = self._costs_for(cycle)
         backward = [timer.bwd_ns(i) for i in range(len(timer.nodes))]
-        nodes = summarize_nodes(timer.nodes, timer.fwd, backward, costs,
-                                getattr(timer, "mem_delta", None), getattr(timer, "mem_peak", None))
+        nodes = summarize_nodes(timer.nodes, timer.fwd, backward, costs, timer.mem_delta, timer.mem_peak)
         timer.reset()
         return nodes
 

@@ -51,6 +51,8 @@ class ModuleHookTimer:
     def reset(self) -> None:
         self.fwd: list[list[int]] = [[] for _ in self.nodes]
         self.bwd: list[list[BackwardSpan]] = [[] for _ in self.nodes]
+        self.mem_delta: list[list[int]] = [[] for _ in self.nodes]  # CUDA allocator stats: NodeTimer only
+        self.mem_peak: list[list[int]] = [[] for _ in self.nodes]
         self._claimed: set[Any] = set()
         self._open = []
 

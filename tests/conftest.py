@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -72,6 +73,13 @@ def make_trainer(root: Path, callbacks: list, max_steps: int, logger: bool | Ten
         log_every_n_steps=1,
         **kwargs,
     )
+
+
+def read_events(log_dir) -> EventAccumulator:
+    """Everything a TensorBoard run directory holds, as TensorBoard reads it."""
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    return events
 
 
 @pytest.fixture(autouse=True)

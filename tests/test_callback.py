@@ -10,8 +10,7 @@ import re
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import LitClassifier, SmallNet, image_loader, make_trainer
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from conftest import LitClassifier, SmallNet, image_loader, make_trainer, read_events
 from tensorboard.util import tensor_util
 from torch import nn
 
@@ -19,12 +18,6 @@ from fxprof_lightning import FXProfilerCallback
 
 TRACE_NAME = re.compile(r"^rank0\.\d+\.pt\.trace\.json\.gz$")
 SMALLNET_NODES = {"conv", "bn", "relu", "mean", "drop", "head"}
-
-
-def read_events(log_dir):
-    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
-    events.Reload()
-    return events
 
 
 def scalar_steps(events, tag):

@@ -11,8 +11,7 @@ import sys
 import lightning.pytorch as pl
 import pytest
 import yaml
-from conftest import LitClassifier, image_loader
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from conftest import LitClassifier, image_loader, read_events
 from tensorboard.util import tensor_util
 
 from fxprof_lightning import FXProfilerCallback, Schedule
@@ -101,8 +100,7 @@ def test_callback_from_yaml_profiles_the_fit(tmp_path):
     with open(cycle.directory / "fx_nodes.csv") as f:
         assert {row["name"] for row in csv.DictReader(f)} == SMALLNET_NODES
 
-    tensorboard = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
-    tensorboard.Reload()
+    tensorboard = read_events(log_dir)
     assert [e.step for e in tensorboard.Scalars("fxprof/fwd_ms/total")] == [3]
     per_node = {t for t in tensorboard.Tags()["scalars"] if t.startswith("fxprof/fwd_ms/") and t != "fxprof/fwd_ms/total"}
     assert per_node == {f"fxprof/fwd_ms/{n.name}" for n in cycle.nodes[:3]}  # top_k=3

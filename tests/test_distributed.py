@@ -20,7 +20,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import LitClassifier, SmallNet, image_loader
+from conftest import LitClassifier, SmallNet, image_loader, read_events
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -127,12 +127,6 @@ def read_trace(path: Path) -> dict:
 def read_csv(path: Path) -> list[dict]:
     with open(path) as f:
         return list(csv.DictReader(f))
-
-
-def read_events(log_dir: Path) -> EventAccumulator:
-    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
-    events.Reload()
-    return events
 
 
 def texts(events: EventAccumulator, tag: str) -> list[tuple[int, str]]:

@@ -14,8 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torchvision
-from conftest import LitClassifier, SmallNet, image_loader, make_trainer
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from conftest import LitClassifier, SmallNet, image_loader, make_trainer, read_events
 from tensorboard.util import tensor_util
 from torch import nn
 from torch.nn import functional as F
@@ -60,8 +59,7 @@ def test_backward_per_node_reaches_report_csv_and_tensorboard(tmp_path):
 
     rows = list(csv.DictReader((cycle.directory / "fx_nodes.csv").read_text().splitlines()))
     assert {"bwd_mean_ms", "bwd_median_ms", "bwd_total_ms", "bwd_pct", "fwd_flops", "bwd_flops"} <= set(rows[0])
-    events = EventAccumulator(str(tmp_path / "profiled" / "logs" / "version_0"), size_guidance={"scalars": 0})
-    events.Reload()
+    events = read_events(tmp_path / "profiled" / "logs" / "version_0")
     tags = set(events.Tags()["scalars"])
     assert {"fxprof/bwd_ms/total", "fxprof/bwd_ms/conv", "fxprof/bwd_ms/head"} <= tags
     assert [e.step for e in events.Scalars("fxprof/bwd_ms/total")] == [3]
@@ -109,8 +107,7 @@ def test_module_tree_self_and_total_without_double_counting(tmp_path):
     text = cycle.modules_to_text(depth=2)
     assert "layer1 (Sequential)" in text and "  0 (BasicBlock)" in text and "conv1 (Conv2d)" in text
     assert "layer1.0.conv1" not in text and "    conv1 (Conv2d)" not in cycle.modules_to_text(depth=1)
-    events = EventAccumulator(str(tmp_path / "profiled" / "logs" / "version_0"), size_guidance={"tensors": 0})
-    events.Reload()
+    events = read_events(tmp_path / "profiled" / "logs" / "version_0")
     (logged,) = events.Tensors("fxprof/modules/text_summary")
     assert tensor_util.make_ndarray(logged.tensor_proto).item().decode() == text
     rows = list(csv.DictReader((cycle.directory / "fx_modules.csv").read_text().splitlines()))

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-from conftest import LitClassifier, image_loader, make_trainer
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from conftest import LitClassifier, image_loader, make_trainer, read_events
 from torch.nn import functional as F
 
 from fxprof_lightning import FXProfilerCallback
@@ -31,8 +30,7 @@ class LitWithEval(LitClassifier):
 
 
 def scalar_steps(log_dir, tag):
-    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    events.Reload()
+    events = read_events(log_dir)
     return [e.step for e in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []
 
 
