@@ -18,7 +18,7 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from fxprof_lightning.node_timing import TIMED_OPS, BackwardSpan, hook_autograd_nodes, sequence_nr_now, tensors_in
+from fxprof_lightning.node_timing import BackwardSpan, hook_autograd_nodes, is_timed, sequence_nr_now, tensors_in
 
 __all__ = ["NodeCosts", "count_costs", "input_signature"]
 
@@ -67,7 +67,7 @@ def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool)
     for b in traced.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     meta_module = copy.deepcopy(traced, memo).train(training)
-    timed = [n for n in meta_module.graph.nodes if n.op in TIMED_OPS]
+    timed = [n for n in meta_module.graph.nodes if is_timed(n)]
     position = {n: i for i, n in enumerate(timed)}
     fwd = [0] * len(timed)
     out_bytes = [0] * len(timed)

@@ -30,10 +30,17 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["BackwardSpan", "CudaClock", "NodeInfo", "NodeTimer", "describe_target", "enter_range", "exit_range", "hook_autograd_nodes", "tensors_in"]
+__all__ = ["BackwardSpan", "CudaClock", "NodeInfo", "NodeTimer", "describe_target", "enter_range", "exit_range", "hook_autograd_nodes", "is_timed", "tensors_in"]
 
 # Node kinds that run code worth timing; placeholders, get_attr and output only move references.
 TIMED_OPS = ("call_module", "call_function", "call_method")
+# Functions a capture puts into a graph that are bookkeeping, not the model's work (e.g. guards).
+UNTIMED_TARGETS: set[Any] = set()
+
+
+def is_timed(node: fx.Node) -> bool:
+    """Whether a node runs the model's code (and gets a row, a clock and FLOPs)."""
+    return node.op in TIMED_OPS and node.target not in UNTIMED_TARGETS
 
 sequence_nr_now = torch.autograd._get_sequence_nr
 
@@ -228,7 +235,7 @@ class NodeTimer:
             if node.op != "placeholder" and placeholders and all(n in copies for n in placeholders):
                 graph.call_function(self._inputs, tuple(copies[n] for n in placeholders))  # once all inputs exist
                 placeholders = []
-            if node.op not in TIMED_OPS:
+            if not is_timed(node):
                 copies[node] = graph.node_copy(node, copies.__getitem__)
                 continue
             index = len(self.nodes)
