@@ -22,7 +22,9 @@ cross-entropy loss and backward (autograd on, no ``torch.no_grad`` anywhere in t
    199 FX nodes (66 x [Linear(64, 64), ReLU, add] + head, batch 32). Per-node overhead is
    (timed - eager) / number of timed nodes. The untimed traced GraphModule and, where it exists,
    ``NodeTimer(backward=False)`` are measured too, which splits the cost into running the traced
-   graph's code, the forward clock probes, and backward timing.
+   graph's code, the forward clock probes, and backward timing. Where backward times come from
+   profiler events (``node_timing.BackwardEvents``), the recorder runs during the timed steps and
+   is started and stopped between them (untimed), as the callback does once per cycle.
 3. Baseline. The ``ProfilingInterpreter`` of the torch.fx tutorial "Building a Simple CPU
    Performance Profiler with FX" (an ``fx.Interpreter`` whose ``run_node`` wraps
    ``super().run_node`` with ``time.time()``), re-implemented below, on the same two models.
@@ -425,13 +427,25 @@ def swap_forward(name: str, module: nn.Module, forward: Callable) -> Variant:
 
 
 def timer_variant(name: str, model: nn.Module, timer: NodeTimer) -> Variant:
-    """Steps with ``timer`` installed, as the callback does it; samples are dropped before each step."""
+    """Steps with ``timer`` installed, as the callback does it; samples are dropped before each step.
+
+    Where the package times backward from profiler events (``BackwardEvents``), they are recorded
+    over the step too, started and stopped outside the timed part, as the callback does once a cycle.
+    """
+    events = node_timing.BackwardEvents() if hasattr(node_timing, "BackwardEvents") else None
 
     def enter() -> None:
         timer.reset()
+        if events is not None:
+            events.start()
         timer.install(model)
 
-    return Variant(name, model, enter, lambda: timer.uninstall(model))
+    def exit_() -> None:
+        timer.uninstall(model)
+        if events is not None:
+            timer.add_backward(events.stop())
+
+    return Variant(name, model, enter, exit_)
 
 
 def step_variants(work: Workload) -> tuple[list[Variant], int]:

@@ -28,7 +28,7 @@ from typing_extensions import override
 from fxprof_lightning.capture import Capture, capture
 from fxprof_lightning.flops import NodeCosts, count_costs, input_signature
 from fxprof_lightning.module_hooks import ModuleHookTimer
-from fxprof_lightning.node_timing import NodeTimer
+from fxprof_lightning.node_timing import BackwardEvents, NodeTimer
 from fxprof_lightning.report import CycleReport, NodeStats, merge_ranks, summarize_modules, summarize_nodes
 from fxprof_lightning.schedule import ProfilerAction, Schedule
 from fxprof_lightning.torch_trace import CycleTrace, check_profiler_kwargs
@@ -50,6 +50,7 @@ class _OpenCycle:
     training: bool
     recorded: list[int] = field(default_factory=list)
     backward_wall_ns: list[int] = field(default_factory=list)
+    backward_events: BackwardEvents | None = None  # autograd node times, when no trace records them
 
 
 @dataclass
@@ -95,7 +96,7 @@ class FXProfilerCallback(Callback):
         profile_validation: also profile validation batches, with their own schedule position,
             ``val_cycle_NNNN`` directories, ``fxprof/val/...`` tags and ``val_cycles`` reports.
         module_depth: deepest level of the module tree in the ``fxprof/modules`` text (root = 0).
-        backward_timing: time each node's backward too (hooks on its autograd nodes); False makes
+        backward_timing: time each node's backward too (profiler events on CPU, hooks on CUDA); False makes
             recorded steps cheaper (see the benchmarks in the README).
 
     Example:
@@ -297,6 +298,16 @@ class FXProfilerCallback(Callback):
             if action in RECORDING and not stage.open.recorded:
                 timer.reset()  # drop what the warm-up steps measured
             timer.install(self._target)
+            if stage is self._train and action in RECORDING and stage.open.trace is None and timer.uses_backward_events:
+                self._record_backward(stage.open)
+
+    def _record_backward(self, cycle: _OpenCycle) -> None:
+        """Time the autograd nodes of the cycle's recorded steps (a trace, when there is one, does it)."""
+        if cycle.backward_events is None:
+            cycle.backward_events = BackwardEvents()
+            if not cycle.backward_events.start():
+                rank_zero_warn("FXProfilerCallback: another profiler is running, so this cycle's nodes get no "
+                               "backward times (they come from profiler events)")
 
     def _stop_collecting(self, stage: _Stage, step: int, action: ProfilerAction) -> None:
         cycle = stage.open
@@ -319,7 +330,7 @@ class FXProfilerCallback(Callback):
         trace = None
         if self.torch_profiler:
             other = self._val if stage is self._train else self._train
-            if other.open is not None and other.open.trace is not None:
+            if other.open is not None and (other.open.trace is not None or other.open.backward_events is not None):
                 rank_zero_warn(f"FXProfilerCallback: a {other.name} cycle's torch.profiler trace is still open, so "
                                f"{stage.name} steps {stage.step}+ get node timing only (one profiler runs at a time)")
             else:
@@ -334,12 +345,12 @@ class FXProfilerCallback(Callback):
         cycle, stage.open = stage.open, None
         nodes = None
         if cycle is not None:
-            if cycle.timer is not None:
-                nodes = self._measure_nodes(cycle)
             if cycle.trace is not None:
-                cycle.trace.stop()
+                cycle.trace.stop()  # first: its events hold the backward times
                 for error in cycle.trace.errors:
                     rank_zero_warn(f"FXProfilerCallback: {error}")
+            if cycle.timer is not None:
+                nodes = self._measure_nodes(cycle)
         ranks = 1
         if gather and trainer.world_size > 1 and torch.distributed.is_initialized():
             gathered: list[Any] = [None] * trainer.world_size
@@ -410,8 +421,10 @@ class FXProfilerCallback(Callback):
         """This rank's node statistics for the cycle; the timer is emptied for the next one."""
         timer = cycle.timer
         timer.uninstall(self._target)
+        events = cycle.backward_events.stop() if cycle.backward_events is not None else None
         if not cycle.recorded:
             return None
+        timer.add_backward(events if events is not None else cycle.trace.backward_events if cycle.trace else [])
         timer.resolve()
         costs = self._costs_for(cycle)
         backward = [timer.bwd_ns(i) for i in range(len(timer.nodes))]
@@ -487,6 +500,8 @@ class FXProfilerCallback(Callback):
                 continue
             if cycle.timer is not None:
                 cycle.timer.uninstall(self._target)
+            if cycle.backward_events is not None:
+                cycle.backward_events.stop()
             if cycle.trace is not None:
                 with contextlib.suppress(Exception):  # already failing; the warning has been given
                     cycle.trace.stop()

@@ -56,6 +56,11 @@ class ModuleHookTimer:
         self._claimed: set[Any] = set()
         self._open = []
 
+    uses_backward_events = False  # backward is timed with hooks on the autograd nodes
+
+    def add_backward(self, events: list[tuple[int, int]]) -> None:
+        """Backward times come from hooks here: profiler events are not needed."""
+
     def resolve(self) -> None:
         """Host time needs no conversion."""
 

@@ -6,14 +6,25 @@ after the node), and lets ``GraphModule`` generate the Python code for it: no
 ``torch.fx.Interpreter`` dispatch in timed steps. ``install``/``uninstall`` swap that code in
 as the module's ``forward`` and put the module's own forward back.
 
-Backward: the autograd sequence number is read before and after each node; the autograd
-nodes the node created (sequence numbers in that range, reachable from its outputs) get a
-pre-hook and a hook that time their execution. Hooks on autograd nodes touch no tensor and
-work with in-place ops; they die with the step's autograd graph.
+Backward: the autograd sequence number is read before and after each node, so the autograd
+nodes a node created are those with sequence numbers in that range.
+
+* On CPU the autograd nodes that run are timed in C++ by the profiler's callbacks for the
+  backward scope alone (``BackwardEvents``, or the events of a torch.profiler that records
+  the same steps): each event carries the sequence number of the node, and ``add_backward``
+  adds its duration to the FX node whose range holds it. No Python runs per autograd node.
+* On CUDA, for device time, a CUDA event is recorded as each node's backward starts. The
+  engine runs the autograd nodes of one device in decreasing sequence-number order (its ready
+  queue is a priority queue on it, and every node's consumers were created after it), so the
+  autograd nodes of one FX node run one after the other, newest first. A pre-hook on the
+  newest (the output's ``grad_fn``) marks where the node's backward begins; it ends at the
+  next mark: the next node's start, the end of the first node's oldest autograd node (a
+  hook), or the end of the backward pass (an engine callback). Hooks on autograd nodes touch
+  no tensor and work with in-place ops; they die with the step's graph.
 
 Clocks: on CPU, ``time.perf_counter_ns`` (host wall time). On CUDA, ``CudaClock``: events
-recorded on the current stream around each node and autograd node, read after the step
-(``resolve()``), with no synchronisation per node; plus the allocator's delta and peak.
+recorded on the current stream around each node and at each backward mark, read after the
+step (``resolve()``), with no synchronisation per node; plus the allocator's delta and peak.
 
 The instrumented graph runs the same operations, in the same order, on the same
 parameters and buffers as the module's own forward, so outputs, gradients and the use of
@@ -22,7 +33,10 @@ random numbers are unchanged.
 
 from __future__ import annotations
 
+import bisect
 import copy
+import functools
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +44,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["BackwardSpan", "CudaClock", "NodeInfo", "NodeTimer", "describe_target", "enter_range", "exit_range", "hook_autograd_nodes", "is_timed", "tensors_in"]
+__all__ = ["BackwardEvents", "BackwardSpan", "CudaClock", "NodeInfo", "NodeTimer", "describe_target", "enter_range", "exit_range", "hook_autograd_nodes", "is_timed", "tensors_in"]
 
 # Node kinds that run code worth timing; placeholders, get_attr and output only move references.
 TIMED_OPS = ("call_module", "call_function", "call_method")
@@ -43,6 +57,8 @@ def is_timed(node: fx.Node) -> bool:
     return node.op in TIMED_OPS and node.target not in UNTIMED_TARGETS
 
 sequence_nr_now = torch.autograd._get_sequence_nr
+BACKWARD_SCOPE = int(torch._C._profiler.RecordScope.BACKWARD_FUNCTION)
+queue_engine_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
 @dataclass(frozen=True)
@@ -111,6 +127,11 @@ class CudaClock:
         return start, CudaClock.start()
 
     @staticmethod
+    def elapsed(start: torch.cuda.Event, end: torch.cuda.Event) -> int:
+        end.synchronize()
+        return int(start.elapsed_time(end) * 1e6)
+
+    @staticmethod
     def resolve(sample: Any) -> int:
         if isinstance(sample, int):
             return sample
@@ -138,13 +159,62 @@ class BackwardSpan:
             self.samples.append(self.clock.stop(start) if self.clock else time.perf_counter_ns() - start)
 
 
+class BackwardEvents:
+    """Times every autograd node that runs, in C++: the profiler's callbacks for the backward scope alone.
+
+    ``start()`` enables the profiler (CPU activity, ``RecordScope.BACKWARD_FUNCTION`` only: forward
+    ops pay nothing); ``stop()`` disables it and returns ``(sequence number, duration ns)`` per
+    autograd node run, ready for ``NodeTimer.add_backward``. Keep it running over several steps
+    rather than starting it per step: start and stop cost about 0.3 ms together.
+    """
+
+    def __init__(self) -> None:
+        self.running = False
+
+    def start(self) -> bool:
+        """Start recording; False (and nothing done) when another profiler is already running."""
+        if self.running or torch._C._autograd._profiler_enabled():
+            return False
+        config = torch._C._profiler.ProfilerConfig(torch._C._profiler.ProfilerState.KINETO, False, False, False,
+                                                   False, False, torch._C._profiler._ExperimentalConfig())
+        activities = {torch._C._profiler.ProfilerActivity.CPU}
+        torch._C._autograd._prepare_profiler(config, activities)
+        torch._C._autograd._enable_profiler(config, activities, {torch._C._profiler.RecordScope.BACKWARD_FUNCTION})
+        self.running = True
+        return True
+
+    def stop(self) -> list[tuple[int, int]]:
+        """Stop recording; what ran since ``start``."""
+        if not self.running:
+            return []
+        self.running = False
+        return backward_durations(torch._C._autograd._disable_profiler().events())
+
+
+def backward_durations(events: Any) -> list[tuple[int, int]]:
+    """``(sequence number, duration ns)`` of each autograd node run among profiler (``_KinetoEvent``) events.
+
+    Gradient accumulation into a parameter (``AccumulateGrad``, no sequence number) runs right after the
+    node that produced the gradient (the engine runs it first, as soon as it is ready), so it gets that
+    node's sequence number: a layer's backward time includes accumulating its parameters' gradients.
+    """
+    timed = sorted((e.start_ns(), e.sequence_nr(), e.duration_ns()) for e in events if e.scope() == BACKWARD_SCOPE)
+    durations, last = [], -1
+    for _start, sequence_nr, duration in timed:
+        last = sequence_nr if sequence_nr >= 0 else last
+        if last >= 0:
+            durations.append((last, duration))
+    return durations
+
+
 class NodeTimer:
     """An instrumented copy of a traced module that records each node's forward and backward time.
 
     After ``reset()``: ``fwd[i]`` holds one forward duration in nanoseconds per execution of
-    ``nodes[i]`` (a forward called twice in a step adds two), ``bwd[i]`` one backward span
-    per execution that created autograd nodes. Call ``resolve()`` before reading durations
-    (needed on CUDA, free on CPU); ``bwd_ns(i)`` gives the backward durations.
+    ``nodes[i]`` (a forward called twice in a step adds two); ``bwd_ns(i)`` one backward
+    duration per execution whose autograd nodes ran. On CPU, backward durations come from
+    profiler events given to ``add_backward`` (see ``BackwardEvents``); on CUDA from hooks.
+    Call ``resolve()`` before reading them (on CUDA it waits for the device once).
 
     Args:
         traced: the ``GraphModule`` from ``symbolic_trace`` (or the capture ladder).
@@ -154,19 +224,27 @@ class NodeTimer:
 
     Example:
         >>> timer = NodeTimer(fx.symbolic_trace(model))
+        >>> events = BackwardEvents(); events.start()
         >>> timer.install(model); model(x).sum().backward(); timer.uninstall(model)
+        >>> timer.add_backward(events.stop())
         >>> timer.nodes[0].name, timer.fwd[0], timer.bwd_ns(0)
     """
 
     def __init__(self, traced: fx.GraphModule, annotate: bool = False, backward: bool = True, device: str = "cpu") -> None:
         self.nodes: list[NodeInfo] = []
         self.fwd: list[list[Any]] = []
-        self.bwd: list[list[BackwardSpan]] = []
+        self.bwd: list[list[list[Any]]] = []  # per node, per forward call: the durations of its backward runs
         self.mem_delta: list[list[int]] = []
         self.mem_peak: list[list[int]] = []
         self.forward_inputs: tuple[Any, ...] | None = None  # the first call's inputs after reset (for FLOP counting)
         self._clock = CudaClock if device == "cuda" else None
+        self._now = CudaClock.start if self._clock else time.perf_counter_ns
         self._backward = backward
+        self._firsts: list[int] = []  # per node call that created autograd nodes: its first sequence number,
+        self._calls: list[tuple[int, list[int]]] = []  # and (the sequence number after its last, its durations)
+        self._marks: list[tuple[list[Any] | None, Any]] = []  # CUDA: (durations of the node starting, time)
+        self._in_pass = False  # an engine callback will mark the end of the running backward pass
+        self._first_of_call = False  # no node of the running forward call has created autograd nodes yet
         self.graph_module = self._instrument(traced, annotate)
         self._saved_forward: dict[int, Any] = {}
 
@@ -177,19 +255,38 @@ class NodeTimer:
         self.mem_delta = [[] for _ in self.nodes]
         self.mem_peak = [[] for _ in self.nodes]
         self.forward_inputs = None
+        self._firsts, self._calls = [], []
+        self._marks = []
+        self._in_pass = False
+
+    @property
+    def uses_backward_events(self) -> bool:
+        """Whether backward times come from ``add_backward`` (CPU) rather than hooks (CUDA) or nowhere."""
+        return self._backward and self._clock is None
+
+    def add_backward(self, events: list[tuple[int, int]]) -> None:
+        """Add each ``(sequence number, duration ns)`` to the node call whose autograd node it timed."""
+        firsts, calls = self._firsts, self._calls
+        for sequence_nr, duration in events:
+            i = bisect.bisect_right(firsts, sequence_nr) - 1
+            if i >= 0 and sequence_nr < calls[i][0]:
+                calls[i][1].append(duration)
 
     def resolve(self) -> None:
-        """Turn pending CUDA event pairs into nanoseconds (waits for the device once)."""
-        if self._clock is None:
-            return
-        self.fwd = [[CudaClock.resolve(s) for s in samples] for samples in self.fwd]
-        for spans in self.bwd:
-            for span in spans:
-                span.samples = [CudaClock.resolve(s) for s in span.samples]
+        """CUDA: turn backward marks into durations and event pairs into nanoseconds."""
+        marks, self._marks = self._marks, []
+        elapsed = CudaClock.elapsed if self._clock else _difference
+        for (durations, start), (_, end) in itertools.pairwise(marks):
+            if durations is not None:
+                durations.append(elapsed(start, end))
+        if marks and marks[-1][0] is not None:  # a backward pass still running: keep its open mark
+            self._marks = [marks[-1]]
+        if self._clock is not None:
+            self.fwd = [[CudaClock.resolve(s) for s in samples] for samples in self.fwd]
 
     def bwd_ns(self, index: int) -> list[int]:
         """Backward duration of each forward call of node ``index`` whose backward ran."""
-        return [sum(span.samples) for span in self.bwd[index] if span.samples]
+        return [sum(durations) for durations in self.bwd[index] if durations]
 
     def install(self, module: nn.Module) -> None:
         """Make ``module(...)`` run the instrumented graph until ``uninstall``."""
@@ -211,15 +308,52 @@ class NodeTimer:
     # The generated forward calls these: keep them lean, they run once per node per call.
 
     def _inputs(self, *args: Any) -> None:
+        self._first_of_call = True
         if self.forward_inputs is None:
             self.forward_inputs = args
 
     def _record(self, index: int, start: Any, sequence_nr: int, output: Any) -> None:
-        self.fwd[index].append(self._clock.stop(start) if self._clock else time.perf_counter_ns() - start)
-        if self._backward and sequence_nr != sequence_nr_now():
-            span = BackwardSpan(self._clock)
-            self.bwd[index].append(span)
-            hook_autograd_nodes(output, sequence_nr, span)
+        if self._clock:
+            self.fwd[index].append(self._clock.stop(start))
+            if sequence_nr != sequence_nr_now() and self._backward:
+                self._mark_backward(index, sequence_nr, output)
+            return
+        self.fwd[index].append(time.perf_counter_ns() - start)
+        end = sequence_nr_now()
+        if end != sequence_nr and self._backward:
+            durations: list[int] = []
+            self.bwd[index].append(durations)
+            self._firsts.append(sequence_nr)
+            self._calls.append((end, durations))
+
+    def _mark_backward(self, index: int, first: int, output: Any) -> None:
+        """CUDA: hook the newest autograd node the node created (and, for a call's first such node, its oldest)."""
+        newest = None
+        for tensor in (output,) if isinstance(output, torch.Tensor) else tensors_in(output):
+            fn = tensor.grad_fn
+            if fn is not None and fn._sequence_nr() >= first and (newest is None or fn._sequence_nr() > newest._sequence_nr()):
+                newest = fn
+        if newest is None:
+            return
+        durations: list[Any] = []
+        self.bwd[index].append(durations)
+        newest.register_prehook(functools.partial(self._begin, durations))
+        if self._first_of_call:  # created first, so run last: the model's backward ends with it
+            self._first_of_call = False
+            oldest_autograd_node(newest, first, sequence_nr_now()).register_hook(self._end)
+
+    def _begin(self, durations: list[Any], grad_outputs: Any) -> None:
+        self._marks.append((durations, self._now()))
+        if not self._in_pass:
+            self._in_pass = True
+            queue_engine_callback(self._end_of_pass)
+
+    def _end(self, grad_inputs: Any, grad_outputs: Any) -> None:
+        self._marks.append((None, self._now()))
+
+    def _end_of_pass(self) -> None:
+        self._in_pass = False
+        self._marks.append((None, self._now()))
 
     def _record_cuda_memory(self, index: int, allocated_before: int) -> None:
         self.mem_delta[index].append(torch.cuda.memory_allocated() - allocated_before)
@@ -246,7 +380,7 @@ class NodeTimer:
                 allocated = graph.call_function(_cuda_allocated_and_reset_peak)
             sequence_nr = graph.call_function(sequence_nr_now) if self._backward else -1
             start = graph.call_function(start_clock)
-            copies[node] = copied = graph.node_copy(node, copies.__getitem__)
+            copies[node] = copied = _copy_node(graph, node, copies, traced)
             graph.call_function(self._record, (index, start, sequence_nr, copied))
             if self._clock:
                 graph.call_function(self._record_cuda_memory, (index, allocated))
@@ -254,6 +388,44 @@ class NodeTimer:
                 graph.call_function(exit_range, (annotation,))
         self.reset()
         return fx.GraphModule(traced, graph, class_name=f"{type(traced).__name__}Timed")
+
+
+def _difference(start: int, end: int) -> int:
+    return end - start
+
+
+def _copy_node(graph: fx.Graph, node: fx.Node, copies: dict[fx.Node, fx.Node], traced: fx.GraphModule) -> fx.Node:
+    """The node in ``graph``; a module call becomes a direct call of the module object.
+
+    The generated code then calls the module without looking it up through attribute chains
+    (``getattr(self.layers, "0")``: two ``Module.__getattr__`` calls per node in a ModuleList).
+    """
+    if node.op != "call_module":
+        return graph.node_copy(node, copies.__getitem__)
+    args, kwargs = fx.map_arg((node.args, node.kwargs), copies.__getitem__)
+    copied = graph.call_function(_caller(traced.get_submodule(node.target)), args, kwargs)
+    copied.meta = copy.copy(node.meta)
+    return copied
+
+
+def _caller(module: nn.Module) -> Any:
+    def call_module(*args: Any, **kwargs: Any) -> Any:
+        return module(*args, **kwargs)
+
+    return call_module
+
+
+def oldest_autograd_node(fn: Any, first: int, end: int) -> Any:
+    """The autograd node with the lowest sequence number in [first, end) that ``fn`` reaches."""
+    oldest, pending, seen = fn, [fn], {fn}
+    while pending:
+        for next_fn, _ in pending.pop().next_functions:
+            if next_fn is not None and next_fn not in seen and first <= next_fn._sequence_nr() < end:
+                seen.add(next_fn)
+                pending.append(next_fn)
+                if next_fn._sequence_nr() < oldest._sequence_nr():
+                    oldest = next_fn
+    return oldest
 
 
 def hook_autograd_nodes(output: Any, first_sequence_nr: int, span: BackwardSpan, claimed: set | None = None) -> None:

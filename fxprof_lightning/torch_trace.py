@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerAction
 
+from fxprof_lightning.node_timing import backward_durations
+
 __all__ = ["CycleTrace", "check_profiler_kwargs"]
 
 OWNED_KWARGS = ("schedule", "on_trace_ready")
@@ -69,6 +71,7 @@ class CycleTrace:
     ) -> None:
         self.paths: list[Path] = []
         self.errors: list[str] = []
+        self.backward_events: list[tuple[int, int]] = []  # (sequence number, ns) per autograd node run (NodeTimer.add_backward)
         self._directory = directory
         self._worker = worker
         self._suffix = ".pt.trace.json.gz" if use_gzip else ".pt.trace.json"
@@ -95,6 +98,7 @@ class CycleTrace:
         self._profiler.stop()
 
     def _write(self, profiler: torch.profiler.profile) -> None:
+        self.backward_events += backward_durations(profiler.profiler.kineto_results.events())
         stamp = time.time_ns()
         final = self._directory / f"{self._worker}.{stamp}{self._suffix}"
         # A name the plugin's pattern (...pt.trace.json[.gz]) does not match, same extension for gzip.
