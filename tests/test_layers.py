@@ -26,7 +26,7 @@ from fxprof_lightning.node_timing import NodeTimer
 ONE_CYCLE = {"skip_first": 1, "wait": 0, "warmup": 1, "active": 2, "repeat": 1}
 
 
-def train_both(tmp_path, make_lit, loader_fn=image_loader, steps=4, **callback_kwargs):
+def train_both(tmp_path, make_lit, loader_fn=image_loader, steps=4, extra_callbacks=(), **callback_kwargs):
     """The same model trained without and with the profiler: (profiled module, callback), after
     checking the weights are bitwise equal."""
     pl.seed_everything(3, verbose=False)
@@ -35,7 +35,7 @@ def train_both(tmp_path, make_lit, loader_fn=image_loader, steps=4, **callback_k
     pl.seed_everything(3, verbose=False)
     profiled = make_lit()
     callback = FXProfilerCallback(**{**ONE_CYCLE, "module": "model", **callback_kwargs})
-    make_trainer(tmp_path / "profiled", [callback], max_steps=steps).fit(profiled, loader_fn())
+    make_trainer(tmp_path / "profiled", [callback, *extra_callbacks], max_steps=steps).fit(profiled, loader_fn())
     reference = plain.state_dict()
     assert all(torch.equal(t, reference[k]) for k, t in profiled.state_dict().items()), "training was changed"
     assert "forward" not in profiled.model.__dict__
@@ -72,17 +72,35 @@ def test_backward_timing_can_be_turned_off(tmp_path):
     assert cycle.backward_ms_per_step == 0 and "backward" not in cycle.to_markdown().splitlines()[0]
 
 
-def test_backward_covers_resnet18_and_in_place_relu_is_fine(tmp_path):
+@pytest.mark.parametrize("torch_profiler", [False, True])  # events of our backward-only profiler / of the trace
+def test_backward_covers_resnet18_and_in_place_relu_is_fine(tmp_path, torch_profiler):
     def resnet():
         return LitClassifier(torchvision.models.resnet18(num_classes=4))  # ReLU(inplace=True) throughout
 
     _, callback = train_both(
         tmp_path, resnet, lambda: image_loader(samples=32, batch_size=8, size=32), steps=8,
-        skip_first=1, wait=0, warmup=1, active=2, repeat=2, torch_profiler=False,
+        skip_first=1, wait=0, warmup=1, active=2, repeat=2, torch_profiler=torch_profiler,
     )
     coverage = [c.backward_ms_per_step / c.backward_wall_ms for c in callback.cycles]
     assert max(coverage) >= 0.9, coverage  # node backward times account for the step's backward
     assert all(n.bwd_calls for n in callback.cycles[-1].nodes if n.op == "call_module" and "conv" in n.name)
+
+
+def test_another_profiler_running_leaves_nodes_without_backward_times_and_training_unchanged(tmp_path):
+    class UserProfiler(pl.Callback):  # the user's own torch.profiler over the whole fit
+        def on_train_start(self, trainer, pl_module):
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.profiler.start()
+
+        def on_train_end(self, trainer, pl_module):
+            self.profiler.stop()
+
+    user = UserProfiler()
+    with pytest.warns(UserWarning, match="another profiler is running, so this cycle's nodes get no backward times"):
+        _, callback = train_both(tmp_path, LitClassifier, torch_profiler=False, extra_callbacks=[user])
+    (cycle,) = callback.cycles
+    assert all(n.calls == 2 and n.bwd_calls == 0 for n in cycle.nodes)  # forward times still there
+    assert any(e.name == "aten::convolution" for e in user.profiler.events())  # the user's profile is intact
 
 
 def test_module_tree_self_and_total_without_double_counting(tmp_path):

@@ -8,7 +8,7 @@ import torchvision
 from conftest import SmallNet
 
 from fxprof_lightning.capture import capture
-from fxprof_lightning.node_timing import NodeTimer
+from fxprof_lightning.node_timing import BackwardEvents, NodeTimer
 
 
 def trace_module(model):
@@ -108,3 +108,25 @@ def test_graphs_with_inputs_after_other_nodes_are_instrumented():
     timer.uninstall(model)
     assert torch.equal(out, model(x)) and [len(s) for s in timer.fwd] == [1, 1]
     assert timer.forward_inputs[0] is x
+
+
+def test_backward_events_go_to_the_node_call_that_created_them():
+    model = SmallNet()
+    timer = NodeTimer(trace_module(model))
+    events = BackwardEvents()
+    assert events.start()
+    assert not BackwardEvents().start()  # one profiler at a time: a second one declines
+    timer.install(model)
+    x = torch.randn(2, 3, 8, 8)
+    (model(x).sum() + model(x).sum()).backward()  # two calls: each node call gets its own backward
+    timer.uninstall(model)
+    recorded = events.stop()
+    assert not events.running and events.stop() == []
+    timer.add_backward(recorded)
+    names = [n.name for n in timer.nodes]
+    assert {name: len(timer.bwd_ns(i)) for i, name in enumerate(names)} == dict.fromkeys(names, 2)
+    assert all(ns > 0 for i in range(len(names)) for ns in timer.bwd_ns(i))
+    # Every autograd node the two forwards created is counted once; the loss's sums and add are not.
+    ranges = list(zip(timer._firsts, (end for end, _ in timer._calls), strict=True))
+    inside = sum(ns for seq, ns in recorded if any(first <= seq < end for first, end in ranges))
+    assert sum(sum(timer.bwd_ns(i)) for i in range(len(names))) == inside < sum(ns for _, ns in recorded)
