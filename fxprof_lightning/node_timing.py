@@ -232,17 +232,21 @@ class NodeTimer:
 
     def __init__(self, traced: fx.GraphModule, annotate: bool = False, backward: bool = True, device: str = "cpu") -> None:
         self.nodes: list[NodeInfo] = []
-        self.fwd: list[list[Any]] = []
-        self.bwd: list[list[list[Any]]] = []  # per node, per forward call: the durations of its backward runs
+        self.fwd: list[list[Any]] = []  # the lists live as long as the timer: the generated code holds them
+        self.bwd: list[list[int]] = []  # per node: the backward ns of each call whose backward ran
         self.mem_delta: list[list[int]] = []
         self.mem_peak: list[list[int]] = []
         self.forward_inputs: tuple[Any, ...] | None = None  # the first call's inputs after reset (for FLOP counting)
         self._clock = CudaClock if device == "cuda" else None
-        self._now = CudaClock.start if self._clock else time.perf_counter_ns
         self._backward = backward
-        self._firsts: list[int] = []  # per node call that created autograd nodes: its first sequence number,
-        self._calls: list[tuple[int, list[int]]] = []  # and (the sequence number after its last, its durations)
-        self._marks: list[tuple[list[Any] | None, Any]] = []  # CUDA: (durations of the node starting, time)
+        # CPU: one entry per node call that created autograd nodes, in the order they ran (so by sequence number).
+        self._firsts: list[int] = []  # its first autograd sequence number,
+        self._ends: list[int] = []  # the one after its last,
+        self._owners: list[int] = []  # its node's index,
+        self._totals: list[int] = []  # and the backward ns given by add_backward.
+        # CUDA: per node and call, durations between backward marks, and the marks (durations to add to, event).
+        self._spans: list[list[list[Any]]] = []
+        self._marks: list[tuple[list[Any] | None, Any]] = []
         self._in_pass = False  # an engine callback will mark the end of the running backward pass
         self._first_of_call = False  # no node of the running forward call has created autograd nodes yet
         self.graph_module = self._instrument(traced, annotate)
@@ -250,12 +254,13 @@ class NodeTimer:
 
     def reset(self) -> None:
         """Forget every sample recorded so far."""
-        self.fwd = [[] for _ in self.nodes]
+        for samples in (*self.fwd, *self.mem_delta, *self.mem_peak):
+            samples.clear()
+        for entries in (self._firsts, self._ends, self._owners, self._totals):
+            entries.clear()
         self.bwd = [[] for _ in self.nodes]
-        self.mem_delta = [[] for _ in self.nodes]
-        self.mem_peak = [[] for _ in self.nodes]
+        self._spans = [[] for _ in self.nodes]
         self.forward_inputs = None
-        self._firsts, self._calls = [], []
         self._marks = []
         self._in_pass = False
 
@@ -266,27 +271,34 @@ class NodeTimer:
 
     def add_backward(self, events: list[tuple[int, int]]) -> None:
         """Add each ``(sequence number, duration ns)`` to the node call whose autograd node it timed."""
-        firsts, calls = self._firsts, self._calls
+        firsts, ends, totals = self._firsts, self._ends, self._totals
+        totals.extend([0] * (len(firsts) - len(totals)))
         for sequence_nr, duration in events:
             i = bisect.bisect_right(firsts, sequence_nr) - 1
-            if i >= 0 and sequence_nr < calls[i][0]:
-                calls[i][1].append(duration)
+            if i >= 0 and sequence_nr < ends[i]:
+                totals[i] += duration
+        self.bwd = [[] for _ in self.nodes]
+        for owner, total in zip(self._owners, totals, strict=True):
+            if total:
+                self.bwd[owner].append(total)
 
     def resolve(self) -> None:
         """CUDA: turn backward marks into durations and event pairs into nanoseconds."""
+        if self._clock is None:
+            return
         marks, self._marks = self._marks, []
-        elapsed = CudaClock.elapsed if self._clock else _difference
         for (durations, start), (_, end) in itertools.pairwise(marks):
             if durations is not None:
-                durations.append(elapsed(start, end))
+                durations.append(CudaClock.elapsed(start, end))
         if marks and marks[-1][0] is not None:  # a backward pass still running: keep its open mark
             self._marks = [marks[-1]]
-        if self._clock is not None:
-            self.fwd = [[CudaClock.resolve(s) for s in samples] for samples in self.fwd]
+        for samples in self.fwd:
+            samples[:] = [CudaClock.resolve(s) for s in samples]
+        self.bwd = [[sum(durations) for durations in calls if durations] for calls in self._spans]
 
     def bwd_ns(self, index: int) -> list[int]:
         """Backward duration of each forward call of node ``index`` whose backward ran."""
-        return [sum(durations) for durations in self.bwd[index] if durations]
+        return self.bwd[index]
 
     def install(self, module: nn.Module) -> None:
         """Make ``module(...)`` run the instrumented graph until ``uninstall``."""
@@ -312,19 +324,26 @@ class NodeTimer:
         if self.forward_inputs is None:
             self.forward_inputs = args
 
-    def _record(self, index: int, start: Any, sequence_nr: int, output: Any) -> None:
-        if self._clock:
-            self.fwd[index].append(self._clock.stop(start))
-            if sequence_nr != sequence_nr_now() and self._backward:
-                self._mark_backward(index, sequence_nr, output)
-            return
-        self.fwd[index].append(time.perf_counter_ns() - start)
-        end = sequence_nr_now()
-        if end != sequence_nr and self._backward:
-            durations: list[int] = []
-            self.bwd[index].append(durations)
-            self._firsts.append(sequence_nr)
-            self._calls.append((end, durations))
+    def _cpu_record(self) -> Any:
+        """``record(index, start, sequence_nr, output)`` for CPU, with everything it touches bound locally."""
+        fwd, firsts, ends, owners = self.fwd, self._firsts, self._ends, self._owners
+        clock, backward = time.perf_counter_ns, self._backward
+
+        def record(index: int, start: int, sequence_nr: int, output: Any) -> None:
+            fwd[index].append(clock() - start)
+            if backward:
+                end = sequence_nr_now()
+                if end != sequence_nr:
+                    firsts.append(sequence_nr)
+                    ends.append(end)
+                    owners.append(index)
+
+        return record
+
+    def _cuda_record(self, index: int, start: Any, sequence_nr: int, output: Any) -> None:
+        self.fwd[index].append(CudaClock.stop(start))
+        if self._backward and sequence_nr != sequence_nr_now():
+            self._mark_backward(index, sequence_nr, output)
 
     def _mark_backward(self, index: int, first: int, output: Any) -> None:
         """CUDA: hook the newest autograd node the node created (and, for a call's first such node, its oldest)."""
@@ -336,24 +355,24 @@ class NodeTimer:
         if newest is None:
             return
         durations: list[Any] = []
-        self.bwd[index].append(durations)
+        self._spans[index].append(durations)
         newest.register_prehook(functools.partial(self._begin, durations))
         if self._first_of_call:  # created first, so run last: the model's backward ends with it
             self._first_of_call = False
             oldest_autograd_node(newest, first, sequence_nr_now()).register_hook(self._end)
 
     def _begin(self, durations: list[Any], grad_outputs: Any) -> None:
-        self._marks.append((durations, self._now()))
+        self._marks.append((durations, CudaClock.start()))
         if not self._in_pass:
             self._in_pass = True
             queue_engine_callback(self._end_of_pass)
 
     def _end(self, grad_inputs: Any, grad_outputs: Any) -> None:
-        self._marks.append((None, self._now()))
+        self._marks.append((None, CudaClock.start()))
 
     def _end_of_pass(self) -> None:
         self._in_pass = False
-        self._marks.append((None, self._now()))
+        self._marks.append((None, CudaClock.start()))
 
     def _record_cuda_memory(self, index: int, allocated_before: int) -> None:
         self.mem_delta[index].append(torch.cuda.memory_allocated() - allocated_before)
@@ -363,6 +382,7 @@ class NodeTimer:
         graph = fx.Graph()
         copies: dict[fx.Node, fx.Node] = {}
         start_clock = self._clock.start if self._clock else time.perf_counter_ns
+        record = self._cuda_record if self._clock else self._cpu_record()
         graph.set_codegen(copy.deepcopy(traced.graph._codegen))  # keep how inputs are passed (e.g. pytree codegen)
         placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
         for node in traced.graph.nodes:
@@ -374,6 +394,8 @@ class NodeTimer:
                 continue
             index = len(self.nodes)
             self.nodes.append(node_info(node))
+            for samples in (self.fwd, self.mem_delta, self.mem_peak):
+                samples.append([])
             if annotate:
                 annotation = graph.call_function(enter_range, (node.name,))
             if self._clock:
@@ -381,17 +403,13 @@ class NodeTimer:
             sequence_nr = graph.call_function(sequence_nr_now) if self._backward else -1
             start = graph.call_function(start_clock)
             copies[node] = copied = _copy_node(graph, node, copies, traced)
-            graph.call_function(self._record, (index, start, sequence_nr, copied))
+            graph.call_function(record, (index, start, sequence_nr, copied))
             if self._clock:
                 graph.call_function(self._record_cuda_memory, (index, allocated))
             if annotate:
                 graph.call_function(exit_range, (annotation,))
         self.reset()
         return fx.GraphModule(traced, graph, class_name=f"{type(traced).__name__}Timed")
-
-
-def _difference(start: int, end: int) -> int:
-    return end - start
 
 
 def _copy_node(graph: fx.Graph, node: fx.Node, copies: dict[fx.Node, fx.Node], traced: fx.GraphModule) -> fx.Node:

@@ -127,6 +127,6 @@ def test_backward_events_go_to_the_node_call_that_created_them():
     assert {name: len(timer.bwd_ns(i)) for i, name in enumerate(names)} == dict.fromkeys(names, 2)
     assert all(ns > 0 for i in range(len(names)) for ns in timer.bwd_ns(i))
     # Every autograd node the two forwards created is counted once; the loss's sums and add are not.
-    ranges = list(zip(timer._firsts, (end for end, _ in timer._calls), strict=True))
+    ranges = list(zip(timer._firsts, timer._ends, strict=True))
     inside = sum(ns for seq, ns in recorded if any(first <= seq < end for first, end in ranges))
     assert sum(sum(timer.bwd_ns(i)) for i in range(len(names))) == inside < sum(ns for _, ns in recorded)
