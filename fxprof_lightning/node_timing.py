@@ -325,25 +325,32 @@ class NodeTimer:
             self.forward_inputs = args
 
     def _cpu_record(self) -> Any:
-        """``record(index, start, sequence_nr, output)`` for CPU, with everything it touches bound locally."""
+        """``record(index, start, sequence_nr, output)`` for CPU, with everything it touches bound locally.
+
+        It returns the sequence number after the node, which is the next node's first (nodes that are
+        not timed create no autograd nodes), so the generated code reads it once per node.
+        """
         fwd, firsts, ends, owners = self.fwd, self._firsts, self._ends, self._owners
         clock, backward = time.perf_counter_ns, self._backward
 
-        def record(index: int, start: int, sequence_nr: int, output: Any) -> None:
+        def record(index: int, start: int, sequence_nr: int, output: Any) -> int | None:
             fwd[index].append(clock() - start)
-            if backward:
-                end = sequence_nr_now()
-                if end != sequence_nr:
-                    firsts.append(sequence_nr)
-                    ends.append(end)
-                    owners.append(index)
+            if not backward:
+                return None
+            end = sequence_nr_now()
+            if end != sequence_nr:
+                firsts.append(sequence_nr)
+                ends.append(end)
+                owners.append(index)
+            return end
 
         return record
 
-    def _cuda_record(self, index: int, start: Any, sequence_nr: int, output: Any) -> None:
+    def _cuda_record(self, index: int, start: Any, sequence_nr: int, output: Any) -> int:
         self.fwd[index].append(CudaClock.stop(start))
         if self._backward and sequence_nr != sequence_nr_now():
             self._mark_backward(index, sequence_nr, output)
+        return sequence_nr_now()
 
     def _mark_backward(self, index: int, first: int, output: Any) -> None:
         """CUDA: hook the newest autograd node the node created (and, for a call's first such node, its oldest)."""
@@ -385,6 +392,7 @@ class NodeTimer:
         record = self._cuda_record if self._clock else self._cpu_record()
         graph.set_codegen(copy.deepcopy(traced.graph._codegen))  # keep how inputs are passed (e.g. pytree codegen)
         placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+        sequence_nr: Any = None  # the sequence number after the last timed node, if there was one
         for node in traced.graph.nodes:
             if node.op != "placeholder" and placeholders and all(n in copies for n in placeholders):
                 graph.call_function(self._inputs, tuple(copies[n] for n in placeholders))  # once all inputs exist
@@ -400,10 +408,11 @@ class NodeTimer:
                 annotation = graph.call_function(enter_range, (node.name,))
             if self._clock:
                 allocated = graph.call_function(_cuda_allocated_and_reset_peak)
-            sequence_nr = graph.call_function(sequence_nr_now) if self._backward else -1
+            if sequence_nr is None:
+                sequence_nr = graph.call_function(sequence_nr_now) if self._backward else -1
             start = graph.call_function(start_clock)
             copies[node] = copied = _copy_node(graph, node, copies, traced)
-            graph.call_function(record, (index, start, sequence_nr, copied))
+            sequence_nr = graph.call_function(record, (index, start, sequence_nr, copied))
             if self._clock:
                 graph.call_function(self._record_cuda_memory, (index, allocated))
             if annotate:
