@@ -18,7 +18,7 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from fxprof_lightning.node_timing import BackwardSpan, hook_autograd_nodes, is_timed, sequence_nr_now, tensors_in
+from fxprof_lightning.node_timing import is_timed, sequence_nr_now, tensors_in
 
 __all__ = ["NodeCosts", "count_costs", "input_signature"]
 
@@ -37,17 +37,34 @@ def input_signature(inputs: tuple[Any, ...], training: bool) -> tuple:
     return (training, *((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in inputs))
 
 
-class _FlopClock:
-    """A 'clock' that reads the running FLOP count, so ``BackwardSpan`` sums backward FLOPs."""
+class _BackwardFlops:
+    """Backward FLOPs of one node: how much the counter grows while each of its autograd nodes runs."""
 
     def __init__(self, counter: FlopCounterMode) -> None:
         self.counter = counter
+        self.total = 0
+        self._start = 0
 
-    def start(self) -> int:
-        return self.counter.get_total_flops()
+    def pre(self, grad_outputs: Any) -> None:
+        self._start = self.counter.get_total_flops()
 
-    def stop(self, start: int) -> int:
-        return self.counter.get_total_flops() - start
+    def post(self, grad_inputs: Any, grad_outputs: Any) -> None:
+        self.total += self.counter.get_total_flops() - self._start
+
+
+def _hook_autograd_nodes(output: Any, first_sequence_nr: int, flops: _BackwardFlops) -> None:
+    """Count into ``flops`` every autograd node created since ``first_sequence_nr`` that ``output`` reaches."""
+    end = sequence_nr_now()
+    pending = [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
+    seen = set()
+    while pending:
+        fn = pending.pop()
+        if fn is None or fn in seen or not first_sequence_nr <= fn._sequence_nr() < end:
+            continue
+        seen.add(fn)
+        fn.register_prehook(flops.pre)
+        fn.register_hook(flops.post)
+        pending.extend(next_fn for next_fn, _ in fn.next_functions)
 
 
 def _to_meta(value: Any) -> Any:
@@ -72,7 +89,7 @@ def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool)
     fwd = [0] * len(timed)
     out_bytes = [0] * len(timed)
     backward_counter = FlopCounterMode(display=False)
-    spans = [BackwardSpan(_FlopClock(backward_counter)) for _ in timed]
+    backward = [_BackwardFlops(backward_counter) for _ in timed]
 
     class Counter(fx.Interpreter):
         def run_node(self, node: fx.Node) -> Any:
@@ -84,7 +101,7 @@ def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool)
                 output = super().run_node(node)
             fwd[i] = counter.get_total_flops()
             out_bytes[i] = sum(t.numel() * t.element_size() for t in tensors_in(output))
-            hook_autograd_nodes(output, first, spans[i])
+            _hook_autograd_nodes(output, first, backward[i])
             return output
 
     with torch.enable_grad():
@@ -93,4 +110,4 @@ def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool)
         if isinstance(loss, torch.Tensor):
             with backward_counter:
                 loss.backward()
-    return NodeCosts(fwd, [sum(span.samples) for span in spans], out_bytes)
+    return NodeCosts(fwd, [b.total for b in backward], out_bytes)

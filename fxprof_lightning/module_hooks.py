@@ -1,29 +1,25 @@
 """Module-level timing with hooks, for modules torch.fx cannot trace at all.
 
 ``ModuleHookTimer`` has the interface of ``NodeTimer`` (``nodes``, ``fwd``, ``bwd_ns``,
-``reset``, ``resolve``, ``install``, ``uninstall``), with one "node" per module: its *self*
-time (its inclusive time less that of its child modules), so nodes add up without double
-counting. Forward pre/post hooks are registered by ``install`` and removed by ``uninstall``:
-nothing stays on the model between recorded steps. Backward: the autograd nodes a module
-created and no child module claimed are timed with hooks on those autograd nodes.
+``reset``, ``add_backward``, ``resolve``, ``install``, ``uninstall``), with one "node" per
+module: its *self* time (its inclusive time less that of its child modules), so nodes add up
+without double counting. Forward pre/post hooks are registered by ``install`` and removed by
+``uninstall``: nothing stays on the model between recorded steps. Backward: each module call
+notes the autograd sequence numbers it consumed; ``add_backward`` gives each profiler event
+(see ``node_timing.BackwardEvents``) to the innermost module call whose range holds it, which
+is the module's self backward time.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from typing import Any
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fxprof_lightning.node_timing import (
-    BackwardSpan,
-    NodeInfo,
-    enter_range,
-    exit_range,
-    hook_autograd_nodes,
-    sequence_nr_now,
-)
+from fxprof_lightning.node_timing import NodeInfo, enter_range, exit_range, sequence_nr_now
 
 __all__ = ["ModuleHookTimer"]
 
@@ -33,6 +29,8 @@ class ModuleHookTimer:
 
     With ``annotate``, each module call is also a ``record_function`` range named after the module.
     """
+
+    uses_backward_events = True  # backward times come from add_backward
 
     def __init__(self, root: nn.Module, annotate: bool = False) -> None:
         self._annotate = annotate
@@ -50,22 +48,40 @@ class ModuleHookTimer:
 
     def reset(self) -> None:
         self.fwd: list[list[int]] = [[] for _ in self.nodes]
-        self.bwd: list[list[BackwardSpan]] = [[] for _ in self.nodes]
+        self.bwd: list[list[int]] = [[] for _ in self.nodes]
         self.mem_delta: list[list[int]] = [[] for _ in self.nodes]  # CUDA allocator stats: NodeTimer only
         self.mem_peak: list[list[int]] = [[] for _ in self.nodes]
-        self._claimed: set[Any] = set()
+        self._calls: list[tuple[int, int, int, int]] = []  # per module call that made autograd nodes: first, end, depth, index
         self._open = []
 
-    uses_backward_events = False  # backward is timed with hooks on the autograd nodes
-
     def add_backward(self, events: list[tuple[int, int]]) -> None:
-        """Backward times come from hooks here: profiler events are not needed."""
+        """Add each ``(sequence number, duration ns)`` to the innermost module call whose range holds it."""
+        calls = sorted(self._calls, key=lambda c: (c[0], -c[1], c[2]))  # a call before the calls nested in it
+        parents: list[int] = []
+        open_calls: list[int] = []
+        for i, (first, _end, _depth, _index) in enumerate(calls):
+            while open_calls and calls[open_calls[-1]][1] <= first:
+                open_calls.pop()
+            parents.append(open_calls[-1] if open_calls else -1)
+            open_calls.append(i)
+        firsts = [c[0] for c in calls]
+        totals = [0] * len(calls)
+        for sequence_nr, duration in events:
+            i = bisect.bisect_right(firsts, sequence_nr) - 1
+            while i >= 0 and sequence_nr >= calls[i][1]:
+                i = parents[i]
+            if i >= 0:
+                totals[i] += duration
+        self.bwd = [[] for _ in self.nodes]
+        for (_first, _end, _depth, index), total in zip(calls, totals, strict=True):
+            if total:
+                self.bwd[index].append(total)
 
     def resolve(self) -> None:
         """Host time needs no conversion."""
 
     def bwd_ns(self, index: int) -> list[int]:
-        return [sum(span.samples) for span in self.bwd[index] if span.samples]
+        return self.bwd[index]
 
     def install(self, module: nn.Module) -> None:
         if self._handles:
@@ -79,11 +95,8 @@ class ModuleHookTimer:
             handle.remove()
         self._handles = []
         self._open = []
-        self._claimed = set()  # hold no autograd node past the step
 
     def _pre(self, module: nn.Module, args: Any) -> None:
-        if not self._open:
-            self._claimed = set()  # a new forward of the root: autograd nodes of the last one are gone
         index = self._index[id(module)]
         annotation = enter_range(self.nodes[index].name) if self._annotate else None
         self._open.append([index, time.perf_counter_ns(), 0, sequence_nr_now(), annotation])
@@ -98,7 +111,6 @@ class ModuleHookTimer:
         self.fwd[index].append(elapsed - children)
         if self._open:
             self._open[-1][2] += elapsed
-        if sequence_nr != sequence_nr_now():
-            span = BackwardSpan(None)
-            self.bwd[index].append(span)
-            hook_autograd_nodes(output, sequence_nr, span, self._claimed)
+        end = sequence_nr_now()
+        if end != sequence_nr:
+            self._calls.append((sequence_nr, end, len(self._open), index))

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["BackwardEvents", "BackwardSpan", "CudaClock", "NodeInfo", "NodeTimer", "describe_target", "enter_range", "exit_range", "hook_autograd_nodes", "is_timed", "tensors_in"]
+__all__ = ["BackwardEvents", "CudaClock", "NodeInfo", "NodeTimer", "describe_target", "enter_range", "exit_range", "is_timed", "tensors_in"]
 
 # Node kinds that run code worth timing; placeholders, get_attr and output only move references.
 TIMED_OPS = ("call_module", "call_function", "call_method")
@@ -138,25 +138,6 @@ class CudaClock:
         start, end = sample
         end.synchronize()
         return int(start.elapsed_time(end) * 1e6)
-
-
-class BackwardSpan:
-    """Backward time of one forward call of one node: the sum over the autograd nodes it created."""
-
-    __slots__ = ("_start", "clock", "samples")
-
-    def __init__(self, clock: Any) -> None:
-        self.clock = clock
-        self.samples: list[Any] = []  # one duration (or CUDA event pair) per autograd node run
-        self._start: Any = None
-
-    def pre(self, grad_outputs: Any) -> None:
-        self._start = self.clock.start() if self.clock else time.perf_counter_ns()
-
-    def post(self, grad_inputs: Any, grad_outputs: Any) -> None:
-        start, self._start = self._start, None
-        if start is not None:
-            self.samples.append(self.clock.stop(start) if self.clock else time.perf_counter_ns() - start)
 
 
 class BackwardEvents:
@@ -453,28 +434,6 @@ def oldest_autograd_node(fn: Any, first: int, end: int) -> Any:
                 if next_fn._sequence_nr() < oldest._sequence_nr():
                     oldest = next_fn
     return oldest
-
-
-def hook_autograd_nodes(output: Any, first_sequence_nr: int, span: BackwardSpan, claimed: set | None = None) -> None:
-    """Time, into ``span``, every autograd node created since ``first_sequence_nr`` that ``output`` reaches.
-
-    Nodes in ``claimed`` (already timed by an inner module) are walked through but not hooked;
-    the hooked ones are added to it.
-    """
-    end = sequence_nr_now()
-    pending = [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
-    seen = set()
-    while pending:
-        fn = pending.pop()
-        if fn is None or fn in seen or not first_sequence_nr <= fn._sequence_nr() < end:
-            continue
-        seen.add(fn)
-        if claimed is None or fn not in claimed:
-            if claimed is not None:
-                claimed.add(fn)
-            fn.register_prehook(span.pre)
-            fn.register_hook(span.post)
-        pending.extend(next_fn for next_fn, _ in fn.next_functions)
 
 
 def _cuda_allocated_and_reset_peak() -> int:

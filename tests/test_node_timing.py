@@ -8,6 +8,7 @@ import torchvision
 from conftest import SmallNet
 
 from fxprof_lightning.capture import capture
+from fxprof_lightning.module_hooks import ModuleHookTimer
 from fxprof_lightning.node_timing import BackwardEvents, NodeTimer
 
 
@@ -130,3 +131,21 @@ def test_backward_events_go_to_the_node_call_that_created_them():
     ranges = list(zip(timer._firsts, timer._ends, strict=True))
     inside = sum(ns for seq, ns in recorded if any(first <= seq < end for first, end in ranges))
     assert sum(sum(timer.bwd_ns(i)) for i in range(len(names))) == inside < sum(ns for _, ns in recorded)
+
+
+def test_module_hooks_give_each_backward_event_to_the_innermost_module_once():
+    model = torchvision.models.resnet18(num_classes=5)
+    timer = ModuleHookTimer(model)
+    events = BackwardEvents()
+    events.start()
+    timer.install(model)
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    timer.uninstall(model)
+    recorded = events.stop()
+    timer.add_backward(recorded)
+    backward = {node.name: timer.bwd_ns(i) for i, node in enumerate(timer.nodes)}
+    assert all(len(backward[name]) == 1 for name in ("conv1", "layer1.0.conv1", "layer4.1.bn2", "fc"))
+    assert backward["layer1.0"] and backward["(root)"]  # the residual add, the flatten: self time of the parents
+    (root_call,) = [c for c in timer._calls if c[3] == 0]
+    inside = sum(ns for seq, ns in recorded if root_call[0] <= seq < root_call[1])
+    assert sum(sum(ns) for ns in backward.values()) == inside  # nothing counted twice, nothing lost
