@@ -297,17 +297,23 @@ class FXProfilerCallback(Callback):
         if timer is not None:
             if action in RECORDING and not stage.open.recorded:
                 timer.reset()  # drop what the warm-up steps measured
-            timer.install(self._target)
+            hooks = False
             if stage is self._train and action in RECORDING and stage.open.trace is None and timer.uses_backward_events:
-                self._record_backward(stage.open)
+                hooks = not self._record_backward(stage.open, timer)
+            timer.install(self._target, backward_hooks=hooks)
 
-    def _record_backward(self, cycle: _OpenCycle) -> None:
-        """Time the autograd nodes of the cycle's recorded steps (a trace, when there is one, does it)."""
+    def _record_backward(self, cycle: _OpenCycle, timer: NodeTimer | ModuleHookTimer) -> bool:
+        """Time the autograd nodes of the cycle's recorded steps (a trace, when there is one, does it).
+
+        False when profiler events cannot be had (another profiler is running): then hooks time them.
+        """
         if cycle.backward_events is None:
             cycle.backward_events = BackwardEvents()
             if not cycle.backward_events.start():
-                rank_zero_warn("FXProfilerCallback: another profiler is running, so this cycle's nodes get no "
-                               "backward times (they come from profiler events)")
+                rank_zero_warn("FXProfilerCallback: another profiler is running, so this cycle's backward times "
+                               + ("come from hooks on the autograd nodes (slower)" if isinstance(timer, NodeTimer)
+                                  else "are missing (module hooks take them from profiler events)"))
+        return cycle.backward_events.running
 
     def _stop_collecting(self, stage: _Stage, step: int, action: ProfilerAction) -> None:
         cycle = stage.open

@@ -83,7 +83,8 @@ class ModuleHookTimer:
     def bwd_ns(self, index: int) -> list[int]:
         return self.bwd[index]
 
-    def install(self, module: nn.Module) -> None:
+    def install(self, module: nn.Module, backward_hooks: bool = False) -> None:
+        """Register the hooks (``backward_hooks``: accepted for NodeTimer's interface; backward needs events)."""
         if self._handles:
             return
         for m in self._modules:

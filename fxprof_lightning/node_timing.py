@@ -13,7 +13,8 @@ nodes a node created are those with sequence numbers in that range.
   backward scope alone (``BackwardEvents``, or the events of a torch.profiler that records
   the same steps): each event carries the sequence number of the node, and ``add_backward``
   adds its duration to the FX node whose range holds it. No Python runs per autograd node.
-* On CUDA, for device time, a CUDA event is recorded as each node's backward starts. The
+* On CUDA, for device time, a CUDA event is recorded as each node's backward starts (and on
+  CPU a clock read, when profiler events cannot be had: ``install(..., backward_hooks=True)``). The
   engine runs the autograd nodes of one device in decreasing sequence-number order (its ready
   queue is a priority queue on it, and every node's consumers were created after it), so the
   autograd nodes of one FX node run one after the other, newest first. A pre-hook on the
@@ -140,6 +141,24 @@ class CudaClock:
         return int(start.elapsed_time(end) * 1e6)
 
 
+class HostClock:
+    """Host time in nanoseconds, with ``CudaClock``'s interface (backward marks on CPU)."""
+
+    start = staticmethod(time.perf_counter_ns)
+
+    @staticmethod
+    def stop(start: int) -> int:
+        return time.perf_counter_ns() - start
+
+    @staticmethod
+    def elapsed(start: int, end: int) -> int:
+        return end - start
+
+    @staticmethod
+    def resolve(sample: int) -> int:
+        return sample
+
+
 class BackwardEvents:
     """Times every autograd node that runs, in C++: the profiler's callbacks for the backward scope alone.
 
@@ -203,6 +222,9 @@ class NodeTimer:
         backward: time the autograd nodes each node creates.
         device: ``"cuda"`` for device time from CUDA events, anything else for host time.
 
+    Backward times come from profiler events given to ``add_backward`` on CPU, and from hooks
+    (``_hooked_record``) on CUDA or when installed with ``backward_hooks=True``.
+
     Example:
         >>> timer = NodeTimer(fx.symbolic_trace(model))
         >>> events = BackwardEvents(); events.start()
@@ -218,7 +240,8 @@ class NodeTimer:
         self.mem_delta: list[list[int]] = []
         self.mem_peak: list[list[int]] = []
         self.forward_inputs: tuple[Any, ...] | None = None  # the first call's inputs after reset (for FLOP counting)
-        self._clock = CudaClock if device == "cuda" else None
+        self._cuda = device == "cuda"
+        self._clock = CudaClock if self._cuda else HostClock  # for hooked graphs
         self._backward = backward
         # CPU: one entry per node call that created autograd nodes, in the order they ran (so by sequence number).
         self._firsts: list[int] = []  # its first autograd sequence number,
@@ -230,7 +253,9 @@ class NodeTimer:
         self._marks: list[tuple[list[Any] | None, Any]] = []
         self._in_pass = False  # an engine callback will mark the end of the running backward pass
         self._first_of_call = False  # no node of the running forward call has created autograd nodes yet
-        self.graph_module = self._instrument(traced, annotate)
+        self._traced, self._annotate = traced, annotate
+        self.graph_module = self._instrument(traced, annotate, hooked=self._cuda)
+        self._hooked_graph_module = self.graph_module if self._cuda else None  # built when first needed
         self._saved_forward: dict[int, Any] = {}
 
     def reset(self) -> None:
@@ -248,7 +273,7 @@ class NodeTimer:
     @property
     def uses_backward_events(self) -> bool:
         """Whether backward times come from ``add_backward`` (CPU) rather than hooks (CUDA) or nowhere."""
-        return self._backward and self._clock is None
+        return self._backward and not self._cuda
 
     def add_backward(self, events: list[tuple[int, int]]) -> None:
         """Add each ``(sequence number, duration ns)`` to the node call whose autograd node it timed."""
@@ -264,29 +289,32 @@ class NodeTimer:
                 self.bwd[owner].append(total)
 
     def resolve(self) -> None:
-        """CUDA: turn backward marks into durations and event pairs into nanoseconds."""
-        if self._clock is None:
-            return
+        """Turn backward marks into durations and, on CUDA, event pairs into nanoseconds."""
         marks, self._marks = self._marks, []
         for (durations, start), (_, end) in itertools.pairwise(marks):
             if durations is not None:
-                durations.append(CudaClock.elapsed(start, end))
+                durations.append(self._clock.elapsed(start, end))
         if marks and marks[-1][0] is not None:  # a backward pass still running: keep its open mark
             self._marks = [marks[-1]]
-        for samples in self.fwd:
-            samples[:] = [CudaClock.resolve(s) for s in samples]
-        self.bwd = [[sum(durations) for durations in calls if durations] for calls in self._spans]
+        if self._cuda:
+            for samples in self.fwd:
+                samples[:] = [CudaClock.resolve(s) for s in samples]
 
     def bwd_ns(self, index: int) -> list[int]:
         """Backward duration of each forward call of node ``index`` whose backward ran."""
-        return self.bwd[index]
+        return self.bwd[index] + [sum(durations) for durations in self._spans[index] if durations]
 
-    def install(self, module: nn.Module) -> None:
-        """Make ``module(...)`` run the instrumented graph until ``uninstall``."""
+    def install(self, module: nn.Module, backward_hooks: bool = False) -> None:
+        """Make ``module(...)`` run the instrumented graph until ``uninstall``.
+
+        ``backward_hooks``: time backward with hooks (as on CUDA) rather than from profiler events.
+        """
         if id(module) in self._saved_forward:
             return
+        if backward_hooks and self._hooked_graph_module is None:
+            self._hooked_graph_module = self._instrument(self._traced, self._annotate, hooked=True)
         self._saved_forward[id(module)] = module.__dict__.get("forward")
-        module.forward = self.graph_module.forward
+        module.forward = (self._hooked_graph_module if backward_hooks else self.graph_module).forward
 
     def uninstall(self, module: nn.Module) -> None:
         """Give ``module`` its own forward back (safe to call when not installed)."""
@@ -327,14 +355,14 @@ class NodeTimer:
 
         return record
 
-    def _cuda_record(self, index: int, start: Any, sequence_nr: int, output: Any) -> int:
-        self.fwd[index].append(CudaClock.stop(start))
+    def _hooked_record(self, index: int, start: Any, sequence_nr: int, output: Any) -> int:
+        self.fwd[index].append(self._clock.stop(start))
         if self._backward and sequence_nr != sequence_nr_now():
             self._mark_backward(index, sequence_nr, output)
         return sequence_nr_now()
 
     def _mark_backward(self, index: int, first: int, output: Any) -> None:
-        """CUDA: hook the newest autograd node the node created (and, for a call's first such node, its oldest)."""
+        """Hook the newest autograd node the node created (and, for a call's first such node, its oldest)."""
         newest = None
         for tensor in (output,) if isinstance(output, torch.Tensor) else tensors_in(output):
             fn = tensor.grad_fn
@@ -350,27 +378,29 @@ class NodeTimer:
             oldest_autograd_node(newest, first, sequence_nr_now()).register_hook(self._end)
 
     def _begin(self, durations: list[Any], grad_outputs: Any) -> None:
-        self._marks.append((durations, CudaClock.start()))
+        self._marks.append((durations, self._clock.start()))
         if not self._in_pass:
             self._in_pass = True
             queue_engine_callback(self._end_of_pass)
 
     def _end(self, grad_inputs: Any, grad_outputs: Any) -> None:
-        self._marks.append((None, CudaClock.start()))
+        self._marks.append((None, self._clock.start()))
 
     def _end_of_pass(self) -> None:
         self._in_pass = False
-        self._marks.append((None, CudaClock.start()))
+        self._marks.append((None, self._clock.start()))
 
     def _record_cuda_memory(self, index: int, allocated_before: int) -> None:
         self.mem_delta[index].append(torch.cuda.memory_allocated() - allocated_before)
         self.mem_peak[index].append(torch.cuda.max_memory_allocated() - allocated_before)
 
-    def _instrument(self, traced: fx.GraphModule, annotate: bool) -> fx.GraphModule:
+    def _instrument(self, traced: fx.GraphModule, annotate: bool, hooked: bool) -> fx.GraphModule:
+        """The instrumented graph; ``hooked``: backward timed by hooks (``_hooked_record``), else by events."""
         graph = fx.Graph()
         copies: dict[fx.Node, fx.Node] = {}
-        start_clock = self._clock.start if self._clock else time.perf_counter_ns
-        record = self._cuda_record if self._clock else self._cpu_record()
+        record = self._hooked_record if hooked else self._cpu_record()
+        first_build = not self.nodes
+        index = -1
         graph.set_codegen(copy.deepcopy(traced.graph._codegen))  # keep how inputs are passed (e.g. pytree codegen)
         placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
         sequence_nr: Any = None  # the sequence number after the last timed node, if there was one
@@ -381,24 +411,26 @@ class NodeTimer:
             if not is_timed(node):
                 copies[node] = graph.node_copy(node, copies.__getitem__)
                 continue
-            index = len(self.nodes)
-            self.nodes.append(node_info(node))
-            for samples in (self.fwd, self.mem_delta, self.mem_peak):
-                samples.append([])
+            index += 1
+            if first_build:
+                self.nodes.append(node_info(node))
+                for samples in (self.fwd, self.mem_delta, self.mem_peak):
+                    samples.append([])
             if annotate:
                 annotation = graph.call_function(enter_range, (node.name,))
-            if self._clock:
+            if self._cuda:
                 allocated = graph.call_function(_cuda_allocated_and_reset_peak)
             if sequence_nr is None:
                 sequence_nr = graph.call_function(sequence_nr_now) if self._backward else -1
-            start = graph.call_function(start_clock)
+            start = graph.call_function(self._clock.start)
             copies[node] = copied = _copy_node(graph, node, copies, traced)
             sequence_nr = graph.call_function(record, (index, start, sequence_nr, copied))
-            if self._clock:
+            if self._cuda:
                 graph.call_function(self._record_cuda_memory, (index, allocated))
             if annotate:
                 graph.call_function(exit_range, (annotation,))
-        self.reset()
+        if first_build:
+            self.reset()
         return fx.GraphModule(traced, graph, class_name=f"{type(traced).__name__}Timed")
 
 

@@ -1,6 +1,7 @@
 """FX node timing outside Lightning: same numbers as eager, clean install/uninstall, sane samples."""
 
 import copy
+import time
 
 import pytest
 import torch
@@ -149,3 +150,27 @@ def test_module_hooks_give_each_backward_event_to_the_innermost_module_once():
     (root_call,) = [c for c in timer._calls if c[3] == 0]
     inside = sum(ns for seq, ns in recorded if root_call[0] <= seq < root_call[1])
     assert sum(sum(ns) for ns in backward.values()) == inside  # nothing counted twice, nothing lost
+
+
+def test_backward_marks_by_hooks_cover_the_backward_pass_as_events_do():
+    """The hook path (CUDA's, and CPU's when another profiler is running), run here on the host clock."""
+    model = torchvision.models.resnet18(num_classes=5)  # in-place ReLUs, residual branches
+    timer = NodeTimer(trace_module(model))
+    x = torch.randn(2, 3, 32, 32)
+    for hooks in (False, True):
+        timer.reset()
+        events = BackwardEvents()
+        if not hooks:
+            events.start()
+        timer.install(model, backward_hooks=hooks)
+        loss = model(x).sum()
+        timer.uninstall(model)
+        start = time.perf_counter_ns()
+        loss.backward()
+        wall = time.perf_counter_ns() - start
+        timer.add_backward(events.stop())
+        timer.resolve()
+        backward = [timer.bwd_ns(i) for i in range(len(timer.nodes))]
+        assert all(len(ns) == 1 and ns[0] > 0 for ns in backward), [n.name for n, ns in zip(timer.nodes, backward) if not ns]
+        assert 0.9 * wall < sum(ns[0] for ns in backward) <= wall  # 97-100 % here, either way
+    assert "forward" not in model.__dict__ and timer._marks == []
