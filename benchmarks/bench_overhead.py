@@ -35,6 +35,8 @@ cross-entropy loss and backward (autograd on, no ``torch.no_grad`` anywhere in t
    a. each ``call_module`` node's module timed alone with ``torch.utils.benchmark.Timer`` on the
       very input it receives in the forward (captured once with forward pre-hooks); also with
       8 MiB written right before each timed call, so that it meets cold caches as in a forward;
+      and also with each output kept until the end of the round, so that every call writes
+      fresh memory, as in a training forward whose activations autograd keeps;
    b. torch.profiler: the inclusive CPU time of the ``record_function`` range that
       ``annotate=True`` opens around each node, compared with our time of the same executions,
       and with our unprofiled time.
@@ -553,20 +555,24 @@ def capture_module_inputs(model: nn.Module, traced: fx.GraphModule, x: torch.Ten
 FLUSH_BYTES = 8 * 2**20
 
 
-def module_timers(inputs: dict[str, tuple[nn.Module, torch.Tensor]], flush: bool) -> dict[str, benchmark.Timer]:
+def module_timers(inputs: dict[str, tuple[nn.Module, torch.Tensor]], flush: bool,
+                  kept: list[Any] | None = None) -> dict[str, benchmark.Timer]:
     """A ``benchmark.Timer`` per node, with the steps' thread count (Timer defaults to 1) and a plain
     clock: the default one asks ``torch.accelerator.is_available()`` at every read, which costs
     ~40 us once Lightning is imported in a CUDA build of torch without a GPU.
 
     With ``flush``, the setup (run by ``timeit(1)`` right before the timed call) writes
     ``FLUSH_BYTES``, so the call finds cold caches, more like inside a forward than a tight loop.
+    With ``kept``, each output is appended to it (the caller empties it once per round), so every
+    call writes fresh memory, as in a training forward, where autograd keeps the activations.
     """
     threads = torch.get_num_threads()
     setup = "flush.add_(1)" if flush else "pass"
     buffer = torch.zeros(FLUSH_BYTES // 4)
+    stmt = "kept.append(m(x))" if kept is not None else "m(x)"
     return {
-        name: benchmark.Timer("m(x)", setup=setup, globals={"m": m, "x": x, "flush": buffer}, num_threads=threads,
-                              timer=timeit.default_timer)
+        name: benchmark.Timer(stmt, setup=setup, globals={"m": m, "x": x, "flush": buffer, "kept": kept},
+                              num_threads=threads, timer=timeit.default_timer)
         for name, (m, x) in inputs.items()
     }
 
@@ -583,6 +589,7 @@ class ReferenceData:
     ranges: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))  # record_function ranges
     module_alone: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))  # benchmark.Timer
     module_cold: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))  # the same, caches flushed
+    module_fresh: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))  # flushed, outputs kept
 
 
 def timed_steps(work: Workload, timer: NodeTimer, steps: int, into: dict[str, list[float]]) -> None:
@@ -610,10 +617,12 @@ def reference_rounds(work: Workload, budget: Budget) -> ReferenceData:
     traced = trace_module(work.model)
     plain = NodeTimer(traced, annotate=False)
     # The range of annotate=True also encloses NodeTimer's bookkeeping after the node (with backward
-    # timing: hooking the autograd nodes it made); leave that out so the range measures the node.
+    # timing: noting the autograd sequence range it made); leave that out so the range measures the node.
     annotated = NodeTimer(traced, annotate=True, **({"backward": False} if has_backward_option() else {}))
     inputs = capture_module_inputs(work.model, traced, work.x)
+    kept: list[Any] = []
     warm, cold = module_timers(inputs, flush=False), module_timers(inputs, flush=True)
+    fresh = module_timers(inputs, flush=True, kept=kept)
     data = ReferenceData([info.name for info in plain.nodes], budget.ref_steps)
 
     def ours() -> None:
@@ -627,6 +636,8 @@ def reference_rounds(work: Workload, budget: Budget) -> ReferenceData:
             for _ in range(budget.ref_calls):
                 data.module_alone[name].append(warm[name].timeit(1).median * 1e6)
                 data.module_cold[name].append(cold[name].timeit(1).median * 1e6)
+                data.module_fresh[name].append(fresh[name].timeit(1).median * 1e6)
+        kept.clear()
 
     parts = [ours, profiled, alone]
     for part in parts:  # warm-up, thrown away
@@ -795,6 +806,7 @@ def report_accuracy(table: Table, data: ReferenceData) -> None:
     comparisons = [
         ("module alone (benchmark.Timer)", data.ours, data.module_alone),
         ("module alone, caches flushed", data.ours, data.module_cold),
+        ("module alone, flushed, outputs kept", data.ours, data.module_fresh),
         ("profiler range, same executions", data.ours_profiled, data.ranges),
         ("profiler range, ours unprofiled", data.ours, data.ranges),
     ]
