@@ -4,8 +4,13 @@
 2. on failure, the innermost submodule whose tracing failed becomes a leaf (called as a
    whole, timed as one node) and tracing is tried again, until it succeeds: a model with
    one data-dependent block keeps node granularity everywhere else (``leaves``);
-3. if the module's own forward cannot be traced, ``capture`` returns no graph and the
-   caller times modules with hooks instead (``module_hooks.ModuleHookTimer``).
+3. if the module's own forward cannot be traced and a real call of it was recorded (an
+   ``observed.Example``), tracing on that call: the forward gets the call's explicit
+   signature, its constant arguments and Python decisions are the call's, each checked by a
+   guard node at run time; leaves as in 2 (``observed.trace_on_example``). HuggingFace
+   transformers models get here. Time such a graph with ``observed.GuardedNodeTimer``;
+4. else ``capture`` returns no graph and the caller times modules with hooks instead
+   (``module_hooks.ModuleHookTimer``).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass, field
 from torch import fx, nn
 
 from fxprof_lightning.leaves import LeafTracer, trace_with_leaves
+from fxprof_lightning.observed import GUARDS, Example, trace_on_example
 
 __all__ = ["Capture", "capture"]
 
@@ -24,34 +30,58 @@ class Capture:
     """How a module was captured.
 
     Attributes:
-        method: ``"symbolic_trace"``, ``"symbolic_trace+leaves"`` or ``"module_hooks"``.
+        method: ``"symbolic_trace"``, ``"symbolic_trace+leaves"``, ``"traced_on_example"``,
+            ``"traced_on_example+leaves"`` or ``"module_hooks"``.
         graph_module: the traced graph (None for ``module_hooks``).
         leaves: submodules traced as single nodes, with the error that made them leaves.
         error: why tracing the whole module failed ('' when it did not).
+        guards: guard nodes of a graph traced on an example (0 for the other methods).
     """
 
     method: str
     graph_module: fx.GraphModule | None = None
     leaves: dict[str, str] = field(default_factory=dict)
     error: str = ""
+    guards: int = 0
+
+    @property
+    def on_example(self) -> bool:
+        """Whether the graph was traced on a recorded call (and must be run with guards honoured)."""
+        return self.method.startswith("traced_on_example")
 
     def describe(self) -> str:
         """One line for logs and reports."""
         text = self.method
         if self.leaves:
             text += f" ({len(self.leaves)} leaf module(s): " + "; ".join(f"{k} [{v}]" for k, v in self.leaves.items()) + ")"
+        if self.on_example:
+            text += (f" (torch.fx failed on the module's own forward: {self.error}; traced on a recorded call "
+                     f"instead, with {self.guards} guard(s) that send a call the graph does not fit to the "
+                     "module's own forward)")
         if self.method == "module_hooks":
             text += f" (torch.fx failed on the module's own forward: {self.error})"
         return text
 
 
-def capture(module: nn.Module) -> Capture:
-    """Trace ``module`` as far down as torch.fx allows; see the module docstring."""
+def capture(module: nn.Module, example: Example | None = None) -> Capture:
+    """Trace ``module`` as far down as torch.fx allows; see the module docstring.
+
+    Args:
+        module: the module to capture, in the mode (train/eval) it will run in.
+        example: a recorded call of ``module`` in that mode, for rung 3 (None: no rung 3).
+    """
     plain = trace_with_leaves(LeafTracer, lambda tracer: _graph_module(module, tracer))
-    if plain.graph_module is None:
+    if plain.graph_module is not None:
+        method = "symbolic_trace+leaves" if plain.leaves else "symbolic_trace"
+        return Capture(method, plain.graph_module, plain.leaves, plain.first_error)
+    if example is None:
         return Capture("module_hooks", None, plain.leaves, plain.error)
-    method = "symbolic_trace+leaves" if plain.leaves else "symbolic_trace"
-    return Capture(method, plain.graph_module, plain.leaves, plain.first_error)
+    traced = trace_on_example(module, example)
+    if traced.graph_module is None:
+        return Capture("module_hooks", None, plain.leaves, f"{plain.error}; on a recorded call: {traced.error}")
+    method = "traced_on_example+leaves" if traced.leaves else "traced_on_example"
+    guards = sum(1 for node in traced.graph_module.graph.nodes if node.target in GUARDS)
+    return Capture(method, traced.graph_module, traced.leaves, plain.error, guards)
 
 
 def _graph_module(module: nn.Module, tracer: fx.Tracer) -> fx.GraphModule:
