@@ -8,6 +8,7 @@ modules that know nothing of Lightning: ``schedule``, ``node_timing``, ``torch_t
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import time
@@ -23,12 +24,14 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from fxprof_lightning.capture import Capture, capture
 from fxprof_lightning.flops import NodeCosts, count_costs, input_signature
 from fxprof_lightning.module_hooks import ModuleHookTimer
 from fxprof_lightning.node_timing import BackwardEvents, NodeTimer
+from fxprof_lightning.observed import Example, GuardedNodeTimer, observe_first_call, with_meta_devices
 from fxprof_lightning.report import CycleReport, NodeStats, merge_ranks, summarize_modules, summarize_nodes
 from fxprof_lightning.schedule import ProfilerAction, Schedule
 from fxprof_lightning.torch_trace import CycleTrace, check_profiler_kwargs
@@ -155,6 +158,8 @@ class FXProfilerCallback(Callback):
         self._fx_on = fx_timing  # False when the target cannot be traced
         self._target: nn.Module | None = None
         self._timers: dict[bool, tuple[NodeTimer | ModuleHookTimer, Capture]] = {}  # one per training mode
+        self._examples: dict[bool, Example] = {}  # a recorded call per mode, until a capture uses it
+        self._observers: dict[bool, RemovableHandle] = {}  # recording the first call of a mode
         self._costs: dict[tuple, NodeCosts | None] = {}  # FLOPs per input signature
         self._backward_start: int | None = None
         self._out_dir: Path | None = None
@@ -178,6 +183,8 @@ class FXProfilerCallback(Callback):
             return
         self._target = None  # resolved when the loop starts: LightningModule.setup/configure_model may build it
         self._enabled, self._fx_on, self._timers, self._costs = True, self.fx_timing, {}, {}
+        self._stop_observing()
+        self._examples = {}
         if stage == "fit":  # a new fit counts from 0 unless a checkpoint says otherwise
             self._train = _Stage("train", "cycle_", "fxprof")
         self._val = _Stage("val", "val_cycle_", "fxprof/val")
@@ -195,10 +202,12 @@ class FXProfilerCallback(Callback):
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._target is None and self.profile_validation:  # trainer.validate
             self._resolve_target(pl_module)
+        if self.profile_validation and self._fx_on and self._enabled:  # eval mode: its own capture
+            self._safely(trainer, "capturing the module", self._timer_for, self._target)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._fx_on and self._enabled:  # capture before the first timed step, not inside it
+        if self._fx_on and self._enabled:  # capture (or start recording a call to trace on) before the first timed step
             self._safely(trainer, "capturing the module", self._timer_for, self._target)
 
     def _resolve_target(self, pl_module: pl.LightningModule) -> None:
@@ -254,6 +263,10 @@ class FXProfilerCallback(Callback):
                 self._safely(trainer, "writing the cycle cut short by an exception", self._close_cycle, trainer, stage, gather=False)
 
     @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop_observing()  # a mode whose first call never came
+
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero and self.cycles:
             print(self._summary(trainer))
@@ -293,6 +306,8 @@ class FXProfilerCallback(Callback):
     def _start_collecting(self, trainer: pl.Trainer, stage: _Stage, action: ProfilerAction) -> None:
         if stage.open is None:
             stage.open = self._open_cycle(trainer, stage)
+        if _stopped_fitting(stage.open.timer) and not stage.open.recorded:  # nothing recorded is lost: switch
+            stage.open.timer, stage.open.capture = self._timer_for(self._target)
         timer = stage.open.timer
         if timer is not None:
             if action in RECORDING and not stage.open.recorded:
@@ -345,6 +360,10 @@ class FXProfilerCallback(Callback):
                 actions = {s: self.schedule.action(s) for s in steps}
                 trace = CycleTrace(actions, directory, f"rank{trainer.global_rank}", self.use_gzip, self.profiler_kwargs)
         timer, how = self._timer_for(self._target) if self._fx_on else (None, None)
+        if self._fx_on and self._target.training in self._observers:  # the mode's first call is still to come
+            rank_zero_warn(f"FXProfilerCallback: torch.fx could not trace {type(self._target).__name__} whole, so it is "
+                           f"timed by {how.describe()} in this cycle, which starts at its first call; later cycles "
+                           "are traced on that call")
         return _OpenCycle(index, directory, trace, timer, how, self._target.training)
 
     def _close_cycle(self, trainer: pl.Trainer, stage: _Stage, gather: bool) -> None:
@@ -383,7 +402,7 @@ class FXProfilerCallback(Callback):
             report.backward_wall_ms = sum(cycle.backward_wall_ns) / len(cycle.backward_wall_ns) / 1e6
         if report.nodes and cycle.timer is not None:
             report.modules = summarize_modules(cycle.timer.nodes, report.nodes, len(cycle.recorded), self._type_name)
-        if self._fx_on and cycle.recorded and not report.nodes:
+        if self._fx_on and cycle.recorded and not report.nodes and not _stopped_fitting(cycle.timer):
             rank_zero_warn(
                 f"FXProfilerCallback: {type(self._target).__name__}.forward did not run in the recorded steps "
                 f"{cycle.recorded}, so no node was timed. If training_step calls a submodule instead, "
@@ -428,7 +447,7 @@ class FXProfilerCallback(Callback):
         timer = cycle.timer
         timer.uninstall(self._target)
         events = cycle.backward_events.stop() if cycle.backward_events is not None else None
-        if not cycle.recorded:
+        if not cycle.recorded or _stopped_fitting(timer):  # a graph that stopped fitting kept nothing
             return None
         timer.add_backward(events if events is not None else cycle.trace.backward_events if cycle.trace else [])
         timer.resolve()
@@ -445,8 +464,11 @@ class FXProfilerCallback(Callback):
             return None
         key = input_signature(inputs, cycle.training)
         if key not in self._costs:
+            graph = cycle.capture.graph_module
+            if cycle.capture.on_example:  # the example's devices are constants: meta ones for the meta pass
+                graph = with_meta_devices(graph)
             try:
-                self._costs[key] = count_costs(cycle.capture.graph_module, inputs, cycle.training)
+                self._costs[key] = count_costs(graph, inputs, cycle.training)
             except Exception as error:  # an op without a meta kernel: no FLOPs, timing goes on
                 rank_zero_warn(f"FXProfilerCallback: FLOPs not counted ({type(error).__name__}: {error})")
                 self._costs[key] = None
@@ -459,20 +481,64 @@ class FXProfilerCallback(Callback):
             return ""
 
     def _timer_for(self, module: nn.Module) -> tuple[NodeTimer | ModuleHookTimer, Capture]:
-        """The timer for the module's current mode, captured on first use (see ``capture``)."""
-        if module.training not in self._timers:
-            how = capture(module)
-            if how.graph_module is not None:
-                device = next(module.parameters(), torch.empty(0)).device.type
-                timer = NodeTimer(how.graph_module, annotate=self.torch_profiler, backward=self.backward_timing,
-                                  device=device)
-            else:
-                timer = ModuleHookTimer(module, annotate=self.torch_profiler)
-            if how.method != "symbolic_trace":
-                rank_zero_warn(f"FXProfilerCallback: torch.fx could not trace {type(module).__name__} whole, "
-                               f"so it is timed by {how.describe()}")
-            self._timers[module.training] = (timer, how)
-        return self._timers[module.training]
+        """The timer for the module's current mode, captured on first use (see ``capture``).
+
+        A module whose own forward torch.fx cannot trace is traced on a recorded call of it: the
+        first call in each mode is recorded (``observe_first_call``) and the next capture of that
+        mode uses it; until then (a cycle that opens at the mode's very first call) module hooks
+        time it. A graph that stops fitting the calls is replaced by module hooks.
+        """
+        training = module.training
+        entry = self._timers.get(training)
+        if entry is None:
+            entry = self._timers[training] = self._capture(module)
+        elif _stopped_fitting(entry[0]):
+            graph_capture = entry[1]
+            how = Capture("module_hooks", None, {}, f"{graph_capture.error}; the graph traced on a recorded call "
+                                                    f"stopped fitting the calls: {entry[0].mismatch}")
+            entry = self._timers[training] = (ModuleHookTimer(module, annotate=self.torch_profiler), how)
+        return entry
+
+    def _capture(self, module: nn.Module) -> tuple[NodeTimer | ModuleHookTimer, Capture]:
+        training = module.training
+        example = self._examples.pop(training, None)
+        how = capture(module, example)
+        if how.graph_module is None and example is None:  # no warning yet: the recorded call may do better
+            if training not in self._observers:
+                self._observers[training] = observe_first_call(module, training, functools.partial(self._observed, training))
+            return ModuleHookTimer(module, annotate=self.torch_profiler), how
+        device = next(module.parameters(), torch.empty(0)).device.type
+        if how.on_example:
+            timer = GuardedNodeTimer(how.graph_module, annotate=self.torch_profiler, backward=self.backward_timing,
+                                     device=device, on_mismatch=functools.partial(self._warn_mismatch, module, training))
+        elif how.graph_module is not None:
+            timer = NodeTimer(how.graph_module, annotate=self.torch_profiler, backward=self.backward_timing, device=device)
+        else:
+            timer = ModuleHookTimer(module, annotate=self.torch_profiler)
+        if how.method != "symbolic_trace":
+            rank_zero_warn(f"FXProfilerCallback: torch.fx could not trace {type(module).__name__} whole, "
+                           f"so it is timed by {how.describe()}")
+        return timer, how
+
+    def _observed(self, training: bool, example: Example) -> None:
+        """Runs inside the module's call: keep the example; the mode's next cycle captures again with it."""
+        self._examples[training] = example
+        self._observers.pop(training, None)
+        self._timers.pop(training, None)
+
+    def _stop_observing(self) -> None:
+        for handle in self._observers.values():
+            handle.remove()
+        self._observers = {}
+
+    def _warn_mismatch(self, module: nn.Module, training: bool, reason: str) -> None:
+        mode = "training" if training else "evaluation"
+        rank_zero_warn(
+            f"FXProfilerCallback: a call of {type(module).__name__} does not fit the graph traced on its first {mode} "
+            f"call ({reason}). That call ran the module's own forward, so training is unchanged; {mode} steps are "
+            "timed by module hooks from now on (a cycle that had already recorded steps with the graph reports no "
+            "node times)."
+        )
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -500,6 +566,7 @@ class FXProfilerCallback(Callback):
 
     def _disable(self) -> None:
         self._enabled = False
+        self._stop_observing()
         for stage in (self._train, self._val):
             cycle, stage.open = stage.open, None
             if cycle is None:
@@ -528,6 +595,11 @@ class FXProfilerCallback(Callback):
             root = next((lg.root_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), self._out_dir)
             lines.append(f"Traces: {last.directory}. View them with: tensorboard --logdir {root}")
         return "\n".join(lines)
+
+
+def _stopped_fitting(timer: Any) -> bool:
+    """Whether a timer's graph, traced on a recorded call, stopped fitting the calls (and times nothing)."""
+    return isinstance(timer, GuardedNodeTimer) and timer.mismatch is not None
 
 
 def _new_run_suffix(out_dir: Path) -> str:
