@@ -1,0 +1,254 @@
+"""HuggingFace transformers models through a real Trainer: node timing from a graph traced on a recorded call.
+
+The models are built tiny from their configs (nothing is downloaded) and called the HF way,
+``model(**batch)`` with a dict batch. Every run ends with weights bitwise equal to the same
+model trained without the profiler, also when a later batch does not fit the traced graph.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import transformers
+from conftest import make_trainer, read_events
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader
+
+from fxprof_lightning import FXProfilerCallback
+from fxprof_lightning.capture import capture
+from fxprof_lightning.observed import Example, GraphMismatch, GuardedNodeTimer
+
+VOCAB, HIDDEN, SEQ = 64, 32, 8
+ONE_CYCLE = {"skip_first": 0, "wait": 1, "warmup": 1, "active": 2, "repeat": 1}
+
+
+def tiny_bert(attention: str = "eager") -> nn.Module:
+    """Eager attention: matmul, softmax, dropout nodes; "sdpa" (HF's default): one scaled_dot_product_attention."""
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=32, attn_implementation=attention)
+    return transformers.BertModel(config)
+
+
+def tiny_llama(use_cache: bool) -> nn.Module:
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                      use_cache=use_cache, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return transformers.LlamaForCausalLM(config)
+
+
+def text_loader(lengths: tuple[int, ...] = (SEQ,) * 6, batch_size: int = 4) -> DataLoader:
+    """One dict batch per entry of ``lengths`` (tokens per sequence), the last sequence of each padded."""
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for length in lengths:
+        mask = torch.ones(batch_size, length, dtype=torch.long)
+        mask[-1, length // 2:] = 0
+        batches.append({"input_ids": torch.randint(3, VOCAB, (batch_size, length), generator=generator),
+                        "attention_mask": mask, "labels": torch.randint(0, 2, (batch_size,), generator=generator)})
+    return DataLoader(batches, batch_size=None)  # the batches as they are
+
+
+class LitEncoder(pl.LightningModule):
+    """A sequence classifier on an HF encoder: ``self.model(**inputs)``, a linear head on the first token."""
+
+    def __init__(self, attention: str = "eager") -> None:
+        super().__init__()
+        self.model = tiny_bert(attention)
+        self.head = nn.Linear(HIDDEN, 2)
+
+    def training_step(self, batch, batch_idx):
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        hidden = self.model(**inputs).last_hidden_state
+        return F.cross_entropy(self.head(hidden[:, 0]), batch["labels"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class LitCausalLM(LitEncoder):
+    """A causal language model computing its own loss: ``self.model(input_ids=..., labels=...).loss``."""
+
+    def __init__(self, use_cache: bool = True) -> None:
+        pl.LightningModule.__init__(self)
+        self.model = tiny_llama(use_cache)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                          labels=batch["input_ids"]).loss
+
+
+def train_both(tmp_path, make_lit, loader=text_loader, steps=4, **callback_kwargs):
+    """The same model trained without and with the profiler: (profiled module, callback), after
+    checking that the weights are bitwise equal and nothing is left on the model."""
+    pl.seed_everything(7, verbose=False)
+    plain = make_lit()
+    make_trainer(tmp_path / "plain", [], max_steps=steps).fit(plain, loader())
+    pl.seed_everything(7, verbose=False)
+    profiled = make_lit()
+    callback = FXProfilerCallback(**{**ONE_CYCLE, "module": "model", "torch_profiler": False, **callback_kwargs})
+    make_trainer(tmp_path / "profiled", [callback], max_steps=steps).fit(profiled, loader())
+    reference = plain.state_dict()
+    assert all(torch.equal(t, reference[k]) for k, t in profiled.state_dict().items()), "training was changed"
+    assert "forward" not in profiled.model.__dict__ and not profiled.model._forward_pre_hooks
+    return profiled, callback
+
+
+def test_bert_is_timed_node_by_node_inside_attention(tmp_path):
+    # Two sequence lengths: the graph is not specialised on the length, every batch runs it.
+    with pytest.warns(UserWarning, match=r"timed by traced_on_example \(torch.fx failed on the module's own forward") as caught:
+        _, callback = train_both(tmp_path, LitEncoder, lambda: text_loader((SEQ, 6, SEQ, 6)))
+    assert not [w for w in caught if "FLOPs not counted" in str(w.message) or "does not fit the graph" in str(w.message)]
+    (cycle,) = callback.cycles
+    assert cycle.capture.method == "traced_on_example" and cycle.capture.guards > 0
+    assert "traced on a recorded call" in cycle.to_markdown()
+    attention = {n.name: n for n in cycle.nodes if n.module_path == "encoder.layer.0.attention.self"}
+    assert {"matmul", "softmax", "matmul_1"} <= set(attention)
+    assert all(n.calls == 2 for n in attention.values())
+    assert attention["matmul"].bwd_calls == 2 and attention["matmul"].bwd_mean_ms > 0
+    assert attention["softmax"].bwd_calls == 2
+    assert attention["matmul"].fwd_flops == 2 * 4 * 2 * SEQ * SEQ * 16  # batch 4, 2 heads, q @ k.T, head dim 16
+    names = {n.name for n in cycle.nodes}
+    assert "encoder_layer_1_attention_self_query" in names  # nn.Linear calls are nodes too
+    assert not any(n.target.startswith("fxprof_lightning.observed.check_") for n in cycle.nodes)  # guards are not timed
+    modules = {m.path: m for m in cycle.modules}
+    assert modules["encoder.layer.0.attention.self"].total_fwd_ms > 0
+    tags = set(read_events(tmp_path / "profiled" / "logs" / "version_0").Tags()["scalars"])
+    assert {"fxprof/fwd_ms/total", "fxprof/bwd_ms/total"} <= tags
+
+
+@pytest.mark.parametrize("odd_step", [1, 2], ids=["in-warm-up", "in-a-recorded-step"])
+def test_a_batch_the_graph_does_not_fit_runs_the_own_forward(tmp_path, odd_step):
+    # SDPA attention asks ``seq_len > 1`` (is_causal): a batch of one-token sequences takes the other branch.
+    lengths = tuple(1 if step == odd_step else SEQ for step in range(8))
+    with pytest.warns(UserWarning, match=r"does not fit the graph traced on its first training call \(GraphMismatch"):
+        _, callback = train_both(tmp_path, lambda: LitEncoder("sdpa"), lambda: text_loader(lengths), steps=8, repeat=2,
+                                 torch_profiler=True)  # the failing call runs inside the trace's ranges
+    first, second = callback.cycles
+    if odd_step == 1:  # nothing recorded yet: the cycle goes on with module hooks
+        assert first.capture.method == "module_hooks" and first.nodes
+    else:  # the cycle had recorded a step with the graph: it reports nothing rather than a mix
+        assert first.capture.method == "traced_on_example" and first.nodes == []
+    assert second.capture.method == "module_hooks" and "stopped fitting the calls" in second.capture.error
+    assert {n.name for n in second.nodes} >= {"encoder.layer.0.attention.self", "encoder.layer.0.attention.self.query"}
+    assert all(cycle.trace_paths for cycle in callback.cycles)
+
+
+def test_a_forward_that_builds_a_cache_is_refused_and_timed_by_module_hooks(tmp_path):
+    # LlamaForCausalLM with use_cache=True fills a DynamicCache with traced values in its forward.
+    with pytest.warns(UserWarning, match=r"timed by module_hooks .*DynamicCache built while tracing holds traced values"):
+        _, callback = train_both(tmp_path, LitCausalLM)
+    (cycle,) = callback.cycles
+    assert cycle.capture.method == "module_hooks"
+    assert {"model.layers.0.self_attn", "model.layers.0.mlp.down_proj", "lm_head"} <= {n.name for n in cycle.nodes}
+
+
+def test_without_a_cache_the_causal_lm_and_its_loss_are_traced(tmp_path):
+    _, callback = train_both(tmp_path, lambda: LitCausalLM(use_cache=False))
+    (cycle,) = callback.cycles
+    assert cycle.capture.method == "traced_on_example"
+    attention = {n.target for n in cycle.nodes if n.module_path == "model.layers.1.self_attn"}
+    assert "torch.nn.functional.scaled_dot_product_attention" in attention  # HF's default attention
+    assert any("cross_entropy" in n.target for n in cycle.nodes)  # the loss inside the model's forward
+
+
+def test_a_cycle_at_the_very_first_step_uses_module_hooks_and_the_next_the_recorded_call(tmp_path):
+    # Step 0 is the first call the module gets: there is nothing to trace on yet.
+    with pytest.warns(UserWarning, match="timed by module_hooks .* in this cycle, which starts at its first call"):
+        _, callback = train_both(tmp_path, LitEncoder, steps=6, skip_first=0, wait=0, warmup=1, active=2, repeat=2)
+    first, second = callback.cycles
+    assert first.capture.method == "module_hooks" and first.nodes
+    assert second.capture.method == "traced_on_example" and "softmax" in {n.name for n in second.nodes}
+
+
+class LitValidated(LitEncoder):
+    def validation_step(self, batch, batch_idx):
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        self.log("val_loss", self.model(**inputs).last_hidden_state.pow(2).mean())
+
+
+def test_evaluation_gets_its_own_graph_traced_on_its_own_call(tmp_path):
+    callback = FXProfilerCallback(**ONE_CYCLE, module="model", torch_profiler=False, profile_validation=True)
+    lit = LitValidated()
+    # One epoch of 6 steps, then 6 validation batches; the sanity check's batch is the recorded eval call.
+    make_trainer(tmp_path, [callback], max_steps=6, num_sanity_val_steps=1).fit(lit, text_loader(), text_loader())
+    assert callback.cycles[0].capture.method == "traced_on_example"
+    (val,) = callback.val_cycles
+    assert val.capture.method == "traced_on_example"  # recorded in the sanity check
+    nodes = {n.name: n for n in val.nodes}
+    assert nodes["softmax"].calls == 2 and nodes["softmax"].bwd_calls == 0  # no autograd in validation
+    assert set(callback._timers) == {True, False} and not callback._observers
+
+
+# ------------------------------------------------------------------ the rung on its own, without Lightning
+
+
+def hf_models() -> dict[str, tuple]:
+    """Tiny models of several HF families and a call of each (keyword arguments)."""
+    ids = torch.randint(3, VOCAB, (2, SEQ))
+    mask = torch.ones(2, SEQ, dtype=torch.long)
+    mask[1, SEQ // 2:] = 0
+    text = {"input_ids": ids, "attention_mask": mask}
+    seq2seq = {**text, "decoder_input_ids": ids[:, :4]}
+    small = {"vocab_size": VOCAB, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    return {
+        "bert": (tiny_bert, text),
+        "gpt2": (lambda: transformers.GPT2Model(transformers.GPT2Config(n_embd=HIDDEN, n_layer=2, n_head=2, n_positions=32,
+                                                                       use_cache=False, **small)), text),
+        "t5": (lambda: transformers.T5Model(transformers.T5Config(d_model=HIDDEN, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+                                                                 use_cache=False, decoder_start_token_id=0, **small)), seq2seq),
+        "llama": (lambda: tiny_llama(use_cache=False), {**text, "labels": ids}),
+        "vit": (lambda: transformers.ViTModel(transformers.ViTConfig(image_size=16, patch_size=8, hidden_size=HIDDEN,
+                                                                     num_hidden_layers=2, num_attention_heads=2,
+                                                                     intermediate_size=64)),
+                {"pixel_values": torch.randn(2, 3, 16, 16)}),
+    }
+
+
+def forward_backward(model: nn.Module, kwargs: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    torch.manual_seed(1)  # dropout draws the same numbers in both runs
+    output = model(**kwargs)
+    tensors = [v for v in output.values() if isinstance(v, torch.Tensor)]
+    sum(t.float().sum() for t in tensors).backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return [t.detach() for t in tensors], grads
+
+
+@pytest.mark.parametrize("name", list(hf_models()))
+def test_graphs_traced_on_a_call_give_the_models_results(name):
+    build, kwargs = hf_models()[name]
+    model = build().train()
+    expected = forward_backward(model, kwargs)
+    how = capture(model, Example.copy_of((), kwargs))
+    assert how.method == "traced_on_example" and how.guards > 0, how.describe()
+    timer = GuardedNodeTimer(how.graph_module)
+    timer.install(model)
+    try:
+        got = forward_backward(model, kwargs)
+    finally:
+        timer.uninstall(model)
+    assert timer.mismatch is None and all(len(samples) == 1 for samples in timer.fwd)
+    assert all(torch.equal(a, b) for a, b in zip(got[0], expected[0], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got[1], expected[1], strict=True))
+    assert "forward" not in model.__dict__
+
+
+def test_a_call_the_graph_does_not_fit_gets_the_own_forward_with_the_same_random_numbers():
+    model = tiny_bert("sdpa").train()  # dropout everywhere
+    recorded = {"input_ids": torch.randint(3, VOCAB, (2, SEQ)), "attention_mask": torch.ones(2, SEQ, dtype=torch.long)}
+    one_token = {"input_ids": torch.randint(3, VOCAB, (2, 1)), "attention_mask": torch.ones(2, 1, dtype=torch.long)}
+    expected = forward_backward(model, one_token)
+    reasons = []
+    timer = GuardedNodeTimer(capture(model, Example.copy_of((), recorded)).graph_module, on_mismatch=reasons.append)
+    timer.install(model)
+    try:
+        got = forward_backward(model, one_token)
+        again = forward_backward(model, recorded)  # no graph any more, even for calls it fits
+    finally:
+        timer.uninstall(model)
+    assert all(torch.equal(a, b) for a, b in zip(got[0] + got[1], expected[0] + expected[1], strict=True))
+    assert len(reasons) == 1 and reasons[0].startswith(GraphMismatch.__name__) and timer.mismatch == reasons[0]
+    assert all(not samples for samples in timer.fwd)  # what the failed call recorded is gone
+    assert again[0] and "forward" not in model.__dict__
