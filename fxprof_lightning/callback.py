@@ -31,7 +31,7 @@ from fxprof_lightning.capture import Capture, capture
 from fxprof_lightning.flops import NodeCosts, count_costs, input_signature
 from fxprof_lightning.module_hooks import ModuleHookTimer
 from fxprof_lightning.node_timing import BackwardEvents, NodeTimer
-from fxprof_lightning.observed import Example, GuardedNodeTimer, observe_first_call, with_meta_devices
+from fxprof_lightning.observed import Example, GuardedNodeTimer, observe_first_call
 from fxprof_lightning.report import CycleReport, NodeStats, merge_ranks, summarize_modules, summarize_nodes
 from fxprof_lightning.schedule import ProfilerAction, Schedule
 from fxprof_lightning.torch_trace import CycleTrace, check_profiler_kwargs
@@ -464,11 +464,8 @@ class FXProfilerCallback(Callback):
             return None
         key = input_signature(inputs, cycle.training)
         if key not in self._costs:
-            graph = cycle.capture.graph_module
-            if cycle.capture.on_example:  # the example's devices are constants: meta ones for the meta pass
-                graph = with_meta_devices(graph)
             try:
-                self._costs[key] = count_costs(graph, inputs, cycle.training)
+                self._costs[key] = count_costs(cycle.capture.graph_module, inputs, cycle.training)
             except Exception as error:  # an op without a meta kernel: no FLOPs, timing goes on
                 rank_zero_warn(f"FXProfilerCallback: FLOPs not counted ({type(error).__name__}: {error})")
                 self._costs[key] = None

@@ -67,6 +67,10 @@ def _hook_autograd_nodes(output: Any, first_sequence_nr: int, flops: _BackwardFl
         pending.extend(next_fn for next_fn, _ in fn.next_functions)
 
 
+def _meta_device(value: Any) -> Any:
+    return torch.device("meta") if isinstance(value, torch.device) else value
+
+
 def _to_meta(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return torch.empty(value.shape, dtype=value.dtype, device="meta").requires_grad_(value.requires_grad)
@@ -84,6 +88,9 @@ def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool)
     for b in traced.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     meta_module = copy.deepcopy(traced, memo).train(training)
+    for node in meta_module.graph.nodes:  # devices baked in as constants (a graph traced on an example) become meta
+        node.args, node.kwargs = fx.node.map_aggregate((node.args, node.kwargs), _meta_device)
+    meta_module.recompile()
     timed = [n for n in meta_module.graph.nodes if is_timed(n)]
     position = {n: i for i, n in enumerate(timed)}
     fwd = [0] * len(timed)

@@ -85,6 +85,8 @@ def describe_target(node: fx.Node) -> str:
         return target
     module = getattr(target, "__module__", None) or ""
     name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or repr(target)
+    if name.startswith("_VariableFunctionsClass."):  # torch.matmul, torch.relu, ...
+        name = name.split(".", 1)[1]
     if module in ("_operator", "builtins"):
         module = "operator" if module == "_operator" else ""
     elif module.startswith("torch._C._nn") or module == "torch.nn.functional":

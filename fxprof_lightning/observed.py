@@ -31,7 +31,6 @@ forward is refused and the ladder goes on to module hooks.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import inspect
 import operator
@@ -50,7 +49,7 @@ from fxprof_lightning.leaves import LeafTrace, LeafTracer, short_error, trace_wi
 from fxprof_lightning.node_timing import UNTIMED_TARGETS, NodeTimer
 
 __all__ = ["GUARDS", "Example", "ExampleTracer", "GraphMismatch", "GuardedNodeTimer", "example_forward",
-           "observe_first_call", "trace_on_example", "with_meta_devices"]
+           "observe_first_call", "trace_on_example"]
 
 # Argument values that become constants of the graph (each guarded by ``check_argument``).
 PLAIN_CONSTANTS = (type(None), bool, int, float, str, torch.dtype, torch.device)
@@ -505,23 +504,6 @@ def _guard_constant_arguments(graph: fx.Graph, concrete_args: dict[str, Any]) ->
             graph.erase_node(compare)
         if all(n.target != name for n in graph.nodes if n.op == "placeholder"):
             placeholder.target = name
-
-
-def with_meta_devices(graph_module: fx.GraphModule) -> fx.GraphModule:
-    """A copy of the graph whose device constants are ``meta``, for the FLOP-counting pass (``flops.count_costs``).
-
-    Tracing on an example bakes devices in (``mask.to(device=x.device)``); on the meta device
-    those would make real tensors. The copy shares the module's parameters.
-    """
-    graph = fx.Graph()
-    graph.set_codegen(copy.deepcopy(graph_module.graph._codegen))
-    copies: dict[fx.Node, fx.Node] = {}
-    meta = torch.device("meta")
-    for node in graph_module.graph.nodes:
-        copied = copies[node] = graph.node_copy(node, copies.__getitem__)
-        copied.args, copied.kwargs = fx.node.map_aggregate(
-            (copied.args, copied.kwargs), lambda a: meta if isinstance(a, torch.device) else a)
-    return fx.GraphModule(graph_module, graph, class_name=type(graph_module).__name__)
 
 
 # ------------------------------------------------------------------ timing such a graph safely
