@@ -119,15 +119,16 @@ class Budget:
     idle_skip: int  # first steps of the fit left out (warm-up)
     resnet: Rounds  # parts 2 and 3 on ResNet18: rounds of one step per variant
     mlp: Rounds  # the same on the (much faster) MLP
+    mlp_profiled: Rounds  # part 2b: rounds of one profiled step per variant on the MLP
     warmup: int  # untimed steps per variant before measuring
     ref: Rounds  # parts 4 and 5: rounds of (plain steps, profiled steps, modules alone)
     ref_steps: int  # training steps per variant per round in parts 4 and 5
     ref_calls: int  # single timed calls per module per round for the benchmark.Timer reference
 
 
-FULL = Budget(idle=Rounds(50, 1000, 12), idle_skip=10, resnet=Rounds(8, 120, 40), mlp=Rounds(20, 300, 20),
+FULL = Budget(idle=Rounds(50, 1000, 12), idle_skip=10, resnet=Rounds(8, 120, 40), mlp=Rounds(20, 300, 20), mlp_profiled=Rounds(20, 150, 15),
               warmup=5, ref=Rounds(4, 30, 40), ref_steps=2, ref_calls=2)
-QUICK = Budget(idle=Rounds(20, 20, 0), idle_skip=4, resnet=Rounds(4, 4, 0), mlp=Rounds(10, 10, 0),
+QUICK = Budget(idle=Rounds(20, 20, 0), idle_skip=4, resnet=Rounds(4, 4, 0), mlp=Rounds(10, 10, 0), mlp_profiled=Rounds(4, 4, 0),
                warmup=2, ref=Rounds(2, 2, 0), ref_steps=1, ref_calls=2)
 
 
@@ -504,6 +505,37 @@ def step_overhead(work: Workload, rounds: Rounds, warmup: int) -> StepResult:
     return StepResult(work.name, nodes, median(eager) / 1e6, ratios, per_node, probe)
 
 
+def profiled_overhead(work: Workload, rounds: Rounds, warmup: int) -> dict[str, list[float]]:
+    """Per-node cost of FX timing where torch.profiler records the same steps (the callback's default).
+
+    Each round runs one step of each variant inside one ``torch.profiler.profile`` (CPU), as the
+    callback runs one profiler per cycle: the eager forward, ``NodeTimer(annotate=False)`` and
+    ``NodeTimer(annotate=True)`` (a ``record_function`` range per node: the callback's setting when
+    it writes traces). Backward times come from the profiler's own events, so no backward recorder
+    runs. Returns per-round (variant - eager) / nodes in microseconds.
+    """
+    traced = trace_module(work.model)
+    timers = {"annotate=False": NodeTimer(traced, annotate=False), "annotate=True": NodeTimer(traced, annotate=True)}
+    # (timer_variant's backward recorder declines to start: the profiler is running.)
+    variants = [Variant("eager", work.model)] + [timer_variant(name, work.model, t) for name, t in timers.items()]
+    nodes = len(timers["annotate=False"].nodes)
+
+    def one_round(r: int) -> dict[str, int]:
+        k, times = r % len(variants), {}
+        with torch.profiler.profile(activities=[ProfilerActivity.CPU]):
+            for variant in variants[k:] + variants[:k]:
+                variant.enter()
+                times[variant.name] = train_step(variant.forward, work)
+                variant.exit()
+        return times
+
+    with quiet_stderr():
+        for r in range(warmup):
+            one_round(r)
+        measured = [one_round(r) for r in rounds]
+    return {name: [(t[name] - t["eager"]) / 1e3 / nodes for t in measured] for name in timers}
+
+
 # ------------------------------------------------------------------ parts 4 and 5: profiler and accuracy
 
 
@@ -772,6 +804,15 @@ def report_steps(table: Table, result: StepResult, goal: float | None) -> None:
                    f"{estimate(per_node['NodeTimer backward=False'], 2, ' us/node')}")
 
 
+def report_profiled(table: Table, per_node: dict[str, list[float]]) -> None:
+    table.row("2b", "MLP-199 under torch.profiler: per-node cost, annotate=False", estimate(per_node["annotate=False"], 2, " us"),
+              "< 2 us", judge(per_node["annotate=False"], 2.0))
+    table.row("2b", "MLP-199 under torch.profiler: per-node cost, annotate=True", estimate(per_node["annotate=True"], 2, " us"),
+              "", "info")
+    table.note(f"{len(per_node['annotate=False'])} rounds, each in one profiler (CPU): FX timing over the profiled eager "
+               "step; backward times come from the profiler's events; annotate=True adds a record_function range per node")
+
+
 def cheaper_text(theirs: float, ours: float) -> str:
     if ours <= 0.05 or theirs <= 0.05:
         return "too close to 0 to compare (noise)"
@@ -851,6 +892,7 @@ def main() -> int:
     }
     report_steps(table, steps["ResNet18"], goal=1.10)
     report_steps(table, steps["MLP-199"], goal=None)
+    report_profiled(table, profiled_overhead(mlp, budget.mlp_profiled, budget.warmup))
     for result in steps.values():
         report_baseline(table, result)
     data = reference_rounds(resnet, budget)

@@ -101,6 +101,9 @@ class FXProfilerCallback(Callback):
         module_depth: deepest level of the module tree in the ``fxprof/modules`` text (root = 0).
         backward_timing: time each node's backward too (profiler events on CPU, hooks on CUDA); False makes
             recorded steps cheaper (see the benchmarks in the README).
+        node_ranges: with ``torch_profiler``, a ``record_function`` range named after each node (or
+            module) in the trace, so the trace view shows which node ran which ops; False saves their
+            cost (about 10 us per node and call under the profiler, see the benchmarks in the README).
 
     Example:
         >>> profiler = FXProfilerCallback(wait=5, warmup=1, active=3, module="model")
@@ -128,6 +131,7 @@ class FXProfilerCallback(Callback):
         profile_validation: bool = False,
         module_depth: int = 3,
         backward_timing: bool = True,
+        node_ranges: bool = True,
     ) -> None:
         self.schedule = Schedule(skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat)
         if not torch_profiler and not fx_timing:
@@ -150,6 +154,7 @@ class FXProfilerCallback(Callback):
             raise ValueError(f"module_depth must be an int >= 0, got {module_depth!r}")
         self.module_depth = module_depth
         self.backward_timing = backward_timing
+        self.node_ranges = node_ranges
         self.profile_validation = profile_validation
 
         self._train = _Stage("train", "cycle_", "fxprof")
@@ -493,7 +498,7 @@ class FXProfilerCallback(Callback):
             graph_capture = entry[1]
             how = Capture("module_hooks", None, {}, f"{graph_capture.error}; the graph traced on a recorded call "
                                                     f"stopped fitting the calls: {entry[0].mismatch}")
-            entry = self._timers[training] = (ModuleHookTimer(module, annotate=self.torch_profiler), how)
+            entry = self._timers[training] = (ModuleHookTimer(module, annotate=self.torch_profiler and self.node_ranges), how)
         return entry
 
     def _capture(self, module: nn.Module) -> tuple[NodeTimer | ModuleHookTimer, Capture]:
@@ -503,15 +508,15 @@ class FXProfilerCallback(Callback):
         if how.graph_module is None and example is None:  # no warning yet: the recorded call may do better
             if training not in self._observers:
                 self._observers[training] = observe_first_call(module, training, functools.partial(self._observed, training))
-            return ModuleHookTimer(module, annotate=self.torch_profiler), how
+            return ModuleHookTimer(module, annotate=self.torch_profiler and self.node_ranges), how
         device = next(module.parameters(), torch.empty(0)).device.type
         if how.on_example:
-            timer = GuardedNodeTimer(how.graph_module, annotate=self.torch_profiler, backward=self.backward_timing,
+            timer = GuardedNodeTimer(how.graph_module, annotate=self.torch_profiler and self.node_ranges, backward=self.backward_timing,
                                      device=device, on_mismatch=functools.partial(self._warn_mismatch, module, training))
         elif how.graph_module is not None:
-            timer = NodeTimer(how.graph_module, annotate=self.torch_profiler, backward=self.backward_timing, device=device)
+            timer = NodeTimer(how.graph_module, annotate=self.torch_profiler and self.node_ranges, backward=self.backward_timing, device=device)
         else:
-            timer = ModuleHookTimer(module, annotate=self.torch_profiler)
+            timer = ModuleHookTimer(module, annotate=self.torch_profiler and self.node_ranges)
         if how.method != "symbolic_trace":
             rank_zero_warn(f"FXProfilerCallback: torch.fx could not trace {type(module).__name__} whole, "
                            f"so it is timed by {how.describe()}")

@@ -162,6 +162,18 @@ def test_torch_profiler_only_and_fx_only(tmp_path):
     assert sorted(p.name for p in cycle.directory.iterdir()) == ["fx_modules.csv", "fx_nodes.csv"]
 
 
+def test_node_ranges_can_be_left_out_of_the_trace(tmp_path):
+    names = {}
+    for ranges in (True, False):
+        profiler = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=1, repeat=1, module="model", node_ranges=ranges)
+        _train(tmp_path / str(ranges), [profiler], steps=3)
+        (cycle,) = profiler.cycles
+        assert {n.name for n in cycle.nodes} == SMALLNET_NODES and all(n.bwd_calls for n in cycle.nodes)
+        events = json.loads(gzip.decompress(cycle.trace_paths[0].read_bytes()))["traceEvents"]
+        names[ranges] = {e["name"] for e in events if e.get("cat") == "user_annotation"}
+    assert SMALLNET_NODES <= names[True] and not SMALLNET_NODES & names[False]
+
+
 def test_a_target_forward_that_never_runs_is_reported(tmp_path):
     callback = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=1, repeat=1)  # LitClassifier.forward is unused
     with pytest.warns(UserWarning, match=r"LitClassifier.forward did not run in the recorded steps \[1\].*module="):
