@@ -43,7 +43,7 @@ cross-entropy loss and backward (autograd on, no ``torch.no_grad`` anywhere in t
    Reported: the median of ours/reference over nodes and the worst ratio among the ten slowest.
 
 Method against noise (the machine is shared): the variants of a comparison are interleaved step
-by step, their order rotated every round, so that load from other processes falls on all of them
+by step, their order shuffled every round, so that load from other processes falls on all of them
 alike. A result is the median over rounds of the paired per-round
 ratio (or difference), shown with a distribution-free ~95 % confidence interval of that median;
 the verdict is "inconclusive" when the interval straddles the goal. Each part stops adding rounds
@@ -62,6 +62,7 @@ import logging
 import math
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -468,8 +469,16 @@ def step_variants(work: Workload) -> tuple[list[Variant], int]:
     return variants, len(timer.nodes)
 
 
+def shuffled(items: list[Any], seed: int) -> list[Any]:
+    order = list(items)
+    random.Random(seed).shuffle(order)
+    return order
+
+
 def run_interleaved(variants: list[Variant], work: Workload, rounds: Rounds, warmup: int) -> dict[str, list[int]]:
-    """Step times (ns) per variant; one step of each per round, order rotated every round."""
+    """Step times (ns) per variant; one step of each per round, in an order shuffled every round
+    (a fixed rotation would always run each variant right after the same other one, whose
+    garbage or cache footprint it would then pay for)."""
     for variant in variants:
         for _ in range(warmup):
             variant.enter()
@@ -477,8 +486,7 @@ def run_interleaved(variants: list[Variant], work: Workload, rounds: Rounds, war
             variant.exit()
     times: dict[str, list[int]] = {v.name: [] for v in variants}
     for r in rounds:
-        k = r % len(variants)
-        for variant in variants[k:] + variants[:k]:
+        for variant in shuffled(variants, r):
             variant.enter()
             times[variant.name].append(train_step(variant.forward, work))
             variant.exit()
@@ -496,11 +504,17 @@ class StepResult:
 
 
 def step_overhead(work: Workload, rounds: Rounds, warmup: int) -> StepResult:
+    """Our variants interleaved with eager steps; the tutorial's interpreter in a run of its own
+    with eager steps (its garbage would otherwise land on whichever variant runs after it)."""
     variants, nodes = step_variants(work)
-    times = run_interleaved(variants, work, rounds, warmup)
+    eager, interpreter = variants[0], next(v for v in variants if v.name == "ProfilingInterpreter")
+    times = run_interleaved([v for v in variants if v is not interpreter], work, rounds, warmup)
+    baseline = run_interleaved([eager, interpreter], work, rounds, warmup)
+    ratios = {name: paired(t, times["eager"], lambda a, b: a / b) for name, t in times.items() if name != "eager"}
+    per_node = {name: paired(t, times["eager"], lambda a, b: (a - b) / 1e3 / nodes) for name, t in times.items() if name != "eager"}
+    ratios[interpreter.name] = paired(baseline[interpreter.name], baseline["eager"], lambda a, b: a / b)
+    per_node[interpreter.name] = paired(baseline[interpreter.name], baseline["eager"], lambda a, b: (a - b) / 1e3 / nodes)
     eager = times["eager"]
-    ratios = {name: paired(t, eager, lambda a, b: a / b) for name, t in times.items() if name != "eager"}
-    per_node = {name: paired(t, eager, lambda a, b: (a - b) / 1e3 / nodes) for name, t in times.items() if name != "eager"}
     probe = paired(times["NodeTimer"], times["untimed GraphModule"], lambda a, b: (a - b) / 1e3 / nodes)
     return StepResult(work.name, nodes, median(eager) / 1e6, ratios, per_node, probe)
 
@@ -521,9 +535,9 @@ def profiled_overhead(work: Workload, rounds: Rounds, warmup: int) -> dict[str, 
     nodes = len(timers["annotate=False"].nodes)
 
     def one_round(r: int) -> dict[str, int]:
-        k, times = r % len(variants), {}
+        times = {}
         with torch.profiler.profile(activities=[ProfilerActivity.CPU]):
-            for variant in variants[k:] + variants[:k]:
+            for variant in shuffled(variants, r):
                 variant.enter()
                 times[variant.name] = train_step(variant.forward, work)
                 variant.exit()
@@ -677,8 +691,7 @@ def reference_rounds(work: Workload, budget: Budget) -> ReferenceData:
     data = ReferenceData(data.names, budget.ref_steps)
     for r in budget.ref:
         data.rounds += 1
-        k = r % len(parts)
-        for part in parts[k:] + parts[:k]:
+        for part in shuffled(parts, r):
             part()
     return data
 
@@ -751,7 +764,7 @@ def header(quick: bool) -> str:
         f"machine   {platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, load avg {load}",
         f"versions  python {platform.python_version()}, torch {torch.__version__}, torchvision {torchvision.__version__}, lightning {lightning.__version__}",
         f"package   {package_state()}",
-        "method    variants interleaved step by step, order rotated each round;",
+        "method    variants interleaved step by step, order shuffled each round;",
         "          result = median over rounds of the paired ratio (or difference) [its ~95 % confidence interval];",
         "          inconclusive = the interval straddles the goal; times are medians",
     ])
