@@ -25,6 +25,10 @@ cross-entropy loss and backward (autograd on, no ``torch.no_grad`` anywhere in t
    graph's code, the forward clock probes, and backward timing. Where backward times come from
    profiler events (``node_timing.BackwardEvents``), the recorder runs during the timed steps and
    is started and stopped between them (untimed), as the callback does once per cycle.
+2b. Under torch.profiler. The MLP again, each round of steps inside one ``torch.profiler.profile``
+   (CPU), as the callback runs one per cycle: ``NodeTimer(annotate=False)`` and
+   ``NodeTimer(annotate=True)`` over the profiled eager step, per node. Backward times would come
+   from the profiler's events, so no backward recorder runs.
 3. Baseline. The ``ProfilingInterpreter`` of the torch.fx tutorial "Building a Simple CPU
    Performance Profiler with FX" (an ``fx.Interpreter`` whose ``run_node`` wraps
    ``super().run_node`` with ``time.time()``), re-implemented below, on the same two models.
