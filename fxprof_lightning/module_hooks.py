@@ -7,7 +7,8 @@ without double counting. Forward pre/post hooks are registered by ``install`` an
 ``uninstall``: nothing stays on the model between recorded steps. Backward: each module call
 notes the autograd sequence numbers it consumed; ``add_backward`` gives each profiler event
 (see ``node_timing.BackwardEvents``) to the innermost module call whose range holds it, which
-is the module's self backward time.
+is the module's self backward time. A forward run inside a backward pass (the recomputation
+of activation checkpointing) is not counted: its work is part of the backward node that runs it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import bisect
 import time
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -52,10 +54,14 @@ class ModuleHookTimer:
         self.mem_delta: list[list[int]] = [[] for _ in self.nodes]  # CUDA allocator stats: NodeTimer only
         self.mem_peak: list[list[int]] = [[] for _ in self.nodes]
         self._calls: list[tuple[int, int, int, int]] = []  # per module call that made autograd nodes: first, end, depth, index
+        self._totals: dict[tuple[int, int, int, int], int] = {}  # backward ns per call, from add_backward
         self._open = []
 
     def add_backward(self, events: list[tuple[int, int]]) -> None:
-        """Add each ``(sequence number, duration ns)`` to the innermost module call whose range holds it."""
+        """Add each ``(sequence number, duration ns)`` to the innermost module call whose range holds it.
+
+        Durations add up over calls of ``add_backward``: give each event once.
+        """
         calls = sorted(self._calls, key=lambda c: (c[0], -c[1], c[2]))  # a call before the calls nested in it
         parents: list[int] = []
         open_calls: list[int] = []
@@ -72,10 +78,12 @@ class ModuleHookTimer:
                 i = parents[i]
             if i >= 0:
                 totals[i] += duration
+        for call, total in zip(calls, totals, strict=True):
+            self._totals[call] = self._totals.get(call, 0) + total
         self.bwd = [[] for _ in self.nodes]
-        for (_first, _end, _depth, index), total in zip(calls, totals, strict=True):
-            if total:
-                self.bwd[index].append(total)
+        for call in self._calls:
+            if self._totals.get(call):
+                self.bwd[call[3]].append(self._totals[call])
 
     def resolve(self) -> None:
         """Host time needs no conversion."""
@@ -98,12 +106,14 @@ class ModuleHookTimer:
         self._open = []
 
     def _pre(self, module: nn.Module, args: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:  # recomputed inside backward (activation checkpointing)
+            return
         index = self._index[id(module)]
         annotation = enter_range(self.nodes[index].name) if self._annotate else None
         self._open.append([index, time.perf_counter_ns(), 0, sequence_nr_now(), annotation])
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self._open:
+        if not self._open or torch._C._current_graph_task_id() != -1:
             return
         index, start, children, sequence_nr, annotation = self._open.pop()
         elapsed = time.perf_counter_ns() - start

@@ -278,7 +278,11 @@ class NodeTimer:
         return self._backward and not self._cuda
 
     def add_backward(self, events: list[tuple[int, int]]) -> None:
-        """Add each ``(sequence number, duration ns)`` to the node call whose autograd node it timed."""
+        """Add each ``(sequence number, duration ns)`` to the node call whose autograd node it timed.
+
+        Durations add up over calls of ``add_backward``: give each event once. A forward call whose
+        graph ran backward twice (``retain_graph``) gets one sample, the sum of both.
+        """
         firsts, ends, totals = self._firsts, self._ends, self._totals
         totals.extend([0] * (len(firsts) - len(totals)))
         for sequence_nr, duration in events:

@@ -174,3 +174,29 @@ def test_backward_marks_by_hooks_cover_the_backward_pass_as_events_do():
         assert all(len(ns) == 1 and ns[0] > 0 for ns in backward), [n.name for n, ns in zip(timer.nodes, backward) if not ns]
         assert 0.9 * wall < sum(ns[0] for ns in backward) <= wall  # 97-100 % here, either way
     assert "forward" not in model.__dict__ and timer._marks == []
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_module_hooks_count_a_checkpointed_block_once(reentrant):
+    class Checkpointed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+            self.head = torch.nn.Linear(64, 1)
+
+        def forward(self, x):
+            return self.head(torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=reentrant))
+
+    model = Checkpointed()
+    timer = ModuleHookTimer(model)
+    events = BackwardEvents()
+    events.start()
+    timer.install(model)
+    loss = model(torch.randn(256, 64, requires_grad=True)).sum()
+    start = time.perf_counter_ns()
+    loss.backward()  # recomputes the block's forward: not a second call, its backward not counted twice
+    wall = time.perf_counter_ns() - start
+    timer.uninstall(model)
+    timer.add_backward(events.stop())
+    assert [len(samples) for samples in timer.fwd] == [1] * len(timer.nodes)
+    assert 0 < sum(sum(timer.bwd_ns(i)) for i in range(len(timer.nodes))) <= wall
