@@ -354,7 +354,10 @@ class FXProfilerCallback(Callback):
         if not stage.directories or stage.directories[-1] != directory:
             stage.directories.append(directory)
         trace = None
-        if self.torch_profiler:
+        if self.torch_profiler and torch._C._autograd._profiler_enabled():
+            rank_zero_warn("FXProfilerCallback: another profiler is running, so this cycle writes no trace (starting "
+                           "one would cancel it); node timing goes on")
+        elif self.torch_profiler:
             other = self._val if stage is self._train else self._train
             if other.open is not None and (other.open.trace is not None or other.open.backward_events is not None):
                 rank_zero_warn(f"FXProfilerCallback: a {other.name} cycle's torch.profiler trace is still open, so "
@@ -452,6 +455,9 @@ class FXProfilerCallback(Callback):
         timer = cycle.timer
         timer.uninstall(self._target)
         events = cycle.backward_events.stop() if cycle.backward_events is not None else None
+        if cycle.backward_events is not None and cycle.backward_events.lost:
+            rank_zero_warn("FXProfilerCallback: another profiler started while this cycle recorded and took over "
+                           "the profiler session, so the cycle's nodes get no backward times")
         if not cycle.recorded or _stopped_fitting(timer):  # a graph that stopped fitting kept nothing
             return None
         timer.add_backward(events if events is not None else cycle.trace.backward_events if cycle.trace else [])

@@ -172,6 +172,7 @@ class BackwardEvents:
 
     def __init__(self) -> None:
         self.running = False
+        self.lost = False  # another profiler took over while this one ran: it recorded nothing usable
 
     def start(self) -> bool:
         """Start recording; False (and nothing done) when another profiler is already running."""
@@ -186,10 +187,13 @@ class BackwardEvents:
         return True
 
     def stop(self) -> list[tuple[int, int]]:
-        """Stop recording; what ran since ``start``."""
+        """Stop recording; what ran since ``start`` ([] and ``lost`` if another profiler took over)."""
         if not self.running:
             return []
         self.running = False
+        if torch.autograd.profiler._is_profiler_enabled or not torch._C._autograd._profiler_enabled():
+            self.lost = True  # a torch.profiler started meanwhile: the session is its own, not ours to stop
+            return []
         return backward_durations(torch._C._autograd._disable_profiler().events())
 
 

@@ -86,23 +86,46 @@ def test_backward_covers_resnet18_and_in_place_relu_is_fine(tmp_path, torch_prof
     assert all(n.bwd_calls for n in callback.cycles[-1].nodes if n.op == "call_module" and "conv" in n.name)
 
 
-def test_another_profiler_running_means_backward_by_hooks_and_training_unchanged(tmp_path):
-    class UserProfiler(pl.Callback):  # the user's own torch.profiler over the whole fit
-        def on_train_start(self, trainer, pl_module):
-            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+class UserProfiler(pl.Callback):
+    """The user's own torch.profiler, from the given training step (None: the start of training) to the end."""
+
+    def __init__(self, from_step=None):
+        self.from_step = from_step
+        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+
+    def on_train_start(self, trainer, pl_module):
+        if self.from_step is None:
             self.profiler.start()
 
-        def on_train_end(self, trainer, pl_module):
-            self.profiler.stop()
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.from_step:
+            self.profiler.start()
 
+    def on_train_end(self, trainer, pl_module):
+        self.profiler.stop()
+
+
+@pytest.mark.parametrize("torch_profiler", [False, True])
+def test_another_profiler_running_means_backward_by_hooks_and_training_unchanged(tmp_path, torch_profiler):
     user = UserProfiler()
     with pytest.warns(UserWarning, match="another profiler is running, so this cycle's backward times come from hooks"):
-        _, callback = train_both(tmp_path, LitClassifier, torch_profiler=False, extra_callbacks=[user])
+        _, callback = train_both(tmp_path, LitClassifier, torch_profiler=torch_profiler, extra_callbacks=[user])
     (cycle,) = callback.cycles
+    assert cycle.trace_paths == []  # with torch_profiler=True: a trace would have cancelled the user's profiler
     assert all(n.calls == 2 for n in cycle.nodes)
     assert all(n.bwd_calls == 2 and n.bwd_mean_ms > 0 for n in cycle.nodes)
     assert 0 < cycle.backward_ms_per_step <= cycle.backward_wall_ms
     assert any(e.name == "aten::convolution" for e in user.profiler.events())  # the user's profile is intact
+
+
+def test_a_profiler_started_during_a_cycle_keeps_its_session(tmp_path):
+    user = UserProfiler(from_step=3)  # the cycle records steps 2 and 3
+    with pytest.warns(UserWarning, match="another profiler started while this cycle recorded and took over"):
+        _, callback = train_both(tmp_path, LitClassifier, torch_profiler=False, extra_callbacks=[user], steps=5)
+    (cycle,) = callback.cycles
+    assert all(n.calls == 2 and n.bwd_calls == 0 for n in cycle.nodes)
+    assert any(e.name == "aten::convolution" for e in user.profiler.events())  # its session was not stopped by us
+    assert not torch.autograd.profiler._is_profiler_enabled
 
 
 def test_module_tree_self_and_total_without_double_counting(tmp_path):
