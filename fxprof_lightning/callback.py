@@ -354,19 +354,20 @@ class FXProfilerCallback(Callback):
         if not stage.directories or stage.directories[-1] != directory:
             stage.directories.append(directory)
         trace = None
-        if self.torch_profiler and torch._C._autograd._profiler_enabled():
+        other = self._val if stage is self._train else self._train
+        if not self.torch_profiler:
+            pass
+        elif other.open is not None and (other.open.trace is not None or other.open.backward_events is not None):
+            rank_zero_warn(f"FXProfilerCallback: a {other.name} cycle's profiler is still running, so "
+                           f"{stage.name} steps {stage.step}+ get node timing only (one profiler runs at a time)")
+        elif torch._C._autograd._profiler_enabled():
             rank_zero_warn("FXProfilerCallback: another profiler is running, so this cycle writes no trace (starting "
                            "one would cancel it); node timing goes on")
-        elif self.torch_profiler:
-            other = self._val if stage is self._train else self._train
-            if other.open is not None and (other.open.trace is not None or other.open.backward_events is not None):
-                rank_zero_warn(f"FXProfilerCallback: a {other.name} cycle's torch.profiler trace is still open, so "
-                               f"{stage.name} steps {stage.step}+ get node timing only (one profiler runs at a time)")
-            else:
-                # The cycle opens at whichever of its traced steps comes first (normally its first).
-                steps = [s for s in self.schedule.traced_steps(index) if s >= stage.step]
-                actions = {s: self.schedule.action(s) for s in steps}
-                trace = CycleTrace(actions, directory, f"rank{trainer.global_rank}", self.use_gzip, self.profiler_kwargs)
+        else:
+            # The cycle opens at whichever of its traced steps comes first (normally its first).
+            steps = [s for s in self.schedule.traced_steps(index) if s >= stage.step]
+            actions = {s: self.schedule.action(s) for s in steps}
+            trace = CycleTrace(actions, directory, f"rank{trainer.global_rank}", self.use_gzip, self.profiler_kwargs)
         timer, how = self._timer_for(self._target) if self._fx_on else (None, None)
         if self._fx_on and self._target.training in self._observers:  # the mode's first call is still to come
             rank_zero_warn(f"FXProfilerCallback: torch.fx could not trace {type(self._target).__name__} whole, so it is "
