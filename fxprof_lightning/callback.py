@@ -259,9 +259,12 @@ class FXProfilerCallback(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._cut_cycle(trainer, self._train)  # training stopped inside a cycle (max_steps, early stopping)
+        if self._train.open is not None:  # a step that opened a cycle and never ended (on_train_batch_start gave -1)
+            self._safely(trainer, "writing a cycle left open", self._close_cycle, trainer, self._train, gather=False)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop_observing()  # Lightning calls no teardown after an exception
         for stage in (self._train, self._val):
             if stage.open is not None:
                 # Other ranks may not get here: no collective, this rank's data only.

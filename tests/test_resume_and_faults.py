@@ -79,6 +79,53 @@ def test_exception_in_a_recorded_step_propagates_and_leaves_things_clean(tmp_pat
     assert (cycle.directory / "fx_nodes.csv").exists()
 
 
+class SkipsRestOfEpochAt(LitClassifier):
+    """Returns -1 from on_train_batch_start at one step: Lightning skips the rest of the epoch."""
+
+    def __init__(self, step: int):
+        super().__init__()
+        self.skip_at = step
+
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if self.global_step == self.skip_at else None
+
+
+@pytest.mark.parametrize("torch_profiler", [False, True])
+def test_a_cycle_whose_step_never_ends_is_closed_at_the_end_of_training(tmp_path, torch_profiler):
+    callback = FXProfilerCallback(skip_first=1, wait=0, warmup=1, active=2, module="model", torch_profiler=torch_profiler)
+    model = SkipsRestOfEpochAt(1)  # the warm-up step opens the cycle, and its batch never ends
+    make_trainer(tmp_path, [callback], max_steps=-1, max_epochs=1).fit(model, image_loader())
+    assert "forward" not in model.model.__dict__  # the module's own forward is back
+    assert not torch._C._autograd._profiler_enabled()  # no profiler left running
+    assert [c.steps for c in callback.cycles] == []  # nothing recorded; the warm-up's trace is gone
+    assert not any((tmp_path / "logs").rglob("*.pt.trace.json*"))
+
+
+class ShapeBranching(torch.nn.Module):
+    """Branches on a shape: plain tracing fails, so the callback waits for a call to trace on."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(3 * 8 * 8, 4)
+
+    def forward(self, x):
+        return self.head(x.flatten(1) if x.shape[1] == 3 else x)
+
+
+class FailsBeforeItsModel(LitClassifier):
+    def training_step(self, batch, batch_idx):
+        raise RuntimeError("before the model ran")
+
+
+def test_an_exception_before_the_first_call_leaves_no_hook_on_the_model(tmp_path):
+    model = FailsBeforeItsModel(ShapeBranching())
+    callback = FXProfilerCallback(skip_first=1, wait=0, warmup=1, active=1, module="model")
+    with pytest.raises(RuntimeError, match="before the model ran"):
+        make_trainer(tmp_path, [callback], max_steps=4).fit(model, image_loader())
+    # The one-shot hook waiting for the model's first call (to trace on it) is gone.
+    assert not model.model._forward_pre_hooks and not model.model._forward_pre_hooks_with_kwargs
+
+
 def test_keyboard_interrupt_in_a_recorded_step_leaves_no_wrapper(tmp_path):
     callback = FXProfilerCallback(**SCHEDULE, module="model")
     model = FailsAtStep(4, KeyboardInterrupt())
