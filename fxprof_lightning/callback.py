@@ -356,6 +356,8 @@ class FXProfilerCallback(Callback):
         directory.mkdir(parents=True, exist_ok=True)
         if not stage.directories or stage.directories[-1] != directory:
             stage.directories.append(directory)
+        # Capture first: tracing on a recorded call runs the module, which no trace should record.
+        timer, how = self._timer_for(self._target) if self._fx_on else (None, None)
         trace = None
         other = self._val if stage is self._train else self._train
         if not self.torch_profiler:
@@ -371,7 +373,6 @@ class FXProfilerCallback(Callback):
             steps = [s for s in self.schedule.traced_steps(index) if s >= stage.step]
             actions = {s: self.schedule.action(s) for s in steps}
             trace = CycleTrace(actions, directory, f"rank{trainer.global_rank}", self.use_gzip, self.profiler_kwargs)
-        timer, how = self._timer_for(self._target) if self._fx_on else (None, None)
         if self._fx_on and self._target.training in self._observers:  # the mode's first call is still to come
             rank_zero_warn(f"FXProfilerCallback: torch.fx could not trace {type(self._target).__name__} whole, so it is "
                            f"timed by {how.describe()} in this cycle, which starts at its first call; later cycles "
