@@ -7,10 +7,15 @@
 3. if the module's own forward cannot be traced and a real call of it was recorded (an
    ``observed.Example``), tracing on that call: the forward gets the call's explicit
    signature, its constant arguments and Python decisions are the call's, each checked by a
-   guard node at run time; leaves as in 2 (``observed.trace_on_example``). HuggingFace
-   transformers models get here. Time such a graph with ``observed.GuardedNodeTimer``;
+   guard node at run time; leaves as in 2 (``observed.trace_on_example``). The graph is kept
+   only if it reproduces the module's output on that call. HuggingFace transformers models get
+   here. Time such a graph with ``observed.GuardedNodeTimer``;
 4. else ``capture`` returns no graph and the caller times modules with hooks instead
    (``module_hooks.ModuleHookTimer``).
+
+A module that calls activation checkpointing (``torch.utils.checkpoint``) on traced values is
+never traced through: it becomes a leaf (in the root's own forward: no graph on that rung), so
+it keeps its checkpoint.
 """
 
 from __future__ import annotations

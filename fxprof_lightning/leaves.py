@@ -5,18 +5,43 @@ tracing and tracing on a recorded call (``observed``). When tracing fails inside
 the innermost such submodule becomes a *leaf* (one ``call_module`` node, called as a whole)
 and tracing starts over, so one untraceable block costs node granularity in that block only.
 A failure in the root's own forward ends the loop: no graph.
+
+Activation checkpointing (``torch.utils.checkpoint``) called on traced values would run the
+checkpointed function on proxies and inline it: the graph would keep every activation the
+user's model frees. ``LeafTracer`` makes such a call fail (``refusing_checkpoint``), so the
+module calling it becomes a leaf and keeps its checkpoint.
+
+What tracing cannot see: Python questions that ``fx.Proxy`` does not intercept get answered
+about the proxy, not about the value, and the answer is baked into the graph without notice:
+``isinstance(x, torch.Tensor)`` is False, ``hasattr(x, name)`` is True, ``x is y`` compares
+proxies. A forward that branches on those yields a graph that differs from what the module
+does. This is a torch.fx limitation; plain symbolic tracing (rungs 1 and 2) has no real call to
+check the graph against. Rung 3 has one and checks it (``observed.trace_on_example``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
+import torch.utils.checkpoint
 from torch import fx, nn
 
-__all__ = ["MAX_LEAF_RETRIES", "LeafTrace", "LeafTracer", "short_error", "trace_with_leaves"]
+__all__ = ["MAX_LEAF_RETRIES", "LeafTrace", "LeafTracer", "refusing_checkpoint", "short_error", "trace_with_leaves"]
 
 MAX_LEAF_RETRIES = 64
+# What every way into activation checkpointing calls at run time (``checkpoint`` itself may be
+# bound early: HuggingFace keeps a ``functools.partial(checkpoint, ...)``). Names a torch
+# version lacks are skipped.
+CHECKPOINT_INTERNALS = (
+    (torch.utils.checkpoint, "_checkpoint_without_reentrant_generator_impl"),  # use_reentrant=False
+    (torch.utils.checkpoint, "_checkpoint_without_reentrant_generator"),  # the same, older torch
+    (torch.utils.checkpoint.CheckpointFunction, "apply"),  # use_reentrant=True
+)
+_ABSENT = object()
 
 
 class LeafTracer(fx.Tracer):
@@ -29,6 +54,10 @@ class LeafTracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name in self.extra_leaves or super().is_leaf_module(m, module_qualified_name)
+
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        with refusing_checkpoint():
+            return super().trace(root, concrete_args)
 
     def call_module(self, m, forward, args, kwargs):
         try:
@@ -57,6 +86,46 @@ class LeafTrace:
     leaves: dict[str, str] = field(default_factory=dict)
     first_error: str = ""
     error: str = ""
+
+
+@contextlib.contextmanager
+def refusing_checkpoint() -> Iterator[None]:
+    """Activation checkpointing called with a traced value among its arguments raises ``TraceError``.
+
+    Calls with real values (a leaf evaluated on an example) pass through untouched.
+    """
+    saved = [(owner, name, owner.__dict__.get(name, _ABSENT)) for owner, name in CHECKPOINT_INTERNALS
+             if hasattr(owner, name)]
+    for owner, name, _ in saved:
+        setattr(owner, name, _refusing_proxies(getattr(owner, name)))
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(saved):
+            if original is _ABSENT:  # inherited (``Function.apply``)
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+def _refusing_proxies(original: Callable[..., Any]) -> Callable[..., Any]:
+    def refusing(*args: Any, **kwargs: Any) -> Any:
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, functools.partial):  # HF: partial(forward, self, **kwargs)
+                value = (value.args, value.keywords)
+            if _has_proxy(value):
+                raise fx.proxy.TraceError(
+                    "activation checkpointing cannot be traced: torch.utils.checkpoint would run its function on "
+                    "traced values and the graph would keep the activations it frees; the module calling it stays whole")
+        return original(*args, **kwargs)
+
+    return refusing
+
+
+def _has_proxy(tree: Any) -> bool:
+    found = []
+    fx.node.map_aggregate(tree, lambda x: found.append(x) if isinstance(x, fx.Proxy) else None)
+    return bool(found)
 
 
 def short_error(error: BaseException) -> str:

@@ -14,7 +14,14 @@ arguments of one call, recorded by ``observe_first_call``), ``trace_on_example``
    truth, ``len``, iteration, use as an int, static tensor attributes (``dtype``, ``device``...).
    The truth of a tensor (``if x.sum() > 0``) is not answered: the data decides it, batch by
    batch, so tracing fails there as it would have (a leaf, or module hooks);
-4. keeps a submodule whole where tracing still fails (``leaves.trace_with_leaves``).
+4. keeps a submodule whole where tracing still fails (``leaves.trace_with_leaves``), activation
+   checkpointing on traced values included (a ``GradientCheckpointingLayer`` stays whole);
+5. runs the module's own forward and the graph on the example (no grad, the same random state;
+   random state and buffers restored) and refuses the graph unless every output tensor is
+   bitwise the same. Some Python questions never reach the tracer: ``isinstance(x, torch.Tensor)``
+   is False for a proxy, ``hasattr`` True, ``x is y`` compares proxies. Their answers are baked
+   into the graph without a guard (a torch.fx limitation); this check catches those that change
+   the recorded call's output. Rungs 1 and 2 have no recorded call and cannot check this.
 
 Every answer specialises the graph on the example, so a *guard* node that checks it again goes
 into the graph, the constant arguments included. Guards are bookkeeping, not timed
@@ -42,7 +49,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.fx._symbolic_trace import _assert_is_none
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
 from fxprof_lightning.leaves import LeafTrace, LeafTracer, short_error, trace_with_leaves
@@ -366,18 +373,24 @@ class ExampleTracer(LeafTracer):
 
     def trace(self, root: nn.Module, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         """Trace with ``len(proxy)`` and torch factories patched; random state and buffers are restored."""
-        buffers = {name: b.detach().clone() for name, b in root.named_buffers()}
-        cuda = sorted({b.device.index or 0 for b in [*root.parameters(), *root.buffers()] if b.is_cuda})
-        with _patched_len(self), _recorded_factories(self), torch.random.fork_rng(devices=cuda), \
-                warnings.catch_warnings():
+        with _patched_len(self), _recorded_factories(self), _state_restored(root), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the model's own warnings already showed in eager mode
-            try:
-                return super().trace(root, concrete_args)
-            finally:
-                with torch.no_grad():
-                    for name, b in root.named_buffers():
-                        if name in buffers:
-                            b.copy_(buffers[name])
+            return super().trace(root, concrete_args)
+
+
+@contextlib.contextmanager
+def _state_restored(module: nn.Module) -> Iterator[None]:
+    """The random state (CPU, and the module's CUDA devices) and the module's buffers are as before, after."""
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    cuda = sorted({b.device.index or 0 for b in [*module.parameters(), *module.buffers()] if b.is_cuda})
+    with torch.random.fork_rng(devices=cuda):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, b in module.named_buffers():
+                    if name in buffers:
+                        b.copy_(buffers[name])
 
 
 @contextlib.contextmanager
@@ -464,7 +477,51 @@ def trace_on_example(module: nn.Module, example: Example) -> LeafTrace:
             for name in tracer.constants.values():  # the graph module holds them now
                 module.__dict__.pop(name, None)
 
-    return trace_with_leaves(lambda leaves: ExampleTracer(leaves, examples), trace)
+    traced = trace_with_leaves(lambda leaves: ExampleTracer(leaves, examples), trace)
+    if traced.graph_module is not None:
+        difference = _difference_on_example(module, traced.graph_module, example)
+        if difference:
+            return LeafTrace(None, traced.leaves, traced.first_error,
+                             "the graph traced on the recorded call does not reproduce the module's output on that "
+                             f"call (e.g. an isinstance check on a traced value); {difference}")
+    return traced
+
+
+def _difference_on_example(module: nn.Module, graph_module: fx.GraphModule, example: Example) -> str:
+    """How the graph's output on the example differs from the module's own forward's ('' if in no way).
+
+    Both run on fresh copies of the example, without grad, from the same random state; the
+    random state and the buffers are restored after each run (batch-norm statistics, dropout).
+    Python decisions fx does not ask a proxy about (``isinstance``, ``hasattr``, ``is``) are
+    baked into the graph without a guard: this is where a wrong one shows.
+    """
+    outputs = []
+    for run in (module.forward, graph_module):
+        call = Example.copy_of(example.args, example.kwargs)
+        try:
+            with _state_restored(module), torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                outputs.append(tree_flatten(run(*call.args, **call.kwargs)))
+        except Exception as error:
+            return f"{'the graph' if outputs else 'the module'} failed on it: {short_error(error)}"
+    (expected, expected_spec), (got, got_spec) = outputs
+    if expected_spec != got_spec:
+        return f"the output's structure differs: {got_spec} instead of {expected_spec}"
+    for i, (a, b) in enumerate(zip(expected, got)):
+        if type(a) is not type(b):
+            return f"output {i} is a {type(b).__name__} instead of a {type(a).__name__}"
+        if isinstance(a, torch.Tensor) and (a.dtype != b.dtype or a.shape != b.shape):
+            return f"output {i} is {b.dtype} {tuple(b.shape)} instead of {a.dtype} {tuple(a.shape)}"
+        if isinstance(a, torch.Tensor) and not _same_values(a, b):
+            return f"output {i} has other values (largest difference {(a.double() - b.double()).abs().max():.3g})"
+    return ""
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise the same values, NaN where the other has NaN (a fully masked row, say) included."""
+    if torch.equal(a, b):
+        return True
+    return a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
 
 
 def _placeholders_first(graph: fx.Graph) -> None:

@@ -252,3 +252,52 @@ def test_a_call_the_graph_does_not_fit_gets_the_own_forward_with_the_same_random
     assert len(reasons) == 1 and reasons[0].startswith(GraphMismatch.__name__) and timer.mismatch == reasons[0]
     assert all(not samples for samples in timer.fwd)  # what the failed call recorded is gone
     assert again[0] and "forward" not in model.__dict__
+
+
+# ------------------------------------------------------------------ activation checkpointing is kept
+
+
+class LitCheckpointedLM(LitCausalLM):
+    def __init__(self) -> None:
+        super().__init__(use_cache=False)
+        self.model.activation_checkpointing_enable()  # every decoder layer: checkpoint(use_reentrant=False)
+
+
+def test_gradient_checkpointed_layers_stay_whole_and_training_is_unchanged(tmp_path):
+    _, callback = train_both(tmp_path, LitCheckpointedLM)
+    (cycle,) = callback.cycles
+    assert cycle.capture.method == "traced_on_example+leaves"
+    assert set(cycle.capture.leaves) == {"model.layers.0", "model.layers.1"}
+    assert all("activation checkpointing cannot be traced" in why for why in cycle.capture.leaves.values())
+    assert {"model.layers.0", "model.layers.1", "lm_head"} <= {n.target for n in cycle.nodes if n.op == "call_module"}
+
+
+def test_the_graph_checkpoints_and_saves_what_the_model_saves(monkeypatch):
+    calls = []
+    internal = torch.utils.checkpoint._checkpoint_without_reentrant_generator_impl
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return internal(*args, **kwargs)
+
+    monkeypatch.setattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator_impl", counted)
+    model = tiny_llama(use_cache=False).train()
+    model.activation_checkpointing_enable()
+    ids = torch.randint(3, VOCAB, (2, SEQ))
+
+    def saved_bytes_and_checkpoints() -> tuple[int, int]:
+        calls.clear()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.nbytes) or t, lambda t: t):
+            model(input_ids=ids, labels=ids).loss.backward()
+        return sum(saved), len(calls)
+
+    eager = saved_bytes_and_checkpoints()
+    how = capture(model, Example.copy_of((), {"input_ids": ids, "labels": ids}))
+    timer = GuardedNodeTimer(how.graph_module)
+    timer.install(model)
+    try:
+        graph = saved_bytes_and_checkpoints()
+    finally:
+        timer.uninstall(model)
+    assert timer.mismatch is None and eager[1] == 2 and graph == eager

@@ -1,0 +1,137 @@
+"""A captured graph never does less or more than the user's model: activation checkpointing is
+kept, and a graph traced on a recorded call that does not reproduce that call is refused.
+
+The models train through a real Trainer and end with weights bitwise equal to the same model
+trained without the profiler (``test_layers.train_both``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from conftest import LitClassifier
+from test_layers import train_both
+from torch import nn
+from torch.nn import functional as F
+
+from fxprof_lightning.capture import capture
+from fxprof_lightning.leaves import refusing_checkpoint
+from fxprof_lightning.observed import Example
+
+CHECKPOINT_REASON = "activation checkpointing cannot be traced"
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x)))
+
+
+class Checkpointed(nn.Module):
+    """Runs ``block`` under activation checkpointing."""
+
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        self.block = Block()
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.use_reentrant)
+
+
+class WithCheckpointedBlock(nn.Module):
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.body = Checkpointed(use_reentrant)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = F.relu(self.conv(x)).mean(dim=(2, 3))
+        return self.head(self.body(x))
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_checkpointing_submodule_is_a_leaf_and_keeps_its_checkpoint(tmp_path, use_reentrant):
+    with pytest.warns(UserWarning, match=rf"symbolic_trace\+leaves \(1 leaf module\(s\): body \[TraceError: {CHECKPOINT_REASON}"):
+        _, callback = train_both(tmp_path, lambda: LitClassifier(WithCheckpointedBlock(use_reentrant)))
+    (cycle,) = callback.cycles
+    assert list(cycle.capture.leaves) == ["body"] and CHECKPOINT_REASON in cycle.capture.leaves["body"]
+    nodes = {n.name: n for n in cycle.nodes}
+    assert set(nodes) == {"conv", "relu", "mean", "body", "head"}
+    assert nodes["body"].op == "call_module" and nodes["body"].bwd_calls == 2
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpointing_in_the_roots_own_forward_goes_down_the_ladder(use_reentrant):
+    module = Checkpointed(use_reentrant).train()
+    x = torch.randn(4, 16, requires_grad=True)
+    for example in (None, Example.copy_of((x,), {})):
+        how = capture(module, example)
+        assert how.method == "module_hooks" and CHECKPOINT_REASON in how.error
+
+
+def test_checkpointing_on_real_tensors_passes_and_everything_is_restored():
+    internals = dict(vars(torch.utils.checkpoint))
+    module = Block()
+    x = torch.randn(4, 16, requires_grad=True)
+    with refusing_checkpoint():
+        got = torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False)
+        got_reentrant = torch.utils.checkpoint.checkpoint(module, x, use_reentrant=True)
+    assert torch.equal(got, module(x)) and torch.equal(got_reentrant, got) and got.grad_fn is not None
+    assert dict(vars(torch.utils.checkpoint)) == internals
+    assert "apply" not in vars(torch.utils.checkpoint.CheckpointFunction)  # inherited again
+
+
+# ------------------------------------------------------------------ decisions fx does not ask a proxy about
+
+
+class ScaledIfTensor(nn.Module):
+    """Takes rung 3 (a branch on a shape), then asks ``isinstance`` of a traced value (the reviewer's case)."""
+
+    def __init__(self, check_type: bool = True) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.drop = nn.Dropout(0.25)
+        self.head = nn.Linear(8, 4)
+        self.check_type = check_type
+
+    def forward(self, x, scale=None):
+        x = self.bn(self.conv(x))
+        if x.shape[1] > 1:  # plain symbolic tracing fails here
+            x = x * 2
+        if self.check_type and isinstance(scale, torch.Tensor):  # False on a proxy: dropped from the graph
+            x = x * scale
+        return self.head(self.drop(x.mean(dim=(2, 3))))
+
+
+class LitScaled(LitClassifier):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.model(x, scale=torch.tensor(3.0)), y)
+
+
+def test_a_graph_that_does_not_reproduce_its_recorded_call_is_refused(tmp_path):
+    with pytest.warns(UserWarning, match="timed by module_hooks .*does not reproduce the module's output on that call"):
+        _, callback = train_both(tmp_path, lambda: LitScaled(ScaledIfTensor()))
+    (cycle,) = callback.cycles
+    assert cycle.capture.method == "module_hooks" and "isinstance check" in cycle.capture.error
+    assert {"conv", "bn", "head"} <= {n.name for n in cycle.nodes}
+
+
+@pytest.mark.parametrize("check_type", [False, True], ids=["reproduces", "refused"])
+def test_capture_leaves_random_state_and_buffers_as_they_were(check_type):
+    module = ScaledIfTensor(check_type).train()  # batch norm updates its statistics, dropout draws numbers
+    example = Example.copy_of((torch.randn(4, 3, 8, 8),), {"scale": torch.tensor(3.0)})
+    buffers = {k: b.clone() for k, b in module.state_dict().items()}
+    random_state = torch.get_rng_state()
+    how = capture(module, example)
+    assert how.method == ("module_hooks" if check_type else "traced_on_example"), how.describe()
+    assert torch.equal(torch.get_rng_state(), random_state)
+    assert all(torch.equal(b, buffers[k]) for k, b in module.state_dict().items())
