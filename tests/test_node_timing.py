@@ -158,21 +158,25 @@ def test_backward_marks_by_hooks_cover_the_backward_pass_as_events_do():
     timer = NodeTimer(trace_module(model))
     x = torch.randn(2, 3, 32, 32)
     for hooks in (False, True):
-        timer.reset()
-        events = BackwardEvents()
-        if not hooks:
-            events.start()
-        timer.install(model, backward_hooks=hooks)
-        loss = model(x).sum()
-        timer.uninstall(model)
-        start = time.perf_counter_ns()
-        loss.backward()
-        wall = time.perf_counter_ns() - start
-        timer.add_backward(events.stop())
-        timer.resolve()
-        backward = [timer.bwd_ns(i) for i in range(len(timer.nodes))]
-        assert all(len(ns) == 1 and ns[0] > 0 for ns in backward), [n.name for n, ns in zip(timer.nodes, backward) if not ns]
-        assert 0.9 * wall < sum(ns[0] for ns in backward) <= wall  # 97-100 % here, either way
+        coverage = []
+        for _ in range(3):  # the best of three: a busy machine can stall any one backward pass
+            timer.reset()
+            events = BackwardEvents()
+            if not hooks:
+                events.start()
+            timer.install(model, backward_hooks=hooks)
+            loss = model(x).sum()
+            timer.uninstall(model)
+            start = time.perf_counter_ns()
+            loss.backward()
+            wall = time.perf_counter_ns() - start
+            timer.add_backward(events.stop())
+            timer.resolve()
+            backward = [timer.bwd_ns(i) for i in range(len(timer.nodes))]
+            assert all(len(ns) == 1 and ns[0] > 0 for ns in backward), [n.name for n, ns in zip(timer.nodes, backward) if not ns]
+            assert sum(ns[0] for ns in backward) <= wall
+            coverage.append(sum(ns[0] for ns in backward) / wall)
+        assert max(coverage) > 0.9, (hooks, coverage)  # 97-100 % on a quiet machine, either way
     assert "forward" not in model.__dict__ and timer._marks == []
 
 
