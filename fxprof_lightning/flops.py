@@ -18,7 +18,7 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from fxprof_lightning.node_timing import is_timed, sequence_nr_now, tensors_in
+from fxprof_lightning.node_timing import autograd_nodes, is_timed, sequence_nr_now, tensors_in
 
 __all__ = ["NodeCosts", "count_costs", "input_signature"]
 
@@ -50,21 +50,6 @@ class _BackwardFlops:
 
     def post(self, grad_inputs: Any, grad_outputs: Any) -> None:
         self.total += self.counter.get_total_flops() - self._start
-
-
-def _hook_autograd_nodes(output: Any, first_sequence_nr: int, flops: _BackwardFlops) -> None:
-    """Count into ``flops`` every autograd node created since ``first_sequence_nr`` that ``output`` reaches."""
-    end = sequence_nr_now()
-    pending = [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
-    seen = set()
-    while pending:
-        fn = pending.pop()
-        if fn is None or fn in seen or not first_sequence_nr <= fn._sequence_nr() < end:
-            continue
-        seen.add(fn)
-        fn.register_prehook(flops.pre)
-        fn.register_hook(flops.post)
-        pending.extend(next_fn for next_fn, _ in fn.next_functions)
 
 
 def _meta_device(value: Any) -> Any:
@@ -108,7 +93,9 @@ def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool)
                 output = super().run_node(node)
             fwd[i] = counter.get_total_flops()
             out_bytes[i] = sum(t.numel() * t.element_size() for t in tensors_in(output))
-            _hook_autograd_nodes(output, first, backward[i])
+            for fn in autograd_nodes([t.grad_fn for t in tensors_in(output)], first, sequence_nr_now()):
+                fn.register_prehook(backward[i].pre)
+                fn.register_hook(backward[i].post)
             return output
 
     with torch.enable_grad():

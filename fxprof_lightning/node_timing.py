@@ -39,13 +39,14 @@ import copy
 import functools
 import itertools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
 
-__all__ = ["BackwardEvents", "CudaClock", "NodeInfo", "NodeTimer", "describe_target", "enter_range", "exit_range", "is_timed", "tensors_in"]
+__all__ = ["BackwardEvents", "CudaClock", "NodeInfo", "NodeTimer", "autograd_nodes", "describe_target", "enter_range", "exit_range", "is_timed", "tensors_in"]
 
 # Node kinds that run code worth timing; placeholders, get_attr and output only move references.
 TIMED_OPS = ("call_module", "call_function", "call_method")
@@ -136,11 +137,7 @@ class CudaClock:
 
     @staticmethod
     def resolve(sample: Any) -> int:
-        if isinstance(sample, int):
-            return sample
-        start, end = sample
-        end.synchronize()
-        return int(start.elapsed_time(end) * 1e6)
+        return sample if isinstance(sample, int) else CudaClock.elapsed(*sample)
 
 
 class HostClock:
@@ -155,10 +152,6 @@ class HostClock:
     @staticmethod
     def elapsed(start: int, end: int) -> int:
         return end - start
-
-    @staticmethod
-    def resolve(sample: int) -> int:
-        return sample
 
 
 class BackwardEvents:
@@ -367,11 +360,12 @@ class NodeTimer:
 
     def _hooked_record(self, index: int, start: Any, sequence_nr: int, output: Any) -> int:
         self.fwd[index].append(self._clock.stop(start))
-        if self._backward and sequence_nr != sequence_nr_now():
-            self._mark_backward(index, sequence_nr, output)
-        return sequence_nr_now()
+        end = sequence_nr_now()
+        if self._backward and sequence_nr != end:
+            self._mark_backward(index, sequence_nr, end, output)
+        return end
 
-    def _mark_backward(self, index: int, first: int, output: Any) -> None:
+    def _mark_backward(self, index: int, first: int, end: int, output: Any) -> None:
         """Hook the newest autograd node the node created (and, for a call's first such node, its oldest)."""
         newest = None
         for tensor in (output,) if isinstance(output, torch.Tensor) else tensors_in(output):
@@ -385,7 +379,7 @@ class NodeTimer:
         newest.register_prehook(functools.partial(self._begin, durations))
         if self._first_of_call:  # created first, so run last: the model's backward ends with it
             self._first_of_call = False
-            oldest_autograd_node(newest, first, sequence_nr_now()).register_hook(self._end)
+            min(autograd_nodes([newest], first, end), key=lambda fn: fn._sequence_nr()).register_hook(self._end)
 
     def _begin(self, durations: list[Any], grad_outputs: Any) -> None:
         self._marks.append((durations, self._clock.start()))
@@ -465,17 +459,17 @@ def _caller(module: nn.Module) -> Any:
     return call_module
 
 
-def oldest_autograd_node(fn: Any, first: int, end: int) -> Any:
-    """The autograd node with the lowest sequence number in [first, end) that ``fn`` reaches."""
-    oldest, pending, seen = fn, [fn], {fn}
+def autograd_nodes(roots: list[Any], first: int, end: int) -> Iterator[Any]:
+    """The autograd nodes with sequence numbers in [first, end) that ``roots`` reach (those in the range included)."""
+    pending = list(dict.fromkeys(fn for fn in roots if fn is not None and first <= fn._sequence_nr() < end))
+    seen = set(pending)
     while pending:
-        for next_fn, _ in pending.pop().next_functions:
+        fn = pending.pop()
+        yield fn
+        for next_fn, _ in fn.next_functions:
             if next_fn is not None and next_fn not in seen and first <= next_fn._sequence_nr() < end:
                 seen.add(next_fn)
                 pending.append(next_fn)
-                if next_fn._sequence_nr() < oldest._sequence_nr():
-                    oldest = next_fn
-    return oldest
 
 
 def _cuda_allocated_and_reset_peak() -> int:
