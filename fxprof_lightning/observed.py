@@ -593,14 +593,11 @@ class GuardedNodeTimer(NodeTimer):
         super().__init__(traced, annotate=annotate, backward=backward, device=device)
         self.mismatch: str | None = None
         self._on_mismatch = on_mismatch
-        self._cuda = device == "cuda"
-        self._installed: set[int] = set()
 
     def install(self, module: nn.Module, **options: Any) -> None:
         """``NodeTimer.install`` (same ``options``), with the graph's forward inside the guarded wrapper."""
-        if id(module) in self._installed:
+        if id(module) in self._saved_forward:
             return
-        self._installed.add(id(module))
         own_forward = module.forward
         super().install(module, **options)
         graph_forward = module.forward
@@ -616,10 +613,6 @@ class GuardedNodeTimer(NodeTimer):
             return own_forward(*args, **kwargs)
 
         module.forward = forward
-
-    def uninstall(self, module: nn.Module) -> None:
-        self._installed.discard(id(module))
-        super().uninstall(module)
 
     def _random_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return torch.get_rng_state(), torch.cuda.get_rng_state() if self._cuda else None
