@@ -372,7 +372,8 @@ class FXProfilerCallback(Callback):
             # The cycle opens at whichever of its traced steps comes first (normally its first).
             steps = [s for s in self.schedule.traced_steps(index) if s >= stage.step]
             actions = {s: self.schedule.action(s) for s in steps}
-            trace = CycleTrace(actions, directory, f"rank{trainer.global_rank}", self.use_gzip, self.profiler_kwargs)
+            trace = CycleTrace(actions, directory, f"rank{trainer.global_rank}", self.use_gzip, self.profiler_kwargs,
+                               backward_events=self._fx_on)
         if self._fx_on and self._target.training in self._observers:  # the mode's first call is still to come
             rank_zero_warn(f"FXProfilerCallback: torch.fx could not trace {type(self._target).__name__} whole, so it is "
                            f"timed by {how.describe()} in this cycle, which starts at its first call; later cycles "

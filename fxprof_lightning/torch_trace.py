@@ -59,6 +59,7 @@ class CycleTrace:
         worker: worker name, the part of the file name before the time stamp (``rank0``).
         use_gzip: write ``.pt.trace.json.gz`` instead of ``.pt.trace.json``.
         profiler_kwargs: further ``torch.profiler.profile`` arguments (checked by ``check_profiler_kwargs``).
+        backward_events: keep the autograd node times of the trace in ``backward_events`` (for node timing).
     """
 
     def __init__(
@@ -68,10 +69,12 @@ class CycleTrace:
         worker: str,
         use_gzip: bool = True,
         profiler_kwargs: dict[str, Any] | None = None,
+        backward_events: bool = False,
     ) -> None:
         self.paths: list[Path] = []
         self.errors: list[str] = []
         self.backward_events: list[tuple[int, int]] = []  # (sequence number, ns) per autograd node run (NodeTimer.add_backward)
+        self._collect_backward = backward_events
         self._directory = directory
         self._worker = worker
         self._suffix = ".pt.trace.json.gz" if use_gzip else ".pt.trace.json"
@@ -98,7 +101,8 @@ class CycleTrace:
         self._profiler.stop()
 
     def _write(self, profiler: torch.profiler.profile) -> None:
-        self.backward_events += backward_durations(profiler.profiler.kineto_results.events())
+        if self._collect_backward:
+            self.backward_events += backward_durations(profiler.profiler.kineto_results.events())
         stamp = time.time_ns()
         final = self._directory / f"{self._worker}.{stamp}{self._suffix}"
         # A name the plugin's pattern (...pt.trace.json[.gz]) does not match, same extension for gzip.
