@@ -510,7 +510,7 @@ class FXProfilerCallback(Callback):
             graph_capture = entry[1]
             how = Capture("module_hooks", None, {}, f"{graph_capture.error}; the graph traced on a recorded call "
                                                     f"stopped fitting the calls: {entry[0].mismatch}")
-            entry = self._timers[training] = (ModuleHookTimer(module, annotate=self.torch_profiler and self.node_ranges), how)
+            entry = self._timers[training] = (self._hook_timer(module), how)
         return entry
 
     def _capture(self, module: nn.Module) -> tuple[NodeTimer | ModuleHookTimer, Capture]:
@@ -520,19 +520,27 @@ class FXProfilerCallback(Callback):
         if how.graph_module is None and example is None:  # no warning yet: the recorded call may do better
             if training not in self._observers:
                 self._observers[training] = observe_first_call(module, training, functools.partial(self._observed, training))
-            return ModuleHookTimer(module, annotate=self.torch_profiler and self.node_ranges), how
+            return self._hook_timer(module), how
         device = next(module.parameters(), torch.empty(0)).device.type
         if how.on_example:
-            timer = GuardedNodeTimer(how.graph_module, annotate=self.torch_profiler and self.node_ranges, backward=self.backward_timing,
+            timer = GuardedNodeTimer(how.graph_module, annotate=self._ranges, backward=self.backward_timing,
                                      device=device, on_mismatch=functools.partial(self._warn_mismatch, module, training))
         elif how.graph_module is not None:
-            timer = NodeTimer(how.graph_module, annotate=self.torch_profiler and self.node_ranges, backward=self.backward_timing, device=device)
+            timer = NodeTimer(how.graph_module, annotate=self._ranges, backward=self.backward_timing, device=device)
         else:
-            timer = ModuleHookTimer(module, annotate=self.torch_profiler and self.node_ranges)
+            timer = self._hook_timer(module)
         if how.method != "symbolic_trace":
             rank_zero_warn(f"FXProfilerCallback: torch.fx could not trace {type(module).__name__} whole, "
                            f"so it is timed by {how.describe()}")
         return timer, how
+
+    @property
+    def _ranges(self) -> bool:
+        """Whether timers open a ``record_function`` range per node (for the trace)."""
+        return self.torch_profiler and self.node_ranges
+
+    def _hook_timer(self, module: nn.Module) -> ModuleHookTimer:
+        return ModuleHookTimer(module, annotate=self._ranges)
 
     def _observed(self, training: bool, example: Example) -> None:
         """Runs inside the module's call: keep the example; the mode's next cycle captures again with it."""
