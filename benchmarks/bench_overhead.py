@@ -514,13 +514,14 @@ def step_overhead(work: Workload, rounds: Rounds, warmup: int) -> StepResult:
     eager, interpreter = variants[0], next(v for v in variants if v.name == "ProfilingInterpreter")
     times = run_interleaved([v for v in variants if v is not interpreter], work, rounds, warmup)
     baseline = run_interleaved([eager, interpreter], work, rounds, warmup)
-    ratios = {name: paired(t, times["eager"], lambda a, b: a / b) for name, t in times.items() if name != "eager"}
-    per_node = {name: paired(t, times["eager"], lambda a, b: (a - b) / 1e3 / nodes) for name, t in times.items() if name != "eager"}
-    ratios[interpreter.name] = paired(baseline[interpreter.name], baseline["eager"], lambda a, b: a / b)
-    per_node[interpreter.name] = paired(baseline[interpreter.name], baseline["eager"], lambda a, b: (a - b) / 1e3 / nodes)
-    eager = times["eager"]
+    ratios, per_node = {}, {}
+    for run in (times, baseline):  # each variant against the eager steps of its own run
+        for name, t in run.items():
+            if name != "eager":
+                ratios[name] = paired(t, run["eager"], lambda a, b: a / b)
+                per_node[name] = paired(t, run["eager"], lambda a, b: (a - b) / 1e3 / nodes)
     probe = paired(times["NodeTimer"], times["untimed GraphModule"], lambda a, b: (a - b) / 1e3 / nodes)
-    return StepResult(work.name, nodes, median(eager) / 1e6, ratios, per_node, probe)
+    return StepResult(work.name, nodes, median(times["eager"]) / 1e6, ratios, per_node, probe)
 
 
 def profiled_overhead(work: Workload, rounds: Rounds, warmup: int) -> dict[str, list[float]]:
