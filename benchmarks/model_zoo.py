@@ -69,6 +69,7 @@ from torch import fx, nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fxprof_lightning.capture import Capture, capture
+from fxprof_lightning.leaves import short_error
 from fxprof_lightning.module_hooks import ModuleHookTimer
 from fxprof_lightning.node_timing import BackwardEvents, NodeTimer, is_timed, tensors_in
 from fxprof_lightning.observed import Example, GuardedNodeTimer, trace_on_example
@@ -331,7 +332,7 @@ def other_shapes_step(model: nn.Module, timer: Any, other: tuple[tuple, dict]) -
     try:
         got = timed_step(model, timer, *other)
     except Exception as error:
-        return f"FAILED {short(error)[:110]}"
+        return f"FAILED {short_error(error)[:110]}"
     if not (same(ref_outs, got.outs) and same_grads(ref_grads, got.grads)):
         return "!"
     return "= own" if got.mismatch else "="
@@ -360,11 +361,6 @@ class Row:
     error: str = ""  # Capture.error (why tracing the whole module failed)
     failure: str = ""  # an exception of this script's run (build, forward, ...)
     notes: list[str] = field(default_factory=list)
-
-
-def short(error: BaseException) -> str:
-    first = (str(error).strip().splitlines() or [""])[0]
-    return f"{type(error).__name__}: {first[:240]}"
 
 
 def run_model(spec: Spec) -> tuple[Row, nn.Module | None, tuple[Any, ...], dict[str, Any]]:
@@ -407,7 +403,7 @@ def run_model(spec: Spec) -> tuple[Row, nn.Module | None, tuple[Any, ...], dict[
             row.grad_eq += f"/eval {'yes' if e_grad else 'NO'}"
             model.train()
     except Exception as error:  # one model's failure must not stop the run
-        row.failure = short(error)
+        row.failure = short_error(error)
         row.notes.append("".join(traceback.format_exception(error)[-3:]).strip().replace("\n", " | ")[:400])
     return row, model, args, kwargs
 
@@ -513,7 +509,7 @@ def main() -> None:
         try:
             family_specs = specs()
         except Exception as error:
-            print(f"[{family} {getattr(module, '__version__', '?')}: could not list models: {short(error)}]")
+            print(f"[{family} {getattr(module, '__version__', '?')}: could not list models: {short_error(error)}]")
             continue
         print(f"[{family} {getattr(module, '__version__', '?')}]")
         for spec in family_specs:
@@ -651,7 +647,7 @@ def check_timer(model: nn.Module, make_timer: Callable[[], Any], args: tuple, kw
         timer = make_timer()
         got = timed_step(model, timer, args, kwargs)
     except Exception as error:
-        return f"FAILED: {short(error)}"
+        return f"FAILED: {short_error(error)}"
     out_eq, grad_eq = same(ref_outs, got.outs), same_grads(ref_grads, got.grads)
     text = (f"out== {'yes' if out_eq else 'NO'}, grad== {'yes' if grad_eq else 'NO'}, bwd>0 {got.with_bwd}/{got.nodes}, "
             f"ran {got.ran}")
@@ -734,7 +730,7 @@ def experiments(kept: list[Any], dynamo: bool = True) -> None:
             print(f"  {'dynamo export':<26} {timed_nodes(exported)} nodes ({took:.2f} s); timed: {result}")
             cells["dynamo"] = f"{timed_nodes(exported)} {verdict(result)} {took:.0f}s"
         except Exception as error:
-            print(f"  {'dynamo export':<26} failed ({time.perf_counter() - start:.2f} s): {short(error)}")
+            print(f"  {'dynamo export':<26} failed ({time.perf_counter() - start:.2f} s): {short_error(error)}")
             cells["dynamo"] = "failed"
         finally:
             torch._dynamo.reset()
