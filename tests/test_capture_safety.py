@@ -7,6 +7,9 @@ trained without the profiler (``test_layers.train_both``).
 
 from __future__ import annotations
 
+import gzip
+import json
+
 import pytest
 import torch
 import torch.utils.checkpoint
@@ -135,3 +138,28 @@ def test_capture_leaves_random_state_and_buffers_as_they_were(check_type):
     assert how.method == ("module_hooks" if check_type else "traced_on_example"), how.describe()
     assert torch.equal(torch.get_rng_state(), random_state)
     assert all(torch.equal(b, buffers[k]) for k, b in module.state_dict().items())
+
+
+class ShapeBranching(nn.Module):
+    """Branches on a shape: plain tracing fails, tracing on a recorded call works (rung 3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(3 * 8 * 8, 4)
+
+    def forward(self, x):
+        return self.head(x.flatten(1) if x.shape[1] == 3 else x)
+
+
+def test_tracing_on_a_recorded_call_happens_before_the_cycle_trace_starts(tmp_path):
+    # Cycle 0 records steps 2-3 with no warm-up step; the call recorded at step 0 is traced on as the
+    # cycle opens, which runs the model (tracing, then the check against the call): not in step 2's trace.
+    _, callback = train_both(tmp_path, lambda: LitClassifier(ShapeBranching()), steps=4,
+                             skip_first=1, wait=1, warmup=0, active=2, repeat=1)
+    (cycle,) = callback.cycles
+    assert cycle.capture.method == "traced_on_example" and cycle.steps == [2, 3]
+    events = json.loads(gzip.decompress(cycle.trace_paths[0].read_bytes()))["traceEvents"]
+    steps = {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name", "").startswith("ProfilerStep#")}
+    linear = [e["ts"] for e in events if e.get("name") == "aten::linear"]
+    per_step = {name: sum(start <= ts < end for ts in linear) for name, (start, end) in steps.items()}
+    assert per_step == {"ProfilerStep#2": 1, "ProfilerStep#3": 1}

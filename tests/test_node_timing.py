@@ -10,7 +10,7 @@ from conftest import SmallNet
 
 from fxprof_lightning.capture import capture
 from fxprof_lightning.module_hooks import ModuleHookTimer
-from fxprof_lightning.node_timing import BackwardEvents, NodeTimer
+from fxprof_lightning.node_timing import BackwardEvents, NodeTimer, describe_target
 
 
 def trace_module(model):
@@ -204,3 +204,26 @@ def test_module_hooks_count_a_checkpointed_block_once(reentrant):
     timer.add_backward(events.stop())
     assert [len(samples) for samples in timer.fwd] == [1] * len(timer.nodes)
     assert 0 < sum(sum(timer.bwd_ns(i)) for i in range(len(timer.nodes))) <= wall
+
+
+@pytest.mark.parametrize("make_timer", [lambda m: NodeTimer(trace_module(m)), ModuleHookTimer], ids=["nodes", "modules"])
+def test_backward_events_given_in_parts_add_up_as_given_at_once(make_timer):
+    model = SmallNet()
+    timer = make_timer(model)
+    events = BackwardEvents()
+    events.start()
+    timer.install(model)
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    timer.uninstall(model)
+    recorded = events.stop()
+    timer.add_backward(recorded)
+    at_once = [timer.bwd_ns(i) for i in range(len(timer.nodes))]
+    timer._totals.clear()  # forget what add_backward added, keep the call ranges the forward noted
+    timer.add_backward(recorded[::2])
+    timer.add_backward(recorded[1::2])
+    assert [timer.bwd_ns(i) for i in range(len(timer.nodes))] == at_once and any(at_once)
+
+
+def test_torch_functions_read_as_torch_functions():
+    traced = torch.fx.symbolic_trace(lambda x: torch.relu(torch.matmul(x, x)).flatten())
+    assert [describe_target(n) for n in traced.graph.nodes if n.op == "call_function"] == ["torch.matmul", "torch.relu"]
