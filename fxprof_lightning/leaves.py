@@ -6,6 +6,13 @@ the innermost such submodule becomes a *leaf* (one ``call_module`` node, called 
 and tracing starts over, so one untraceable block costs node granularity in that block only.
 A failure in the root's own forward ends the loop: no graph.
 
+Two things plain torch.fx refuses, and eager code does all the time, are traced here (both
+rungs): item assignment into a traced tensor (``shifted[..., 1:] = ids[..., :-1]``, T5's
+``_shift_right``) becomes an ``operator.setitem`` node, in place as in eager mode
+(``LeafProxy``); a module built inside the forward, outside the module hierarchy (a
+``CrossEntropyLoss()`` made when ``labels`` are given), is traced through, so its functional
+calls become nodes of the module that built it.
+
 Activation checkpointing (``torch.utils.checkpoint``) called on traced values would run the
 checkpointed function on proxies and inline it: the graph would keep every activation the
 user's model frees. ``LeafTracer`` makes such a call fail (``refusing_checkpoint``), so the
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +38,7 @@ from typing import Any
 import torch.utils.checkpoint
 from torch import fx, nn
 
-__all__ = ["MAX_LEAF_RETRIES", "LeafTrace", "LeafTracer", "refusing_checkpoint", "short_error", "trace_with_leaves"]
+__all__ = ["MAX_LEAF_RETRIES", "LeafProxy", "LeafTrace", "LeafTracer", "refusing_checkpoint", "short_error", "trace_with_leaves"]
 
 MAX_LEAF_RETRIES = 64
 # What every way into activation checkpointing calls at run time (``checkpoint`` itself may be
@@ -44,8 +52,18 @@ CHECKPOINT_INTERNALS = (
 _ABSENT = object()
 
 
+class LeafProxy(fx.Proxy):
+    """A proxy that records item assignment (``x[key] = value``) as an ``operator.setitem`` node."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+
 class LeafTracer(fx.Tracer):
-    """A tracer that keeps named submodules as leaves and notes which submodule tracing failed in."""
+    """A tracer that keeps named submodules as leaves and notes which submodule tracing failed in.
+
+    A module outside the root's hierarchy (built inside the forward) is traced through.
+    """
 
     def __init__(self, leaves: set[str]) -> None:
         super().__init__()
@@ -59,16 +77,25 @@ class LeafTracer(fx.Tracer):
         with refusing_checkpoint():
             return super().trace(root, concrete_args)
 
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return LeafProxy(node, self)
+
     def call_module(self, m, forward, args, kwargs):
+        if not self._in_hierarchy(m):  # built in the forward (a loss module): no path to call it by
+            return forward(*args, **kwargs)
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception:
             if self.failed_in is None:  # the innermost module sees the exception first
-                try:
-                    self.failed_in = self.path_of_module(m)
-                except NameError:  # a module outside the hierarchy (built on the fly)
-                    self.failed_in = ""
+                self.failed_in = self.path_of_module(m)
             raise
+
+    def _in_hierarchy(self, m: nn.Module) -> bool:
+        try:
+            self.path_of_module(m)
+        except NameError:
+            return False
+        return True
 
 
 @dataclass

@@ -50,13 +50,14 @@ __all__ = ["BackwardEvents", "CudaClock", "NodeInfo", "NodeTimer", "autograd_nod
 
 # Node kinds that run code worth timing; placeholders, get_attr and output only move references.
 TIMED_OPS = ("call_module", "call_function", "call_method")
-# Functions a capture puts into a graph that are bookkeeping, not the model's work (e.g. guards).
+# Functions a capture puts into a graph that are bookkeeping, not the model's work (e.g. guards),
+# and classes whose instances are such functions.
 UNTIMED_TARGETS: set[Any] = set()
 
 
 def is_timed(node: fx.Node) -> bool:
     """Whether a node runs the model's code (and gets a row, a clock and FLOPs)."""
-    return node.op in TIMED_OPS and node.target not in UNTIMED_TARGETS
+    return node.op in TIMED_OPS and node.target not in UNTIMED_TARGETS and type(node.target) not in UNTIMED_TARGETS
 
 sequence_nr_now = torch.autograd._get_sequence_nr
 BACKWARD_SCOPE = int(torch._C._profiler.RecordScope.BACKWARD_FUNCTION)

@@ -29,10 +29,12 @@ into the graph, the constant arguments included. Guards are bookkeeping, not tim
 (``GraphMismatch``); ``GuardedNodeTimer`` then runs the module's own forward for that call and
 stops using the graph.
 
-HuggingFace specifics: a ``ModelOutput`` (a dict subclass) returned is rebuilt with its class;
-a config (a dataclass) becomes a constant of the graph; an object built in the forward that
-holds traced values (a ``DynamicCache`` with ``use_cache=True``) cannot be a constant, so such a
-forward is refused and the ladder goes on to module hooks.
+Objects in the graph's arguments and outputs (HuggingFace): a ``ModelOutput`` (a dict subclass)
+is rebuilt with its class; a config (a dataclass) and any other object without traced values
+becomes a constant of the graph; an object built in the forward that holds traced values (a
+``DynamicCache``, built with the default ``use_cache=True``) is rebuilt at run time from the
+graph's values, as HuggingFace's pytree flattening of caches for ``torch.export`` does
+(``Rebuild``): a new object per call, like the forward's own.
 """
 
 from __future__ import annotations
@@ -52,18 +54,19 @@ from torch.fx._symbolic_trace import _assert_is_none
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
-from fxprof_lightning.leaves import LeafTrace, LeafTracer, short_error, trace_with_leaves
+from fxprof_lightning.leaves import LeafProxy, LeafTrace, LeafTracer, short_error, trace_with_leaves
 from fxprof_lightning.node_timing import UNTIMED_TARGETS, NodeTimer
 
-__all__ = ["GUARDS", "Example", "ExampleTracer", "GraphMismatch", "GuardedNodeTimer", "example_forward",
+__all__ = ["GUARDS", "Example", "ExampleTracer", "GraphMismatch", "GuardedNodeTimer", "Rebuild", "example_forward",
            "observe_first_call", "trace_on_example"]
 
 # Argument values that become constants of the graph (each guarded by ``check_argument``).
 PLAIN_CONSTANTS = (type(None), bool, int, float, str, torch.dtype, torch.device)
 # Tensor attributes read from the example as constants (guarded by ``check_attribute``).
 STATIC_ATTRIBUTES = ("dtype", "device", "layout", "ndim", "is_cuda", "is_sparse", "is_quantized", "is_meta")
-# Factories whose sizes may be proxies (``torch.ones(batch, seq)``): recorded as nodes, not specialised.
-FACTORIES = ("ones", "zeros", "empty", "full", "rand", "randn", "randint")
+# Factories whose sizes or data may be proxies (``torch.ones(batch, seq)``, ``torch.tensor(head_dim)``):
+# recorded as nodes, not specialised.
+FACTORIES = ("ones", "zeros", "empty", "full", "rand", "randn", "randint", "tensor", "as_tensor")
 _MISSING = object()
 
 
@@ -208,7 +211,7 @@ def example_forward(module: nn.Module, example: Example) -> tuple[Callable[..., 
 # ------------------------------------------------------------------ the tracer
 
 
-class ExampleProxy(fx.Proxy):
+class ExampleProxy(LeafProxy):
     """A proxy whose static tensor attributes and Python-int uses are the example's values, guarded."""
 
     def __getattr__(self, k: str) -> Any:
@@ -362,9 +365,10 @@ class ExampleTracer(LeafTracer):
             return self._constant(a)
 
     def _constant(self, a: Any) -> fx.Node:
-        if _holds_proxy(a):
-            raise fx.proxy.TraceError(f"a {type(a).__name__} built while tracing holds traced values: it cannot be "
-                                      "a constant of the graph")
+        if _holds_proxy(a):  # built in the forward from traced values: built again at run time
+            values: list[fx.Proxy] = []
+            recipe = Rebuild.recipe_of(a, values)
+            return self.create_node("call_function", Rebuild(recipe), tuple(self.create_arg(v) for v in values), {})
         name = self.constants.get(id(a))
         if name is None:
             name = self.constants[id(a)] = f"_fxprof_constant_{len(self.constants)}"
@@ -430,6 +434,84 @@ def _recorded_factories(tracer: ExampleTracer) -> Iterator[None]:
     finally:
         for name, original in originals.items():
             setattr(torch, name, original)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """In a ``Rebuild`` recipe: the n-th graph value the object is built from."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class _Object:
+    """In a ``Rebuild`` recipe: an object of ``cls`` whose ``__dict__`` is built from ``state``."""
+
+    cls: type
+    state: dict[str, Any]
+
+
+class Rebuild:
+    """A graph function that builds, from the graph's values, an object the forward built from traced values.
+
+    The recipe is the object with each traced value replaced by a slot: plain lists, tuples and
+    dicts on the way to a traced value are built anew, other objects through ``cls.__new__`` and
+    their ``__dict__`` (as HuggingFace flattens caches for ``torch.export``); whatever holds no
+    traced value (a config, a dtype) is shared with the example. Bookkeeping, not timed.
+    """
+
+    __name__ = "rebuild"  # node names
+
+    def __init__(self, recipe: Any) -> None:
+        self.recipe = recipe
+        self.__qualname__ = f"rebuild_{_type_name(recipe)}"
+
+    def __call__(self, *values: Any) -> Any:
+        return self._build(self.recipe, values)
+
+    def __repr__(self) -> str:
+        return self.__qualname__
+
+    @classmethod
+    def recipe_of(cls, obj: Any, values: list[fx.Proxy], depth: int = 8) -> Any:
+        """``obj`` as a recipe; its traced values are appended to ``values``."""
+        if isinstance(obj, fx.Proxy):
+            values.append(obj)
+            return _Slot(len(values) - 1)
+        if not _holds_proxy(obj):
+            return obj
+        if depth == 0:
+            raise fx.proxy.TraceError(f"a {type(obj).__name__} built while tracing holds traced values too deep inside")
+        if type(obj) in (list, tuple):
+            return type(obj)(cls.recipe_of(item, values, depth - 1) for item in obj)
+        if type(obj) is dict:
+            return {key: cls.recipe_of(item, values, depth - 1) for key, item in obj.items()}
+        if hasattr(obj, "__dict__") and not isinstance(obj, (list, tuple, dict, set)):
+            return _Object(type(obj), {k: cls.recipe_of(v, values, depth - 1) for k, v in vars(obj).items()})
+        raise fx.proxy.TraceError(f"a {type(obj).__name__} built while tracing holds traced values and cannot be "
+                                  "built again from them")
+
+    @classmethod
+    def _build(cls, recipe: Any, values: tuple[Any, ...]) -> Any:
+        kind = type(recipe)
+        if kind is _Slot:
+            return values[recipe.index]
+        if kind is _Object:
+            obj = recipe.cls.__new__(recipe.cls)
+            obj.__dict__.update({k: cls._build(v, values) for k, v in recipe.state.items()})
+            return obj
+        if kind in (list, tuple):
+            return kind(cls._build(item, values) for item in recipe)
+        if kind is dict:
+            return {key: cls._build(item, values) for key, item in recipe.items()}
+        return recipe
+
+
+UNTIMED_TARGETS.add(Rebuild)
+
+
+def _type_name(recipe: Any) -> str:
+    return recipe.cls.__name__ if isinstance(recipe, _Object) else type(recipe).__name__
 
 
 def _holds_proxy(obj: Any, depth: int = 5, seen: set[int] | None = None) -> bool:
@@ -501,7 +583,7 @@ def _difference_on_example(module: nn.Module, graph_module: fx.GraphModule, exam
         try:
             with _state_restored(module), torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                outputs.append(tree_flatten(run(*call.args, **call.kwargs)))
+                outputs.append(tree_flatten(_opened(run(*call.args, **call.kwargs))))
         except Exception as error:
             return f"{'the graph' if outputs else 'the module'} failed on it: {short_error(error)}"
     (expected, expected_spec), (got, got_spec) = outputs
@@ -515,6 +597,19 @@ def _difference_on_example(module: nn.Module, graph_module: fx.GraphModule, exam
         if isinstance(a, torch.Tensor) and not _same_values(a, b):
             return f"output {i} has other values (largest difference {(a.double() - b.double()).abs().max():.3g})"
     return ""
+
+
+def _opened(value: Any, depth: int = 6) -> Any:
+    """``value`` with every object (a cache in a ``ModelOutput``) replaced by its class and its attributes, for comparing."""
+    if depth == 0 or isinstance(value, (*PLAIN_CONSTANTS, torch.Tensor, nn.Module, type)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_opened(item, depth - 1) for item in value]
+    if isinstance(value, dict):
+        return {key: _opened(item, depth - 1) for key, item in value.items()}
+    if hasattr(value, "__dict__"):
+        return [type(value).__qualname__, {key: _opened(item, depth - 1) for key, item in vars(value).items()}]
+    return value
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -7,7 +7,10 @@ model trained without the profiler, also when a later batch does not fit the tra
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import lightning.pytorch as pl
+import peft
 import pytest
 import torch
 import transformers
@@ -31,10 +34,11 @@ def tiny_bert(attention: str = "eager") -> nn.Module:
     return transformers.BertModel(config)
 
 
-def tiny_llama(use_cache: bool) -> nn.Module:
+def tiny_llama() -> nn.Module:
+    """LlamaForCausalLM from its default config, only the sizes shrunk: ``use_cache=True``, sdpa attention."""
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                                      use_cache=use_cache, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
     return transformers.LlamaForCausalLM(config)
 
 
@@ -67,16 +71,27 @@ class LitEncoder(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-class LitCausalLM(LitEncoder):
-    """A causal language model computing its own loss: ``self.model(input_ids=..., labels=...).loss``."""
+class LitHF(pl.LightningModule):
+    """How HF models are trained: ``self.model(**batch).loss``, the loss computed inside the model's forward."""
 
-    def __init__(self, use_cache: bool = True) -> None:
-        pl.LightningModule.__init__(self)
-        self.model = tiny_llama(use_cache)
+    def __init__(self, build: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        self.model = build()
 
     def training_step(self, batch, batch_idx):
-        return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                          labels=batch["input_ids"]).loss
+        return self.model(**batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+
+def lm_loader(steps: int = 6) -> DataLoader:
+    """Causal LM batches: the labels are the input ids."""
+    return DataLoader([{**b, "labels": b["input_ids"]} for b in text_loader((SEQ,) * steps)], batch_size=None)
+
+
+def LitCausalLM() -> LitHF:
+    return LitHF(tiny_llama)
 
 
 def train_both(tmp_path, make_lit, loader=text_loader, steps=4, **callback_kwargs):
@@ -135,22 +150,104 @@ def test_a_batch_the_graph_does_not_fit_runs_the_own_forward(tmp_path, odd_step)
     assert all(cycle.trace_paths for cycle in callback.cycles)
 
 
-def test_a_forward_that_builds_a_cache_is_refused_and_timed_by_module_hooks(tmp_path):
-    # LlamaForCausalLM with use_cache=True fills a DynamicCache with traced values in its forward.
-    with pytest.warns(UserWarning, match=r"timed by module_hooks .*DynamicCache built while tracing holds traced values"):
-        _, callback = train_both(tmp_path, LitCausalLM)
+def test_a_causal_lm_with_its_default_cache_and_labels_is_timed_node_by_node(tmp_path):
+    # The default config: use_cache=True builds a DynamicCache in the forward, which the graph builds again per call;
+    # the loss (labels given) is computed inside the forward. torch.profiler on, as by default.
+    _, callback = train_both(tmp_path, LitCausalLM, lm_loader, torch_profiler=True)
     (cycle,) = callback.cycles
-    assert cycle.capture.method == "module_hooks"
-    assert {"model.layers.0.self_attn", "model.layers.0.mlp.down_proj", "lm_head"} <= {n.name for n in cycle.nodes}
-
-
-def test_without_a_cache_the_causal_lm_and_its_loss_are_traced(tmp_path):
-    _, callback = train_both(tmp_path, lambda: LitCausalLM(use_cache=False))
-    (cycle,) = callback.cycles
-    assert cycle.capture.method == "traced_on_example"
+    assert cycle.capture.method == "traced_on_example" and not cycle.capture.leaves, cycle.capture.describe()
     attention = {n.target for n in cycle.nodes if n.module_path == "model.layers.1.self_attn"}
     assert "torch.nn.functional.scaled_dot_product_attention" in attention  # HF's default attention
-    assert any("cross_entropy" in n.target for n in cycle.nodes)  # the loss inside the model's forward
+    assert any(n.target == "torch.cat" for n in cycle.nodes if n.module_path == "model.layers.0.self_attn")  # the cache
+    loss = [n for n in cycle.nodes if "cross_entropy" in n.target]
+    assert loss and loss[0].calls == 2 and loss[0].bwd_calls == 2  # the loss inside the model's forward
+    assert not any("rebuild" in n.target for n in cycle.nodes)  # building the cache again is bookkeeping
+    assert sum(n.bwd_calls > 0 for n in cycle.nodes) > 50 and cycle.trace_paths
+
+
+def test_the_graph_gives_a_new_cache_per_call_equal_to_the_models():
+    model = tiny_llama().train()
+    ids = torch.randint(3, VOCAB, (2, SEQ))
+    expected = model(input_ids=ids, labels=ids)
+    how = capture(model, Example.copy_of((), {"input_ids": ids, "labels": ids}))
+    assert how.method == "traced_on_example", how.describe()
+    torch.manual_seed(0)
+    first, second = (how.graph_module(input_ids=ids, labels=ids) for _ in range(2))
+    assert type(first) is type(expected) and type(first.past_key_values) is type(expected.past_key_values)
+    assert first.past_key_values is not second.past_key_values
+    for got, want in zip(first.past_key_values.layers, expected.past_key_values.layers, strict=True):
+        assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+    assert first.past_key_values.get_seq_length() == SEQ and torch.equal(first.loss, expected.loss)
+
+
+def tiny_encoder_config(cls: type) -> transformers.PretrainedConfig:
+    return cls(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+               max_position_embeddings=32, num_labels=2)
+
+
+def test_a_sequence_classifier_with_labels_is_timed_node_by_node(tmp_path):
+    # BertForSequenceClassification builds CrossEntropyLoss() inside its forward when labels are given.
+    build = lambda: transformers.BertForSequenceClassification(tiny_encoder_config(transformers.BertConfig))  # noqa: E731
+    _, callback = train_both(tmp_path, lambda: LitHF(build))
+    (cycle,) = callback.cycles
+    assert cycle.capture.method == "traced_on_example" and not cycle.capture.leaves, cycle.capture.describe()
+    (loss,) = [n for n in cycle.nodes if n.target == "torch.nn.functional.cross_entropy"]
+    assert loss.module_path == "" and loss.calls == 2 and loss.bwd_calls == 2
+    assert {"classifier", "bert.pooler.dense"} <= {n.target for n in cycle.nodes if n.op == "call_module"}
+
+
+def test_t5_with_labels_is_timed_node_by_node(tmp_path):
+    # _shift_right assigns into a tensor (shifted[..., 1:] = labels[..., :-1]): a setitem node.
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+                                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)  # as t5-small's config
+    _, callback = train_both(tmp_path, lambda: LitHF(lambda: transformers.T5ForConditionalGeneration(config)), lm_loader)
+    (cycle,) = callback.cycles
+    assert cycle.capture.method == "traced_on_example" and not cycle.capture.leaves, cycle.capture.describe()
+    assert any(n.target == "operator.setitem" for n in cycle.nodes)
+    assert {"decoder.block.1.layer.1.EncDecAttention.q", "lm_head"} <= {n.target for n in cycle.nodes}
+
+
+def image_loader(steps: int = 6) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    return DataLoader([{"pixel_values": torch.randn(4, 3, 16, 16, generator=generator),
+                        "labels": torch.randint(0, 2, (4,), generator=generator)} for _ in range(steps)], batch_size=None)
+
+
+def test_a_vision_classifier_with_labels_is_timed_node_by_node(tmp_path):
+    config = transformers.ViTConfig(image_size=16, patch_size=8, hidden_size=HIDDEN, num_hidden_layers=2,
+                                    num_attention_heads=2, intermediate_size=64, num_labels=2)
+    _, callback = train_both(tmp_path, lambda: LitHF(lambda: transformers.ViTForImageClassification(config)),
+                             image_loader)
+    (cycle,) = callback.cycles
+    assert cycle.capture.method == "traced_on_example" and not cycle.capture.leaves, cycle.capture.describe()
+    assert {"vit.embeddings.patch_embeddings.projection", "classifier"} <= {n.target for n in cycle.nodes}
+    assert any(n.target == "torch.nn.functional.cross_entropy" for n in cycle.nodes)
+
+
+def lora_llama() -> nn.Module:
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8,
+                                                             target_modules=["q_proj", "v_proj"], lora_dropout=0.1))
+    assert not any(p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)  # the base is frozen
+    return model
+
+
+def test_a_lora_model_is_timed_node_by_node_with_its_adapters(tmp_path):
+    # train_both checks every weight bitwise, the trained adapters included (LoRA dropout draws random numbers).
+    profiled, callback = train_both(tmp_path, lambda: LitHF(lora_llama), lm_loader)
+    (cycle,) = callback.cycles
+    assert cycle.capture.method == "traced_on_example" and not cycle.capture.leaves, cycle.capture.describe()
+    prefix = "base_model.model.model.layers.{}.self_attn.q_proj"
+    nodes = {n.target: n for n in cycle.nodes if n.op == "call_module"}
+    for part in ("base_layer", "lora_dropout.default", "lora_A.default", "lora_B.default"):
+        node = nodes[f"{prefix.format(1)}.{part}"]
+        assert node.calls == 2 and node.bwd_calls == 2 and node.bwd_mean_ms > 0, part
+    # In layer 0, the input (frozen embeddings) needs no gradient: only the adapters' weights get one.
+    layer0 = {part: nodes[f"{prefix.format(0)}.{part}"].bwd_calls for part in ("base_layer", "lora_dropout.default",
+                                                                               "lora_A.default", "lora_B.default")}
+    assert layer0 == {"base_layer": 0, "lora_dropout.default": 0, "lora_A.default": 2, "lora_B.default": 2}
+    prefix = prefix.format(0)
+    assert {m.path for m in cycle.modules} >= {prefix, f"{prefix}.lora_A.default", f"{prefix}.lora_B.default"}
+    assert any(not torch.equal(p, torch.zeros_like(p)) for n, p in profiled.named_parameters() if "lora_B" in n)  # trained
 
 
 def test_a_cycle_at_the_very_first_step_uses_module_hooks_and_the_next_the_recorded_call(tmp_path):
@@ -195,10 +292,10 @@ def hf_models() -> dict[str, tuple]:
     return {
         "bert": (tiny_bert, text),
         "gpt2": (lambda: transformers.GPT2Model(transformers.GPT2Config(n_embd=HIDDEN, n_layer=2, n_head=2, n_positions=32,
-                                                                       use_cache=False, **small)), text),
+                                                                       **small)), text),
         "t5": (lambda: transformers.T5Model(transformers.T5Config(d_model=HIDDEN, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
-                                                                 use_cache=False, decoder_start_token_id=0, **small)), seq2seq),
-        "llama": (lambda: tiny_llama(use_cache=False), {**text, "labels": ids}),
+                                                                 decoder_start_token_id=0, **small)), seq2seq),
+        "llama": (tiny_llama, {**text, "labels": ids}),
         "vit": (lambda: transformers.ViTModel(transformers.ViTConfig(image_size=16, patch_size=8, hidden_size=HIDDEN,
                                                                      num_hidden_layers=2, num_attention_heads=2,
                                                                      intermediate_size=64)),
@@ -257,14 +354,14 @@ def test_a_call_the_graph_does_not_fit_gets_the_own_forward_with_the_same_random
 # ------------------------------------------------------------------ activation checkpointing is kept
 
 
-class LitCheckpointedLM(LitCausalLM):
-    def __init__(self) -> None:
-        super().__init__(use_cache=False)
-        self.model.activation_checkpointing_enable()  # every decoder layer: checkpoint(use_reentrant=False)
+def checkpointed_llama() -> nn.Module:
+    model = tiny_llama()
+    model.gradient_checkpointing_enable()  # every decoder layer: checkpoint(use_reentrant=False)
+    return model
 
 
 def test_gradient_checkpointed_layers_stay_whole_and_training_is_unchanged(tmp_path):
-    _, callback = train_both(tmp_path, LitCheckpointedLM)
+    _, callback = train_both(tmp_path, lambda: LitHF(checkpointed_llama), lm_loader)
     (cycle,) = callback.cycles
     assert cycle.capture.method == "traced_on_example+leaves"
     assert set(cycle.capture.leaves) == {"model.layers.0", "model.layers.1"}
@@ -281,8 +378,7 @@ def test_the_graph_checkpoints_and_saves_what_the_model_saves(monkeypatch):
         return internal(*args, **kwargs)
 
     monkeypatch.setattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator_impl", counted)
-    model = tiny_llama(use_cache=False).train()
-    model.activation_checkpointing_enable()
+    model = checkpointed_llama().train()
     ids = torch.randint(3, VOCAB, (2, SEQ))
 
     def saved_bytes_and_checkpoints() -> tuple[int, int]:
