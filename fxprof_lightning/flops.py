@@ -2,7 +2,7 @@
 
 The pass runs the traced graph node by node (``torch.fx.Interpreter``, fine here: nothing
 is timed) on a copy of the module whose parameters and buffers live on the ``meta`` device,
-with meta inputs of the recorded shapes: no real computation, no random numbers, no change
+with meta inputs of the recorded shapes: no real computation, random states kept (a leaf may draw), no change
 to the real model. ``torch.utils.flop_counter.FlopCounterMode`` counts each node's forward
 ops; the backward of the sum of the outputs is counted per node with hooks on the autograd
 nodes each node created. Convention: a multiply-add is 2 FLOPs (that of FlopCounterMode).
@@ -18,6 +18,7 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
+from fxprof_lightning.leaves import random_states_kept
 from fxprof_lightning.node_timing import autograd_nodes, is_timed, sequence_nr_now, tensors_in
 
 __all__ = ["NodeCosts", "count_costs", "input_signature"]
@@ -98,7 +99,7 @@ def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool)
                 fn.register_hook(backward[i].post)
             return output
 
-    with torch.enable_grad():
+    with torch.enable_grad(), random_states_kept():  # a leaf or a graph node may draw host random numbers
         outputs = tensors_in(Counter(meta_module).run(*(_to_meta(x) for x in inputs)))
         loss = sum(t.float().sum() for t in outputs if t.requires_grad and t.is_floating_point())
         if isinstance(loss, torch.Tensor):

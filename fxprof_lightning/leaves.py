@@ -13,6 +13,14 @@ rungs): item assignment into a traced tensor (``shifted[..., 1:] = ids[..., :-1]
 ``CrossEntropyLoss()`` made when ``labels`` are given), is traced through, so its functional
 calls become nodes of the module that built it.
 
+Random numbers drawn on the host (NumPy, Python's ``random``) while tracing would be drawn
+once and baked into the graph as constants: Wav2Vec2's SpecAugment masks would be the same
+at every step. A module-level function of the model's own source files that draws them
+(``_compute_mask_indices``) becomes one graph node instead (``host_random_functions``), which
+draws anew at each call, as the model does. For the same reason a torch random factory
+(``torch.rand([])``, LayerDrop's draw) is always a node, and the other factories are nodes
+when a size or value is traced (``torch.ones(batch, seq)``, ``torch.tensor(head_dim)``).
+
 Activation checkpointing (``torch.utils.checkpoint``) called on traced values would run the
 checkpointed function on proxies and inline it: the graph would keep every activation the
 user's model frees. ``LeafTracer`` makes such a call fail (``refusing_checkpoint``), so the
@@ -30,7 +38,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import operator
+import random
+import sys
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,9 +50,18 @@ from typing import Any
 import torch.utils.checkpoint
 from torch import fx, nn
 
-__all__ = ["MAX_LEAF_RETRIES", "LeafProxy", "LeafTrace", "LeafTracer", "refusing_checkpoint", "short_error", "trace_with_leaves"]
+try:
+    import numpy
+except ImportError:  # torch runs without NumPy
+    numpy = None
+
+__all__ = ["MAX_LEAF_RETRIES", "LeafProxy", "LeafTrace", "LeafTracer", "host_random_functions", "random_states_kept", "refusing_checkpoint", "short_error", "trace_with_leaves"]
 
 MAX_LEAF_RETRIES = 64
+# torch functions that build a tensor from Python values: nodes when one of those is traced ...
+FACTORIES = ("ones", "zeros", "empty", "full", "tensor", "as_tensor", "arange")
+# ... and those that draw random numbers: always nodes (a draw made while tracing would be a constant).
+RANDOM_FACTORIES = ("rand", "randn", "randint", "randperm", "normal", "bernoulli", "multinomial", "poisson")
 # What every way into activation checkpointing calls at run time (``checkpoint`` itself may be
 # bound early: HuggingFace keeps a ``functools.partial(checkpoint, ...)``). Names a torch
 # version lacks are skipped.
@@ -74,7 +95,7 @@ class LeafTracer(fx.Tracer):
         return module_qualified_name in self.extra_leaves or super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
-        with refusing_checkpoint():
+        with refusing_checkpoint(), _host_random_as_nodes(self, root), _recorded_factories(self):
             return super().trace(root, concrete_args)
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
@@ -133,6 +154,99 @@ def refusing_checkpoint() -> Iterator[None]:
                 delattr(owner, name)
             else:
                 setattr(owner, name, original)
+
+
+def host_random_functions(root: Any) -> list[tuple[dict[str, Any], str, Callable[..., Any]]]:
+    """``(namespace, name, function)`` of each module-level function of the model's source files that draws host random numbers.
+
+    The source files are those of the classes of ``root``'s modules, outside torch; a function
+    draws them if ``random`` is among the names its code (nested functions included) uses:
+    ``np.random.rand``, ``random.random``.
+    """
+    modules = root.modules() if isinstance(root, nn.Module) else ()
+    sources = {type(m).__module__ for m in modules} - {None}
+    found = []
+    for source in sorted(s for s in sources if s.split(".")[0] != "torch" and s in sys.modules):
+        namespace = vars(sys.modules[source])
+        for name, value in list(namespace.items()):
+            if inspect.isfunction(value) and value.__module__ == source and "random" in _names_used(value.__code__):
+                found.append((namespace, name, value))
+    return found
+
+
+def _names_used(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names |= _names_used(constant)
+    return names
+
+
+@contextlib.contextmanager
+def _host_random_as_nodes(tracer: fx.Tracer, root: Any) -> Iterator[None]:
+    """While tracing, a call of a ``host_random_functions`` function with a traced argument is a graph node."""
+    found = host_random_functions(root)
+
+    def as_node(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def node(*args: Any, **kwargs: Any) -> Any:
+            if _has_proxy((args, kwargs)) and not getattr(tracer, "evaluating", False):
+                return tracer.create_proxy("call_function", original, args, kwargs)
+            return original(*args, **kwargs)
+
+        return node
+
+    for namespace, name, original in found:
+        namespace[name] = as_node(original)
+    try:
+        yield
+    finally:
+        for namespace, name, original in found:
+            namespace[name] = original
+
+
+@contextlib.contextmanager
+def random_states_kept(cuda_devices: list[int] | tuple[int, ...] = ()) -> Iterator[None]:
+    """Torch's random state on the CPU (and the given CUDA devices), NumPy's and Python's are as before, after.
+
+    For work the user's training must not notice: tracing on an example, the output check, the FLOP pass.
+    """
+    python_state = random.getstate()
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    with torch.random.fork_rng(devices=list(cuda_devices)):
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            if numpy is not None:
+                numpy.random.set_state(numpy_state)
+
+
+@contextlib.contextmanager
+def _recorded_factories(tracer: fx.Tracer) -> Iterator[None]:
+    """``FACTORIES`` called with a traced value, and ``RANDOM_FACTORIES`` called at all, while tracing, are nodes.
+
+    Sizes given as traced ints never reach ``__torch_function__``; a random draw made while
+    tracing would be baked into the graph and the graph would draw one number less than the model.
+    """
+    originals = {name: getattr(torch, name) for name in (*FACTORIES, *RANDOM_FACTORIES)}
+
+    def recorded(original: Callable[..., Any], always: bool) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def factory(*args: Any, **kwargs: Any) -> Any:
+            if (always or _has_proxy((args, kwargs))) and not getattr(tracer, "evaluating", False):
+                return tracer.create_proxy("call_function", original, args, kwargs)
+            return original(*args, **kwargs)
+
+        return factory
+
+    for name, original in originals.items():
+        setattr(torch, name, recorded(original, name in RANDOM_FACTORIES))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch, name, original)
 
 
 def _refusing_proxies(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -54,7 +54,7 @@ from torch.fx._symbolic_trace import _assert_is_none
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
-from fxprof_lightning.leaves import LeafProxy, LeafTrace, LeafTracer, short_error, trace_with_leaves
+from fxprof_lightning.leaves import LeafProxy, LeafTrace, LeafTracer, random_states_kept, short_error, trace_with_leaves
 from fxprof_lightning.node_timing import UNTIMED_TARGETS, NodeTimer
 
 __all__ = ["GUARDS", "Example", "ExampleTracer", "GraphMismatch", "GuardedNodeTimer", "Rebuild", "example_forward",
@@ -64,9 +64,6 @@ __all__ = ["GUARDS", "Example", "ExampleTracer", "GraphMismatch", "GuardedNodeTi
 PLAIN_CONSTANTS = (type(None), bool, int, float, str, torch.dtype, torch.device)
 # Tensor attributes read from the example as constants (guarded by ``check_attribute``).
 STATIC_ATTRIBUTES = ("dtype", "device", "layout", "ndim", "is_cuda", "is_sparse", "is_quantized", "is_meta")
-# Factories whose sizes or data may be proxies (``torch.ones(batch, seq)``, ``torch.tensor(head_dim)``):
-# recorded as nodes, not specialised.
-FACTORIES = ("ones", "zeros", "empty", "full", "rand", "randn", "randint", "tensor", "as_tensor")
 _MISSING = object()
 
 
@@ -376,18 +373,19 @@ class ExampleTracer(LeafTracer):
         return self.create_node("get_attr", name, (), {})
 
     def trace(self, root: nn.Module, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
-        """Trace with ``len(proxy)`` and torch factories patched; random state and buffers are restored."""
-        with _patched_len(self), _recorded_factories(self), _state_restored(root), warnings.catch_warnings():
+        """Trace with ``len(proxy)`` patched; random state and buffers are restored."""
+        with _patched_len(self), _state_restored(root), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the model's own warnings already showed in eager mode
             return super().trace(root, concrete_args)
 
 
 @contextlib.contextmanager
 def _state_restored(module: nn.Module) -> Iterator[None]:
-    """The random state (CPU, and the module's CUDA devices) and the module's buffers are as before, after."""
+    """The random states (torch's on CPU and the module's CUDA devices, NumPy's, Python's) and the module's
+    buffers are as before, after."""
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     cuda = sorted({b.device.index or 0 for b in [*module.parameters(), *module.buffers()] if b.is_cuda})
-    with torch.random.fork_rng(devices=cuda):
+    with random_states_kept(cuda):
         try:
             yield
         finally:
@@ -410,30 +408,6 @@ def _patched_len(tracer: ExampleTracer) -> Iterator[None]:
         yield
     finally:
         fx.Proxy.__len__ = original
-
-
-@contextlib.contextmanager
-def _recorded_factories(tracer: ExampleTracer) -> Iterator[None]:
-    """``torch.ones(batch, seq)`` with proxy sizes becomes a node (it never reaches ``__torch_function__``)."""
-    originals = {name: getattr(torch, name) for name in FACTORIES}
-
-    def recorded(original: Callable[..., Any]) -> Callable[..., Any]:
-        def factory(*args: Any, **kwargs: Any) -> Any:
-            proxies: list[fx.Proxy] = []
-            fx.node.map_aggregate((args, kwargs), lambda x: proxies.append(x) if isinstance(x, fx.Proxy) else None)
-            if proxies and not tracer.evaluating:
-                return tracer.create_proxy("call_function", original, args, kwargs)
-            return original(*args, **kwargs)
-
-        return factory
-
-    for name, original in originals.items():
-        setattr(torch, name, recorded(original))
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(torch, name, original)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """A captured graph never does less or more than the user's model: activation checkpointing is
-kept, and a graph traced on a recorded call that does not reproduce that call is refused.
+kept, a graph traced on a recorded call that does not reproduce that call is refused, and random
+draws, item assignment and modules built in the forward run as they do in eager mode.
 
 The models train through a real Trainer and end with weights bitwise equal to the same model
 trained without the profiler (``test_layers.train_both``).
@@ -10,6 +11,7 @@ from __future__ import annotations
 import gzip
 import json
 
+import numpy as np
 import pytest
 import torch
 import torch.utils.checkpoint
@@ -19,7 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fxprof_lightning.capture import capture
-from fxprof_lightning.leaves import refusing_checkpoint
+from fxprof_lightning.leaves import host_random_functions, refusing_checkpoint
 from fxprof_lightning.observed import Example
 
 CHECKPOINT_REASON = "activation checkpointing cannot be traced"
@@ -163,3 +165,62 @@ def test_tracing_on_a_recorded_call_happens_before_the_cycle_trace_starts(tmp_pa
     linear = [e["ts"] for e in events if e.get("name") == "aten::linear"]
     per_step = {name: sum(start <= ts < end for ts in linear) for name, (start, end) in steps.items()}
     assert per_step == {"ProfilerStep#2": 1, "ProfilerStep#3": 1}
+
+
+# ------------------------------------------------------------------ eager habits plain torch.fx refused or got wrong
+
+
+def host_mask(width: int) -> np.ndarray:
+    """Draws from NumPy's generator, as Wav2Vec2's ``_compute_mask_indices`` does (SpecAugment)."""
+    return np.random.rand(width) < 0.75
+
+
+class LayerDropped(nn.Module):
+    """Skips its layer at random (LayerDrop): which code runs depends on a random draw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        if torch.rand([]) < 0.5:
+            return x
+        return self.linear(x)
+
+
+class EagerHabits(nn.Module):
+    """Item assignment into a traced tensor, NumPy random numbers, a block with LayerDrop, a loss module built in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.block = LayerDropped()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x, labels):
+        x = F.relu(self.conv(x)).mean(dim=(2, 3))
+        x[:, 0] = 0.0
+        x = x * torch.as_tensor(host_mask(x.shape[1]))
+        return nn.CrossEntropyLoss()(self.head(self.block(x)), labels)
+
+
+class LitLossInside(LitClassifier):
+    def training_step(self, batch, batch_idx):
+        return self.model(*batch)
+
+
+def test_eager_habits_are_traced_as_they_run_and_training_is_unchanged(tmp_path):
+    # Before: the draws made while tracing were baked into the graph (the same mask and the same branch at every
+    # step), item assignment and the loss module stopped tracing. The weights (train_both) tell.
+    _, callback = train_both(tmp_path, lambda: LitLossInside(EagerHabits()), steps=6)
+    (cycle,) = callback.cycles
+    assert cycle.capture.method == "symbolic_trace+leaves"
+    assert list(cycle.capture.leaves) == ["block"] and "control flow" in cycle.capture.leaves["block"]
+    targets = {n.target for n in cycle.nodes}
+    assert {"operator.setitem", "torch.as_tensor", "block", "torch.nn.functional.cross_entropy"} <= targets
+    assert any(t.endswith("host_mask") for t in targets)
+
+
+def test_host_random_functions_are_those_of_the_models_own_files_that_draw():
+    found = {name for _, name, _ in host_random_functions(EagerHabits())}
+    assert "host_mask" in found and "train_both" not in found and not any("torch" in n for n in found)

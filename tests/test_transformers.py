@@ -397,3 +397,30 @@ def test_the_graph_checkpoints_and_saves_what_the_model_saves(monkeypatch):
     finally:
         timer.uninstall(model)
     assert timer.mismatch is None and eager[1] == 2 and graph == eager
+
+
+def tiny_wav2vec2() -> nn.Module:
+    """Wav2Vec2 from its default config (SpecAugment on: mask_time_prob=0.05; LayerDrop: layerdrop=0.1)."""
+    config = transformers.Wav2Vec2Config(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2,
+                                         intermediate_size=64, conv_dim=[16, 16], conv_stride=[5, 2], conv_kernel=[10, 3],
+                                         num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2,
+                                         classifier_proj_size=16, num_labels=2)
+    return transformers.Wav2Vec2ForSequenceClassification(config)
+
+
+def audio_loader(steps: int = 6) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    return DataLoader([{"input_values": torch.randn(2, 400, generator=generator),
+                        "labels": torch.randint(0, 2, (2,), generator=generator)} for _ in range(steps)], batch_size=None)
+
+
+def test_wav2vec2_draws_its_masks_at_every_step_and_keeps_its_layerdrop_encoder_whole(tmp_path):
+    # SpecAugment draws its masks with NumPy: a graph node that draws at every call. LayerDrop picks the encoder's
+    # layers at random, which no graph can express: the encoder stays one leaf, with the reason.
+    _, callback = train_both(tmp_path, lambda: LitHF(tiny_wav2vec2), audio_loader)
+    (cycle,) = callback.cycles
+    assert cycle.capture.method == "traced_on_example+leaves"
+    assert list(cycle.capture.leaves) == ["wav2vec2.encoder"]
+    assert "control flow" in cycle.capture.leaves["wav2vec2.encoder"] and "rand" in cycle.capture.leaves["wav2vec2.encoder"]
+    targets = {n.target for n in cycle.nodes}
+    assert any(t.endswith("_compute_mask_indices") for t in targets) and "wav2vec2.feature_extractor.conv_layers.0.conv" in targets
