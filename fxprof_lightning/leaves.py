@@ -55,9 +55,23 @@ try:
 except ImportError:  # torch runs without NumPy
     numpy = None
 
-__all__ = ["MAX_LEAF_RETRIES", "LeafProxy", "LeafTrace", "LeafTracer", "host_random_functions", "random_states_kept", "refusing_checkpoint", "short_error", "trace_with_leaves"]
+__all__ = [
+    "HOST_RANDOM",
+    "MAX_LEAF_RETRIES",
+    "LeafProxy",
+    "LeafTrace",
+    "LeafTracer",
+    "host_random_functions",
+    "host_random_state",
+    "random_states_kept",
+    "refusing_checkpoint",
+    "set_host_random_state",
+    "short_error",
+    "trace_with_leaves",
+]
 
 MAX_LEAF_RETRIES = 64
+HOST_RANDOM = "fxprof_host_random"  # node.meta key: the node draws NumPy or Python random numbers
 # torch functions that build a tensor from Python values: nodes when one of those is traced ...
 FACTORIES = ("ones", "zeros", "empty", "full", "tensor", "as_tensor", "arange")
 # ... and those that draw random numbers: always nodes (a draw made while tracing would be a constant).
@@ -191,7 +205,9 @@ def _host_random_as_nodes(tracer: fx.Tracer, root: Any) -> Iterator[None]:
         @functools.wraps(original)
         def node(*args: Any, **kwargs: Any) -> Any:
             if _has_proxy((args, kwargs)) and not getattr(tracer, "evaluating", False):
-                return tracer.create_proxy("call_function", original, args, kwargs)
+                proxy = tracer.create_proxy("call_function", original, args, kwargs)
+                proxy.node.meta[HOST_RANDOM] = True
+                return proxy
             return original(*args, **kwargs)
 
         return node
@@ -205,21 +221,29 @@ def _host_random_as_nodes(tracer: fx.Tracer, root: Any) -> Iterator[None]:
             namespace[name] = original
 
 
+def host_random_state() -> tuple[Any, Any]:
+    """Python's and NumPy's random states."""
+    return random.getstate(), numpy.random.get_state() if numpy is not None else None
+
+
+def set_host_random_state(state: tuple[Any, Any]) -> None:
+    random.setstate(state[0])
+    if state[1] is not None:
+        numpy.random.set_state(state[1])
+
+
 @contextlib.contextmanager
 def random_states_kept(cuda_devices: list[int] | tuple[int, ...] = ()) -> Iterator[None]:
     """Torch's random state on the CPU (and the given CUDA devices), NumPy's and Python's are as before, after.
 
     For work the user's training must not notice: tracing on an example, the output check, the FLOP pass.
     """
-    python_state = random.getstate()
-    numpy_state = numpy.random.get_state() if numpy is not None else None
+    host = host_random_state()
     with torch.random.fork_rng(devices=list(cuda_devices)):
         try:
             yield
         finally:
-            random.setstate(python_state)
-            if numpy is not None:
-                numpy.random.set_state(numpy_state)
+            set_host_random_state(host)
 
 
 @contextlib.contextmanager

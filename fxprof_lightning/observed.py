@@ -54,7 +54,17 @@ from torch.fx._symbolic_trace import _assert_is_none
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
-from fxprof_lightning.leaves import LeafProxy, LeafTrace, LeafTracer, random_states_kept, short_error, trace_with_leaves
+from fxprof_lightning.leaves import (
+    HOST_RANDOM,
+    LeafProxy,
+    LeafTrace,
+    LeafTracer,
+    host_random_state,
+    random_states_kept,
+    set_host_random_state,
+    short_error,
+    trace_with_leaves,
+)
 from fxprof_lightning.node_timing import UNTIMED_TARGETS, NodeTimer
 
 __all__ = ["GUARDS", "Example", "ExampleTracer", "GraphMismatch", "GuardedNodeTimer", "Rebuild", "example_forward",
@@ -639,7 +649,7 @@ class GuardedNodeTimer(NodeTimer):
     """``NodeTimer`` for a graph traced on an example: a call the graph does not fit runs the module's own forward.
 
     ``install`` makes ``module.forward`` a wrapper that saves the random state (CPU, and CUDA on
-    CUDA) and runs the instrumented graph. If the graph raises (a guard failed: the call takes
+    CUDA; NumPy's and Python's too when the graph draws host random numbers) and runs the instrumented graph. If the graph raises (a guard failed: the call takes
     another path than the example; or any other error), the wrapper restores the random state,
     discards everything the timer recorded (``reset``), runs the module's own forward with the
     same arguments and returns its result; ``mismatch`` then says why, ``on_mismatch`` is told,
@@ -662,6 +672,8 @@ class GuardedNodeTimer(NodeTimer):
         super().__init__(traced, annotate=annotate, backward=backward, device=device)
         self.mismatch: str | None = None
         self._on_mismatch = on_mismatch
+        # NumPy's state costs ~30 us to save: only for a graph that draws host random numbers.
+        self._host_random = any(node.meta.get(HOST_RANDOM) for node in traced.graph.nodes)
 
     def install(self, module: nn.Module, **options: Any) -> None:
         """``NodeTimer.install`` (same ``options``), with the graph's forward inside the guarded wrapper."""
@@ -683,13 +695,16 @@ class GuardedNodeTimer(NodeTimer):
 
         module.forward = forward
 
-    def _random_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return torch.get_rng_state(), torch.cuda.get_rng_state() if self._cuda else None
+    def _random_state(self) -> tuple[Any, ...]:
+        return (torch.get_rng_state(), torch.cuda.get_rng_state() if self._cuda else None,
+                host_random_state() if self._host_random else None)
 
-    def _set_random_state(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    def _set_random_state(self, state: tuple[Any, ...]) -> None:
         torch.set_rng_state(state[0])
         if state[1] is not None:
             torch.cuda.set_rng_state(state[1])
+        if state[2] is not None:
+            set_host_random_state(state[2])
 
     def _stop_using_graph(self, reason: str) -> None:
         self.mismatch = reason

@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 from fxprof_lightning.capture import capture
 from fxprof_lightning.leaves import host_random_functions, refusing_checkpoint
-from fxprof_lightning.observed import Example
+from fxprof_lightning.observed import Example, GuardedNodeTimer
 
 CHECKPOINT_REASON = "activation checkpointing cannot be traced"
 
@@ -224,3 +224,35 @@ def test_eager_habits_are_traced_as_they_run_and_training_is_unchanged(tmp_path)
 def test_host_random_functions_are_those_of_the_models_own_files_that_draw():
     found = {name for _, name, _ in host_random_functions(EagerHabits())}
     assert "host_mask" in found and "train_both" not in found and not any("torch" in n for n in found)
+
+
+class DrawsThenBranches(nn.Module):
+    """Draws NumPy numbers, then branches on the batch size: rung 3 (plain tracing fails on the branch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        x = x * torch.as_tensor(host_mask(x.shape[1]))
+        if x.shape[0] > 2:
+            x = x * 2
+        return self.linear(x)
+
+
+def test_a_call_failing_a_guard_after_a_numpy_draw_gets_the_models_numpy_numbers():
+    module = DrawsThenBranches()
+    how = capture(module, Example.copy_of((torch.randn(4, 16),), {}))
+    assert how.method == "traced_on_example" and any(t is host_mask for t in (n.target for n in how.graph_module.graph.nodes))
+    small = torch.randn(2, 16)  # the other branch: the guard fails after the graph drew its mask
+    np.random.seed(0)
+    expected, expected_next = module(small), np.random.rand()
+    timer = GuardedNodeTimer(how.graph_module)
+    timer.install(module)
+    try:
+        np.random.seed(0)
+        got, got_next = module(small), np.random.rand()
+    finally:
+        timer.uninstall(module)
+    assert timer.mismatch and "GraphMismatch" in timer.mismatch
+    assert torch.equal(got, expected) and got_next == expected_next
