@@ -50,6 +50,8 @@ from typing import Any
 import torch.utils.checkpoint
 from torch import fx, nn
 
+from fxprof_lightning.node_timing import UNTIMED_TARGETS
+
 try:
     import numpy
 except ImportError:  # torch runs without NumPy
@@ -58,9 +60,11 @@ except ImportError:  # torch runs without NumPy
 __all__ = [
     "HOST_RANDOM",
     "MAX_LEAF_RETRIES",
+    "FunctionApply",
     "LeafProxy",
     "LeafTrace",
     "LeafTracer",
+    "ModuleState",
     "host_random_functions",
     "host_random_state",
     "random_states_kept",
@@ -109,8 +113,25 @@ class LeafTracer(fx.Tracer):
         return module_qualified_name in self.extra_leaves or super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
-        with refusing_checkpoint(), _host_random_as_nodes(self, root), _recorded_factories(self):
-            return super().trace(root, concrete_args)
+        """Trace ``root``; every module's state is as before, after (see ``ModuleState``)."""
+        state = ModuleState(root) if isinstance(root, nn.Module) else None
+        graph = None
+        try:
+            with (refusing_checkpoint(), _host_random_as_nodes(self, root), _recorded_factories(self),
+                  _grad_mode_as_nodes(self), _functions_as_nodes(self)):
+                graph = super().trace(root, concrete_args)
+        finally:
+            written = state.restore(graph, self.same_value) if state is not None else []
+        if written:  # the graph cannot make the assignment; the module that holds the attribute stays whole
+            path, name = written[0]
+            self.failed_in = path
+            raise fx.proxy.TraceError(f"the forward assigns a traced value to {path or 'self'}.{name}: a graph cannot "
+                                      "make that assignment")
+        return graph
+
+    def same_value(self, old: Any, new: fx.Proxy) -> bool:
+        """Whether assigning ``new`` over ``old`` changes nothing (unknown while tracing without an example)."""
+        return False
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return LeafProxy(node, self)
@@ -219,6 +240,135 @@ def _host_random_as_nodes(tracer: fx.Tracer, root: Any) -> Iterator[None]:
     finally:
         for namespace, name, original in found:
             namespace[name] = original
+
+
+class ModuleState:
+    """Every module's attributes, parameters, buffers and children, put back after tracing.
+
+    Tracing runs the forward once more than the user did, on traced values: an assignment such
+    as ``self.pos_encoding = self.pos_encoding.to(device)`` (CTRL) would leave a proxy in the
+    user's module. ``restore`` puts every entry back, removes the new ones except the constants
+    the graph reads (``get_attr`` on the root), and returns the assignments of traced values,
+    which the graph does not make, as ``(module path, attribute)``; those ``same_value`` calls
+    a no-op are left out.
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self.saved = [(path, m, [(store, dict(store)) for store in _stores(m)]) for path, m in root.named_modules()]
+
+    def restore(self, graph: fx.Graph | None, same_value: Callable[[Any, fx.Proxy], bool]) -> list[tuple[str, str]]:
+        read = {n.target for n in graph.nodes if n.op == "get_attr"} if graph is not None else set()
+        written = []
+        for path, module, stores in self.saved:
+            for store, before in stores:
+                constants = {}
+                for name, value in store.items():
+                    old = before.get(name, _ABSENT)
+                    if value is old:
+                        continue
+                    if module is self.root and old is _ABSENT and name in read:
+                        constants[name] = value  # fx's tensor constants, ours
+                    elif _has_proxy(value) and not (old is not _ABSENT and same_value(old, value)):
+                        written.append((path, name))
+                store.clear()
+                store.update(before)
+                store.update(constants)
+        return written
+
+
+def _stores(module: nn.Module) -> list[dict[str, Any]]:
+    return [module.__dict__, module._parameters, module._buffers, module._modules]
+
+
+class FunctionApply:
+    """A graph function calling a custom ``torch.autograd.Function``: one node, which keeps the Function's backward."""
+
+    def __init__(self, function: type[torch.autograd.Function]) -> None:
+        self.function = function
+        self.__name__ = self.__qualname__ = f"{function.__name__}.apply"
+        self.__module__ = function.__module__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function.apply(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return self.__name__
+
+
+@contextlib.contextmanager
+def _functions_as_nodes(tracer: fx.Tracer) -> Iterator[None]:
+    """A custom autograd Function applied to traced values is a ``FunctionApply`` node.
+
+    Traced through, its forward's ops would be recorded and autograd would differentiate them,
+    not run the Function's own backward (Bloom's GeLU, PhiMoE's router): other gradients.
+    """
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
+        if _has_proxy((args, kwargs)) and not getattr(tracer, "evaluating", False):
+            return tracer.create_proxy("call_function", FunctionApply(cls), args, kwargs)
+        return original.__get__(None, cls)(*args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
+
+
+UNTIMED_TARGETS.update((torch.is_grad_enabled, torch._C._set_grad_enabled))
+
+
+@contextlib.contextmanager
+def _grad_mode_as_nodes(tracer: fx.Tracer) -> Iterator[None]:
+    """``no_grad``, ``enable_grad`` and ``set_grad_enabled`` (blocks and decorators) in the forward are graph nodes.
+
+    torch.fx does not see grad mode: a ``torch.no_grad()`` block would be traced as plain code and
+    the graph would record autograd history the model does not (other gradients). Entering sets
+    the mode with a ``torch._C._set_grad_enabled`` node; leaving sets back the mode read by a
+    ``torch.is_grad_enabled`` node when entering, at run time. The grad mode itself does not
+    change while tracing. Code run for a value while tracing (``evaluating``) is left alone.
+    """
+    grad_mode = torch.autograd.grad_mode
+    patched = [(grad_mode.no_grad, "__enter__"), (grad_mode.no_grad, "__exit__"),
+               (grad_mode.enable_grad, "__enter__"), (grad_mode.enable_grad, "__exit__"),
+               (grad_mode.set_grad_enabled, "__init__"), (grad_mode.set_grad_enabled, "__exit__")]
+    originals = {(owner, name): owner.__dict__[name] for owner, name in patched}
+
+    def tracing() -> bool:
+        return not getattr(tracer, "evaluating", False)
+
+    def enter(mode: bool, original: Callable[..., Any]) -> Callable[..., Any]:
+        def entered(self: Any, *args: Any) -> None:
+            if not tracing():
+                return original(self, *args)
+            self.mode = args[0] if args else mode  # set_grad_enabled(mode) keeps it for clone()
+            self.prev = tracer.create_proxy("call_function", torch.is_grad_enabled, (), {})
+            tracer.create_proxy("call_function", torch._C._set_grad_enabled, (self.mode,), {})
+            return None
+
+        return entered
+
+    def exit_(original: Callable[..., Any]) -> Callable[..., Any]:
+        def exited(self: Any, *args: Any) -> None:
+            if not isinstance(getattr(self, "prev", None), fx.Proxy):  # entered outside the trace
+                return original(self, *args)
+            tracer.create_proxy("call_function", torch._C._set_grad_enabled, (self.prev,), {})
+            return None
+
+        return exited
+
+    grad_mode.no_grad.__enter__ = enter(False, originals[(grad_mode.no_grad, "__enter__")])
+    grad_mode.enable_grad.__enter__ = enter(True, originals[(grad_mode.enable_grad, "__enter__")])
+    grad_mode.set_grad_enabled.__init__ = enter(True, originals[(grad_mode.set_grad_enabled, "__init__")])
+    for owner in (grad_mode.no_grad, grad_mode.enable_grad, grad_mode.set_grad_enabled):
+        owner.__exit__ = exit_(originals[(owner, "__exit__")])
+    try:
+        yield
+    finally:
+        for (owner, name), original in originals.items():
+            setattr(owner, name, original)
 
 
 def host_random_state() -> tuple[Any, Any]:

@@ -266,6 +266,12 @@ class ExampleTracer(LeafTracer):
     def value_of(self, proxy: fx.Proxy) -> Any:
         return self.values.get(proxy.node, _MISSING)
 
+    def same_value(self, old: Any, new: fx.Proxy) -> bool:
+        """An assignment of a traced value equal to the old one on the example (``x = x.to(device)``) changes nothing."""
+        value = self.value_of(new) if isinstance(new, fx.Proxy) else _MISSING
+        return (isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) and old.dtype == value.dtype
+                and old.device == value.device and old.shape == value.shape and torch.equal(old, value))
+
     def guard(self, check: Callable[..., None], *args: Any) -> None:
         """Put ``check(*args)`` into the graph."""
         self.create_proxy("call_function", check, args, {})

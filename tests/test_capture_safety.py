@@ -256,3 +256,54 @@ def test_a_call_failing_a_guard_after_a_numpy_draw_gets_the_models_numpy_numbers
         timer.uninstall(module)
     assert timer.mismatch and "GraphMismatch" in timer.mismatch
     assert torch.equal(got, expected) and got_next == expected_next
+
+
+class HalfGradient(torch.autograd.Function):
+    """The identity with a custom backward (half the gradient): autograd alone would give another gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 0.5
+
+
+class Tracker(nn.Module):
+    """Keeps the last batch mean as an attribute: state written by the forward."""
+
+    def forward(self, x):
+        self.last = x.detach().mean()
+        return x
+
+
+class FxBlindSpots(nn.Module):
+    """What torch.fx does not see: a custom autograd Function, a no_grad block, an attribute assigned in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.gate = nn.Linear(16, 16)
+        self.tracker = Tracker()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = F.relu(self.conv(x)).mean(dim=(2, 3))
+        with torch.no_grad():
+            gate = torch.sigmoid(self.gate(x))
+        return self.head(self.tracker(HalfGradient.apply(x * gate)))
+
+
+def test_custom_functions_grad_modes_and_attribute_writes_train_as_in_eager_mode(tmp_path):
+    # Before: HalfGradient was traced through (autograd's gradient, not its own), the no_grad block was traced as
+    # plain code (the gate got gradients), and the traced value assigned to tracker.last stayed in the user's model.
+    profiled, callback = train_both(tmp_path, lambda: LitClassifier(FxBlindSpots()), steps=6)
+    (cycle,) = callback.cycles
+    assert cycle.capture.method == "symbolic_trace+leaves"
+    assert "assigns a traced value to tracker.last" in cycle.capture.leaves["tracker"]
+    nodes = {n.target: n for n in cycle.nodes}
+    assert nodes["test_capture_safety.HalfGradient.apply"].bwd_calls == 2
+    assert nodes["gate"].calls == 2 and nodes["gate"].bwd_calls == 0
+    assert not any("grad_enabled" in target for target in nodes)  # setting the grad mode is bookkeeping
+    assert type(profiled.model.tracker.last) is torch.Tensor
