@@ -656,8 +656,8 @@ class GuardedNodeTimer(NodeTimer):
 
     ``install`` makes ``module.forward`` a wrapper that saves the random state (CPU, and CUDA on
     CUDA; NumPy's and Python's too when the graph draws host random numbers) and runs the instrumented graph. If the graph raises (a guard failed: the call takes
-    another path than the example; or any other error), the wrapper restores the random state,
-    discards everything the timer recorded (``reset``), runs the module's own forward with the
+    another path than the example; or any other error), the wrapper restores the random state
+    and the grad mode, discards everything the timer recorded (``reset``), runs the module's own forward with the
     same arguments and returns its result; ``mismatch`` then says why, ``on_mismatch`` is told,
     and later calls run the module's own forward without the graph. ``uninstall`` gives the
     module its own forward back, as ``NodeTimer`` does.
@@ -691,11 +691,12 @@ class GuardedNodeTimer(NodeTimer):
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if self.mismatch is None:
-                random_state = self._random_state()
+                random_state, grad_mode = self._random_state(), torch.is_grad_enabled()
                 try:
                     return graph_forward(*args, **kwargs)
                 except Exception as error:  # the graph does not fit this call: it must not cost the user anything
                     self._set_random_state(random_state)
+                    torch._C._set_grad_enabled(grad_mode)  # a guard inside a no_grad block
                     self._stop_using_graph(short_error(error))
             return own_forward(*args, **kwargs)
 

@@ -307,3 +307,30 @@ def test_custom_functions_grad_modes_and_attribute_writes_train_as_in_eager_mode
     assert nodes["gate"].calls == 2 and nodes["gate"].bwd_calls == 0
     assert not any("grad_enabled" in target for target in nodes)  # setting the grad mode is bookkeeping
     assert type(profiled.model.tracker.last) is torch.Tensor
+
+
+class BranchesWithoutGrad(nn.Module):
+    """A branch on the batch size inside a no_grad block: rung 3, with a guard that runs with grad mode off."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        with torch.no_grad():
+            if x.shape[0] > 2:
+                x = x * 2
+        return self.linear(x)
+
+
+def test_a_guard_failing_inside_a_no_grad_block_leaves_grad_mode_on():
+    module = BranchesWithoutGrad()
+    how = capture(module, Example.copy_of((torch.randn(4, 16),), {}))
+    assert how.method == "traced_on_example"
+    timer = GuardedNodeTimer(how.graph_module)
+    timer.install(module)
+    try:
+        got = module(torch.randn(2, 16))  # the other branch
+    finally:
+        timer.uninstall(module)
+    assert timer.mismatch and torch.is_grad_enabled() and got.requires_grad
