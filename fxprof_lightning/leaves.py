@@ -75,6 +75,8 @@ __all__ = [
 ]
 
 MAX_LEAF_RETRIES = 64
+# torch._dynamo functions that only annotate a tensor for torch.compile: no-ops on traced values.
+COMPILE_MARKS = ("mark_static_address", "mark_dynamic", "maybe_mark_dynamic", "mark_static")
 HOST_RANDOM = "fxprof_host_random"  # node.meta key: the node draws NumPy or Python random numbers
 # torch functions that build a tensor from Python values: nodes when one of those is traced ...
 FACTORIES = ("ones", "zeros", "empty", "full", "tensor", "as_tensor", "arange")
@@ -118,13 +120,16 @@ class LeafTracer(fx.Tracer):
         graph = None
         try:
             with (refusing_checkpoint(), _host_random_as_nodes(self, root), _recorded_factories(self),
-                  _grad_mode_as_nodes(self), _functions_as_nodes(self)):
+                  _grad_mode_as_nodes(self), _functions_as_nodes(self), _compile_marks_ignored()):
                 graph = super().trace(root, concrete_args)
         finally:
             written = state.restore(graph, self.same_value) if state is not None else []
         if written:  # the graph cannot make the assignment; the module that holds the attribute stays whole
             path, name = written[0]
-            self.failed_in = path
+            culprit = path
+            while culprit and culprit in self.extra_leaves:  # then the assignment is its parent's (or above)
+                culprit = culprit.rpartition(".")[0]
+            self.failed_in = culprit
             raise fx.proxy.TraceError(f"the forward assigns a traced value to {path or 'self'}.{name}: a graph cannot "
                                       "make that assignment")
         return graph
@@ -369,6 +374,33 @@ def _grad_mode_as_nodes(tracer: fx.Tracer) -> Iterator[None]:
     finally:
         for (owner, name), original in originals.items():
             setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def _compile_marks_ignored() -> Iterator[None]:
+    """``torch._dynamo.mark_static_address`` and the other marks do nothing to a traced value.
+
+    They only annotate a tensor for ``torch.compile`` (HF's linear-attention caches mark their
+    state tensors for CUDA graphs) and refuse a proxy, which would make the module a leaf.
+    """
+    dynamo = sys.modules.get("torch._dynamo")  # not imported: nothing can call it
+    names = [name for name in COMPILE_MARKS if dynamo is not None and hasattr(dynamo, name)]
+    originals = {name: getattr(dynamo, name) for name in names}
+
+    def ignoring_proxies(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def mark(t: Any, *args: Any, **kwargs: Any) -> Any:
+            return None if isinstance(t, fx.Proxy) else original(t, *args, **kwargs)
+
+        return mark
+
+    for name, original in originals.items():
+        setattr(dynamo, name, ignoring_proxies(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(dynamo, name, original)
 
 
 def host_random_state() -> tuple[Any, Any]:

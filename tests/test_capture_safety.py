@@ -334,3 +334,51 @@ def test_a_guard_failing_inside_a_no_grad_block_leaves_grad_mode_on():
     finally:
         timer.uninstall(module)
     assert timer.mismatch and torch.is_grad_enabled() and got.requires_grad
+
+
+class Cell(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.state = None
+
+    def forward(self, x):
+        out = self.linear(x) + self.state
+        self.state = out.detach()
+        return out
+
+
+class StatefulBlock(nn.Module):
+    """Sets its child's state, as RecurrentGemma's temporal block does, and marks a tensor for torch.compile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = Cell()
+
+    def forward(self, x):
+        self.cell.state = torch.zeros(x.shape[0], 16)
+        return self.cell(x)
+
+
+class WithStatefulBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.block = StatefulBlock()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = F.relu(self.conv(x)).mean(dim=(2, 3))
+        bias = torch.zeros(x.shape[1])
+        torch._dynamo.mark_static_address(bias)  # an annotation for torch.compile: no reason to stop tracing
+        return self.head(self.block(x) + bias)
+
+
+def test_state_a_parent_assigns_to_its_child_makes_the_parent_a_leaf(tmp_path):
+    profiled, callback = train_both(tmp_path, lambda: LitClassifier(WithStatefulBlock()), steps=6)
+    (cycle,) = callback.cycles
+    assert cycle.capture.method == "symbolic_trace+leaves"
+    assert set(cycle.capture.leaves) == {"block.cell", "block"}
+    assert "assigns a traced value to block.cell.state" in cycle.capture.leaves["block"]
+    assert {"conv", "block", "head", "torch.zeros"} <= {n.target for n in cycle.nodes}
+    assert type(profiled.model.block.cell.state) is torch.Tensor
