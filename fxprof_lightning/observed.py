@@ -267,8 +267,11 @@ class ExampleTracer(LeafTracer):
         return self.values.get(proxy.node, _MISSING)
 
     def same_value(self, old: Any, new: fx.Proxy) -> bool:
-        """An assignment of a traced value equal to the old one on the example (``x = x.to(device)``) changes nothing."""
+        """An assignment of a traced value equal to the old one on the example changes nothing: CTRL's
+        ``x = x.to(device)``, Swin's ``self.window_size = min(resolution)`` on a resolution that needs no clamping."""
         value = self.value_of(new) if isinstance(new, fx.Proxy) else _MISSING
+        if isinstance(old, PLAIN_CONSTANTS):
+            return type(value) is type(old) and value == old
         return (isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) and old.dtype == value.dtype
                 and old.device == value.device and old.shape == value.shape and torch.equal(old, value))
 
