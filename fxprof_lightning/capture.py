@@ -91,4 +91,7 @@ def capture(module: nn.Module, example: Example | None = None) -> Capture:
 
 def _graph_module(module: nn.Module, tracer: fx.Tracer) -> fx.GraphModule:
     graph = tracer.trace(module)
-    return fx.GraphModule(tracer.root, graph, class_name=type(module).__name__)
+    graph_module = fx.GraphModule(tracer.root, graph, class_name=type(module).__name__)
+    for name in tracer.root_constants:  # the graph module holds them now
+        module.__dict__.pop(name, None)
+    return graph_module

@@ -65,6 +65,7 @@ __all__ = [
     "LeafTrace",
     "LeafTracer",
     "ModuleState",
+    "holds_traced",
     "host_random_functions",
     "host_random_state",
     "random_states_kept",
@@ -110,6 +111,7 @@ class LeafTracer(fx.Tracer):
         super().__init__()
         self.extra_leaves = leaves
         self.failed_in: str | None = None
+        self.root_constants: list[str] = []  # put on the root for the graph: pop them once a GraphModule holds them
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name in self.extra_leaves or super().is_leaf_module(m, module_qualified_name)
@@ -120,10 +122,12 @@ class LeafTracer(fx.Tracer):
         graph = None
         try:
             with (refusing_checkpoint(), _host_random_as_nodes(self, root), _recorded_factories(self),
-                  _grad_mode_as_nodes(self), _functions_as_nodes(self), _compile_marks_ignored()):
+                  _grad_mode_as_nodes(self), _functions_as_nodes(self), _compile_marks_ignored(), random_states_kept()):
                 graph = super().trace(root, concrete_args)
         finally:
-            written = state.restore(graph, self.same_value) if state is not None else []
+            written = state.written(self.same_value) if state is not None else []
+            if state is not None:
+                self.root_constants = state.restore(graph if not written else None)
         if written:  # the graph cannot make the assignment; the module that holds the attribute stays whole
             path, name = written[0]
             culprit = path
@@ -252,34 +256,94 @@ class ModuleState:
 
     Tracing runs the forward once more than the user did, on traced values: an assignment such
     as ``self.pos_encoding = self.pos_encoding.to(device)`` (CTRL) would leave a proxy in the
-    user's module. ``restore`` puts every entry back, removes the new ones except the constants
-    the graph reads (``get_attr`` on the root), and returns the assignments of traced values,
-    which the graph does not make, as ``(module path, attribute)``; those ``same_value`` calls
-    a no-op are left out.
+    user's module, and so would ``self.history.append(x)`` or ``self.config.scale = x``. The
+    snapshot holds each module's entries and, one level down, the contents of the lists, dicts,
+    sets and plain objects they hold. ``written`` names the entries that hold a traced value
+    after tracing, as ``(module path, attribute)`` (an assignment ``same_value`` calls a no-op
+    is left out): the graph cannot make those changes. ``restore`` puts everything back and
+    removes the new entries, except the constants the graph reads (``get_attr`` on the root).
     """
 
     def __init__(self, root: nn.Module) -> None:
         self.root = root
         self.saved = [(path, m, [(store, dict(store)) for store in _stores(m)]) for path, m in root.named_modules()]
+        self.contents = {id(v): (v, _contents(v)) for _, m, stores in self.saved for v in stores[0][1].values()
+                         if _contents(v) is not None}
 
-    def restore(self, graph: fx.Graph | None, same_value: Callable[[Any, fx.Proxy], bool]) -> list[tuple[str, str]]:
-        read = {n.target for n in graph.nodes if n.op == "get_attr"} if graph is not None else set()
-        written = []
-        for path, module, stores in self.saved:
+    def written(self, same_value: Callable[[Any, fx.Proxy], bool]) -> list[tuple[str, str]]:
+        found = []
+        for path, _, stores in self.saved:
             for store, before in stores:
-                constants = {}
                 for name, value in store.items():
                     old = before.get(name, _ABSENT)
-                    if value is old:
+                    if value is old and id(value) not in self.contents:
                         continue
-                    if module is self.root and old is _ABSENT and name in read:
-                        constants[name] = value  # fx's tensor constants, ours
-                    elif _has_proxy(value) and not (old is not _ABSENT and same_value(old, value)):
-                        written.append((path, name))
+                    if holds_traced(value) and not (value is not old and old is not _ABSENT and same_value(old, value)):
+                        found.append((path, name))
+        return found
+
+    def restore(self, graph: fx.Graph | None) -> list[str]:
+        """Put everything back; return the names of the constants left on the root for the graph."""
+        read = {n.target for n in graph.nodes if n.op == "get_attr"} if graph is not None else set()
+        kept: list[str] = []
+        for value, contents in self.contents.values():
+            _set_contents(value, contents)
+        for _, module, stores in self.saved:
+            for store, before in stores:
+                constants = {name: value for name, value in store.items()
+                             if module is self.root and name not in before and name in read}  # fx's tensor constants, ours
                 store.clear()
                 store.update(before)
                 store.update(constants)
-        return written
+                kept += constants
+        return kept
+
+
+def _contents(value: Any) -> Any:
+    """A copy of what a list, dict, set or plain object holds (None for anything else)."""
+    if isinstance(value, (list, dict, set)):
+        return type(value)(value) if type(value) in (list, dict, set) else None
+    if isinstance(value, (nn.Module, torch.Tensor, type, types.ModuleType)) or callable(value):
+        return None
+    return dict(vars(value)) if isinstance(getattr(value, "__dict__", None), dict) else None
+
+
+def _set_contents(value: Any, contents: Any) -> None:
+    if isinstance(value, list):
+        value[:] = contents
+    elif isinstance(value, (dict, set)):
+        value.clear()
+        value.update(contents)
+    else:
+        vars(value).clear()
+        vars(value).update(contents)
+
+
+def holds_traced(value: Any, depth: int = 10, seen: set[int] | None = None) -> bool:
+    """Whether a proxy hides in ``value``: in containers, objects' attributes and slots (modules and tensors excluded)."""
+    if isinstance(value, fx.Proxy):
+        return True
+    seen = set() if seen is None else seen
+    if depth == 0 or id(value) in seen or isinstance(value, (nn.Module, torch.Tensor, type, str, bytes, int, float, bool,
+                                                             types.ModuleType)):
+        return False
+    seen.add(id(value))
+    if isinstance(value, dict):
+        items = list(value.values())
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = list(value)
+    else:
+        items = list(getattr(value, "__dict__", {}).values()) if isinstance(getattr(value, "__dict__", None), dict) else []
+        items += [getattr(value, slot) for slot in _slots(type(value)) if hasattr(value, slot)]
+    return any(holds_traced(item, depth - 1, seen) for item in items)
+
+
+def _slots(cls: type) -> list[str]:
+    names: list[str] = []
+    for klass in cls.__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else [n for n in slots if n not in ("__dict__", "__weakref__")]
+    return names
 
 
 def _stores(module: nn.Module) -> list[dict[str, Any]]:
@@ -338,20 +402,27 @@ def _grad_mode_as_nodes(tracer: fx.Tracer) -> Iterator[None]:
     grad_mode = torch.autograd.grad_mode
     patched = [(grad_mode.no_grad, "__enter__"), (grad_mode.no_grad, "__exit__"),
                (grad_mode.enable_grad, "__enter__"), (grad_mode.enable_grad, "__exit__"),
-               (grad_mode.set_grad_enabled, "__init__"), (grad_mode.set_grad_enabled, "__exit__")]
+               (grad_mode.set_grad_enabled, "__init__"), (grad_mode.set_grad_enabled, "__enter__"),
+               (grad_mode.set_grad_enabled, "__exit__")]
     originals = {(owner, name): owner.__dict__[name] for owner, name in patched}
 
     def tracing() -> bool:
         return not getattr(tracer, "evaluating", False)
 
     def enter(mode: bool, original: Callable[..., Any]) -> Callable[..., Any]:
-        def entered(self: Any, *args: Any) -> None:
+        def entered(self: Any, *args: Any, **kwargs: Any) -> None:
             if not tracing():
-                return original(self, *args)
-            self.mode = args[0] if args else mode  # set_grad_enabled(mode) keeps it for clone()
+                return original(self, *args, **kwargs)
+            self.mode = args[0] if args else kwargs.get("mode", mode)  # set_grad_enabled(mode) keeps it for clone()
             self.prev = tracer.create_proxy("call_function", torch.is_grad_enabled, (), {})
             tracer.create_proxy("call_function", torch._C._set_grad_enabled, (self.mode,), {})
             return None
+
+        return entered
+
+    def entered_again(original: Callable[..., Any]) -> Callable[..., Any]:
+        def entered(self: Any) -> None:  # set_grad_enabled's own __enter__ sets the mode again
+            return None if isinstance(getattr(self, "prev", None), fx.Proxy) else original(self)
 
         return entered
 
@@ -367,6 +438,7 @@ def _grad_mode_as_nodes(tracer: fx.Tracer) -> Iterator[None]:
     grad_mode.no_grad.__enter__ = enter(False, originals[(grad_mode.no_grad, "__enter__")])
     grad_mode.enable_grad.__enter__ = enter(True, originals[(grad_mode.enable_grad, "__enter__")])
     grad_mode.set_grad_enabled.__init__ = enter(True, originals[(grad_mode.set_grad_enabled, "__init__")])
+    grad_mode.set_grad_enabled.__enter__ = entered_again(originals[(grad_mode.set_grad_enabled, "__enter__")])
     for owner in (grad_mode.no_grad, grad_mode.enable_grad, grad_mode.set_grad_enabled):
         owner.__exit__ = exit_(originals[(owner, "__exit__")])
     try:

@@ -56,9 +56,11 @@ from torch.utils.hooks import RemovableHandle
 
 from fxprof_lightning.leaves import (
     HOST_RANDOM,
+    FunctionApply,
     LeafProxy,
     LeafTrace,
     LeafTracer,
+    holds_traced,
     host_random_state,
     random_states_kept,
     set_host_random_state,
@@ -333,14 +335,14 @@ class ExampleTracer(LeafTracer):
         return self._evaluate(target, args, kwargs)
 
     def _evaluate(self, function: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        self.evaluating = True  # module calls and attributes inside are plain eager code
+        evaluating, self.evaluating = self.evaluating, True  # module calls and attributes inside are plain eager code
         try:
             with torch.no_grad():
                 return function(*args, **kwargs)
         except Exception:  # no value: only a question about it would fail
             return _MISSING
         finally:
-            self.evaluating = False
+            self.evaluating = evaluating
 
     def _concrete(self, tree: Any) -> Any:
         """``tree`` with every proxy replaced by its value (``_MISSING`` if one has none)."""
@@ -348,14 +350,29 @@ class ExampleTracer(LeafTracer):
 
         def value(x: Any) -> Any:
             nonlocal missing
-            if not isinstance(x, fx.Proxy):
+            if isinstance(x, fx.Proxy):
+                found = self.value_of(x)
+            elif holds_traced(x):
+                found = self._concrete_object(x)
+            else:
                 return x
-            found = self.value_of(x)
             missing = missing or found is _MISSING
             return found
 
         concrete = fx.node.map_aggregate(tree, value)
         return _MISSING if missing else concrete
+
+    def _concrete_object(self, obj: Any) -> Any:
+        """A copy of an object holding traced values (a cache handed to a leaf) with their values, as ``Rebuild``
+        gives the leaf at run time: evaluating the leaf on the object itself would trace it (``_MISSING`` if it
+        cannot be built)."""
+        proxies: list[fx.Proxy] = []
+        try:
+            recipe = Rebuild.recipe_of(obj, proxies)
+        except fx.proxy.TraceError:
+            return _MISSING
+        values = self._concrete(proxies)
+        return _MISSING if values is _MISSING else Rebuild(recipe)(*values)
 
     def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
         if self.evaluating:
@@ -381,7 +398,7 @@ class ExampleTracer(LeafTracer):
             return self._constant(a)
 
     def _constant(self, a: Any) -> fx.Node:
-        if _holds_proxy(a):  # built in the forward from traced values: built again at run time
+        if holds_traced(a):  # built in the forward from traced values: built again at run time
             values: list[fx.Proxy] = []
             recipe = Rebuild.recipe_of(a, values)
             return self.create_node("call_function", Rebuild(recipe), tuple(self.create_arg(v) for v in values), {})
@@ -466,21 +483,29 @@ class Rebuild:
         return self.__qualname__
 
     @classmethod
-    def recipe_of(cls, obj: Any, values: list[fx.Proxy], depth: int = 8) -> Any:
-        """``obj`` as a recipe; its traced values are appended to ``values``."""
+    def recipe_of(cls, obj: Any, values: list[fx.Proxy], depth: int = 8, family: str | None = None) -> Any:
+        """``obj`` as a recipe; its traced values are appended to ``values``.
+
+        Besides what holds traced values, plain lists and dicts and the objects whose class comes
+        from the same file as ``obj``'s (a cache's layers) are built anew at each call too, as
+        the forward builds them: a caller changing one call's cache does not change the next's.
+        """
+        family = type(obj).__module__ if family is None else family
         if isinstance(obj, fx.Proxy):
             values.append(obj)
             return _Slot(len(values) - 1)
-        if not _holds_proxy(obj):
+        own = type(obj) in (list, dict) or (type(obj).__module__ == family and isinstance(getattr(obj, "__dict__", None), dict)
+                                           and not isinstance(obj, (nn.Module, torch.Tensor, type)))
+        if not own and not holds_traced(obj):
             return obj
         if depth == 0:
             raise fx.proxy.TraceError(f"a {type(obj).__name__} built while tracing holds traced values too deep inside")
         if type(obj) in (list, tuple):
-            return type(obj)(cls.recipe_of(item, values, depth - 1) for item in obj)
+            return type(obj)(cls.recipe_of(item, values, depth - 1, family) for item in obj)
         if type(obj) is dict:
-            return {key: cls.recipe_of(item, values, depth - 1) for key, item in obj.items()}
-        if hasattr(obj, "__dict__") and not isinstance(obj, (list, tuple, dict, set)):
-            return _Object(type(obj), {k: cls.recipe_of(v, values, depth - 1) for k, v in vars(obj).items()})
+            return {key: cls.recipe_of(item, values, depth - 1, family) for key, item in obj.items()}
+        if isinstance(getattr(obj, "__dict__", None), dict) and not _slots_of(obj) and not isinstance(obj, (list, tuple, dict, set)):
+            return _Object(type(obj), {k: cls.recipe_of(v, values, depth - 1, family) for k, v in vars(obj).items()})
         raise fx.proxy.TraceError(f"a {type(obj).__name__} built while tracing holds traced values and cannot be "
                                   "built again from them")
 
@@ -503,25 +528,12 @@ class Rebuild:
 UNTIMED_TARGETS.add(Rebuild)
 
 
+def _slots_of(obj: Any) -> bool:
+    return any(klass.__dict__.get("__slots__") for klass in type(obj).__mro__ if klass is not object)
+
+
 def _type_name(recipe: Any) -> str:
     return recipe.cls.__name__ if isinstance(recipe, _Object) else type(recipe).__name__
-
-
-def _holds_proxy(obj: Any, depth: int = 5, seen: set[int] | None = None) -> bool:
-    """Whether ``obj`` refers to an ``fx.Proxy`` through its attributes and containers (a few levels)."""
-    seen = set() if seen is None else seen
-    if isinstance(obj, fx.Proxy):
-        return True
-    if depth == 0 or id(obj) in seen or isinstance(obj, (*PLAIN_CONSTANTS, torch.Tensor, nn.Module, type)):
-        return False
-    seen.add(id(obj))
-    if isinstance(obj, dict):
-        items = list(obj.values())
-    elif isinstance(obj, (list, tuple, set)):
-        items = list(obj)
-    else:
-        items = list(getattr(obj, "__dict__", {}).values())
-    return any(_holds_proxy(item, depth - 1, seen) for item in items)
 
 
 # ------------------------------------------------------------------ the rung
@@ -549,7 +561,7 @@ def trace_on_example(module: nn.Module, example: Example) -> LeafTrace:
             return fx.GraphModule(module, graph, class_name=original.__name__)
         finally:
             module.__class__ = original
-            for name in tracer.constants.values():  # the graph module holds them now
+            for name in (*tracer.constants.values(), *tracer.root_constants):  # the graph module holds them now
                 module.__dict__.pop(name, None)
 
     traced = trace_with_leaves(lambda leaves: ExampleTracer(leaves, examples), trace)
@@ -592,7 +604,7 @@ def _difference_on_example(module: nn.Module, graph_module: fx.GraphModule, exam
     return ""
 
 
-def _opened(value: Any, depth: int = 6) -> Any:
+def _opened(value: Any, depth: int = 12) -> Any:
     """``value`` with every object (a cache in a ``ModelOutput``) replaced by its class and its attributes, for comparing."""
     if depth == 0 or isinstance(value, (*PLAIN_CONSTANTS, torch.Tensor, nn.Module, type)):
         return value
@@ -600,9 +612,16 @@ def _opened(value: Any, depth: int = 6) -> Any:
         return [_opened(item, depth - 1) for item in value]
     if isinstance(value, dict):
         return {key: _opened(item, depth - 1) for key, item in value.items()}
-    if hasattr(value, "__dict__"):
-        return [type(value).__qualname__, {key: _opened(item, depth - 1) for key, item in vars(value).items()}]
+    if hasattr(value, "__dict__") or _slots_of(value):
+        state = dict(getattr(value, "__dict__", {}))
+        state.update({slot: getattr(value, slot) for klass in type(value).__mro__
+                      for slot in _names(klass.__dict__.get("__slots__", ())) if hasattr(value, slot)})
+        return [type(value).__qualname__, {key: _opened(item, depth - 1) for key, item in state.items()}]
     return value
+
+
+def _names(slots: Any) -> list[str]:
+    return [slots] if isinstance(slots, str) else [name for name in slots if name not in ("__dict__", "__weakref__")]
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -682,7 +701,11 @@ class GuardedNodeTimer(NodeTimer):
         self.mismatch: str | None = None
         self._on_mismatch = on_mismatch
         # NumPy's state costs ~30 us to save: only for a graph that draws host random numbers.
-        self._host_random = any(node.meta.get(HOST_RANDOM) for node in traced.graph.nodes)
+        # Also for a leaf of the model's own code or a custom autograd Function, which may draw them.
+        self._host_random = any(node.meta.get(HOST_RANDOM) or isinstance(node.target, FunctionApply)
+                                or (node.op == "call_module"
+                                    and not type(traced.get_submodule(node.target)).__module__.startswith("torch."))
+                                for node in traced.graph.nodes)
 
     def install(self, module: nn.Module, **options: Any) -> None:
         """``NodeTimer.install`` (same ``options``), with the graph's forward inside the guarded wrapper."""

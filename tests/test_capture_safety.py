@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
+import types
 
 import numpy as np
 import pytest
@@ -382,3 +384,67 @@ def test_state_a_parent_assigns_to_its_child_makes_the_parent_a_leaf(tmp_path):
     assert "assigns a traced value to block.cell.state" in cycle.capture.leaves["block"]
     assert {"conv", "block", "head", "torch.zeros"} <= {n.target for n in cycle.nodes}
     assert type(profiled.model.block.cell.state) is torch.Tensor
+
+
+# ------------------------------------------------------------------ capture leaves the user's process as it was
+
+
+class SetsGradMode(nn.Module):
+    """``set_grad_enabled`` blocks (positional and keyword), ``no_grad`` as a decorator, Python random numbers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    @torch.no_grad()
+    def frozen(self, x):
+        return self.linear(x)
+
+    def forward(self, x):
+        with torch.set_grad_enabled(False):
+            y = self.linear(x)
+        with torch.set_grad_enabled(mode=True):
+            z = self.linear(x)
+        return z * (1 + random.random()) + y + self.frozen(x)
+
+
+class Remembers(nn.Module):
+    """Keeps state in a list and in an object: changes a graph cannot make."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.history: list[torch.Tensor] = []
+        self.notes = types.SimpleNamespace(last=None)
+
+    def forward(self, x):
+        self.history.append(x.detach())
+        self.notes.last = x.mean()
+        return x
+
+
+class WithMemory(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.memory = Remembers()
+
+    def forward(self, x):
+        return self.memory(self.linear(x))
+
+
+@pytest.mark.parametrize("example", [False, True], ids=["plain tracing", "on a recorded call"])
+def test_capture_leaves_grad_mode_and_random_states_as_they_were(example):
+    module, call = SetsGradMode(), Example.copy_of((torch.randn(2, 4),), {})
+    before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    how = capture(module, call if example else None)
+    assert how.method == "symbolic_trace", how.describe()
+    assert torch.is_grad_enabled()
+    assert torch.equal(torch.get_rng_state(), before[0]) and (np.random.get_state()[1] == before[1]).all()
+    assert random.getstate() == before[2]
+
+
+def test_state_changed_inside_lists_and_objects_is_put_back_and_its_module_is_a_leaf():
+    module = WithMemory()
+    how = capture(module, None)
+    assert how.method == "symbolic_trace+leaves" and "memory.history" in how.leaves["memory"]
+    assert module.memory.history == [] and module.memory.notes.last is None
