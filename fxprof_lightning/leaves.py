@@ -129,14 +129,21 @@ class LeafTracer(fx.Tracer):
             if state is not None:
                 self.root_constants = state.restore(graph if not written else None)
         if written:  # the graph cannot make the assignment; the module that holds the attribute stays whole
-            path, name = written[0]
+            path, name, kind = written[0]
             culprit = path
             while culprit and culprit in self.extra_leaves:  # then the assignment is its parent's (or above)
                 culprit = culprit.rpartition(".")[0]
             self.failed_in = culprit
-            raise fx.proxy.TraceError(f"the forward assigns a traced value to {path or 'self'}.{name}: a graph cannot "
-                                      "make that assignment")
+            if not path and name in self.own_constants():
+                raise fx.proxy.TraceError(f"a {kind} the graph would hold as a constant gets traced values later in the "
+                                          "forward: one object cannot serve every call")
+            raise fx.proxy.TraceError(f"the forward assigns a traced value to {path or 'self'}.{name}: a graph "
+                                      "cannot make that assignment")
         return graph
+
+    def own_constants(self) -> set[str]:
+        """Names of the objects this tracer put on the root as constants of the graph (none here)."""
+        return set()
 
     def same_value(self, old: Any, new: fx.Proxy) -> bool:
         """Whether assigning ``new`` over ``old`` changes nothing (unknown while tracing without an example)."""
@@ -268,9 +275,10 @@ class ModuleState:
         self.root = root
         self.saved = [(path, m, [(store, dict(store)) for store in _stores(m)]) for path, m in root.named_modules()]
         self.contents = {id(v): (v, _contents(v)) for _, m, stores in self.saved for v in stores[0][1].values()
-                         if _contents(v) is not None}
+                         if _contents(v) is not None and not any(v is store for store, _ in stores)}
 
-    def written(self, same_value: Callable[[Any, fx.Proxy], bool]) -> list[tuple[str, str]]:
+    def written(self, same_value: Callable[[Any, fx.Proxy], bool]) -> list[tuple[str, str, str]]:
+        """``(module path, entry, type name of its value)`` of the entries that hold traced values."""
         found = []
         for path, _, stores in self.saved:
             for store, before in stores:
@@ -279,7 +287,7 @@ class ModuleState:
                     if value is old and id(value) not in self.contents:
                         continue
                     if holds_traced(value) and not (value is not old and old is not _ABSENT and same_value(old, value)):
-                        found.append((path, name))
+                        found.append((path, name, type(value).__name__))
         return found
 
     def restore(self, graph: fx.Graph | None) -> list[str]:

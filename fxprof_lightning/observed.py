@@ -268,6 +268,9 @@ class ExampleTracer(LeafTracer):
     def value_of(self, proxy: fx.Proxy) -> Any:
         return self.values.get(proxy.node, _MISSING)
 
+    def own_constants(self) -> set[str]:
+        return set(self.constants.values())
+
     def same_value(self, old: Any, new: fx.Proxy) -> bool:
         """An assignment of a traced value equal to the old one on the example changes nothing: CTRL's
         ``x = x.to(device)``, Swin's ``self.window_size = min(resolution)`` on a resolution that needs no clamping."""

@@ -448,3 +448,169 @@ def test_state_changed_inside_lists_and_objects_is_put_back_and_its_module_is_a_
     how = capture(module, None)
     assert how.method == "symbolic_trace+leaves" and "memory.history" in how.leaves["memory"]
     assert module.memory.history == [] and module.memory.notes.last is None
+
+
+# ------------------------------------------------------------------ objects built in the forward, no-op assignments
+
+
+class Layer:
+    def __init__(self) -> None:
+        self.keys = None
+
+
+class Store:
+    """A cache-like object built in the forward: one layer gets a traced value, the other stays empty."""
+
+    def __init__(self) -> None:
+        self.layers = [Layer(), Layer()]
+
+
+class BuildsStore(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.shape[0] > 1:  # plain tracing fails here: rung 3
+            x = x * 2
+        store = Store()
+        store.layers[0].keys = self.linear(x)
+        return x, store
+
+
+def test_an_object_built_in_the_forward_is_built_anew_at_every_call_empty_parts_included():
+    module, x = BuildsStore(), torch.randn(2, 4)
+    how = capture(module, Example.copy_of((x,), {}))
+    assert how.method == "traced_on_example", how.describe()
+    (_, first), (_, second) = how.graph_module(x), how.graph_module(x)
+    assert first is not second and first.layers[1] is not second.layers[1]  # nothing shared between calls
+    assert torch.equal(first.layers[0].keys, module.linear(x * 2)) and first.layers[1].keys is None
+
+
+class Clamps(nn.Module):
+    """Assigns module state that equals what it was on the recorded call: an int (Swin's window size) and a buffer
+    (CTRL's ``pos_encoding.to(device)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.window = 4
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x):
+        if x.shape[0] > 1:
+            x = x * 2
+        self.window = min(x.shape[1], self.window)
+        self.scale = self.scale.to(x.device)
+        return self.linear(x) * self.scale
+
+
+def test_assignments_that_change_nothing_on_the_recorded_call_do_not_stop_tracing():
+    module = Clamps()
+    how = capture(module, Example.copy_of((torch.randn(2, 4),), {}))
+    assert how.method == "traced_on_example" and not how.leaves, how.describe()
+    assert module.window == 4 and type(module.scale) is torch.Tensor
+
+
+class Filler(nn.Module):
+    """A leaf (data-dependent branch) handed an object the forward fills with traced values afterwards."""
+
+    def forward(self, x, store):
+        if x.sum() > -1e9:
+            store.layers[1].keys = x
+        return x * 2
+
+
+class FillsLater(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.filler = Filler()
+
+    def forward(self, x):
+        if x.shape[0] > 1:
+            x = x * 2
+        store = Store()
+        y = self.filler(x, store)  # the empty store: a constant of the graph, were it kept
+        store.layers[0].keys = self.linear(y)
+        return y, store
+
+
+def test_an_object_the_graph_would_share_between_calls_is_refused_and_grad_mode_stays_on():
+    module = FillsLater()
+    how = capture(module, Example.copy_of((torch.randn(2, 4),), {}))
+    assert how.method == "module_hooks"
+    assert "a Store the graph would hold as a constant gets traced values later in the forward" in how.error
+    assert torch.is_grad_enabled() and not any(name.startswith("_fxprof") for name in vars(module))
+
+
+class NoisyLeaf(nn.Module):
+    """A leaf of the model's own code (data-dependent branch) that draws NumPy numbers."""
+
+    def forward(self, x):
+        if x.sum() > -1e9:
+            x = x + float(np.random.rand())
+        return x
+
+
+class LeafThenBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.noise = NoisyLeaf()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = self.noise(x)
+        if x.shape[0] > 1:
+            x = x * 2
+        return self.linear(x)
+
+
+def test_a_guard_failing_after_a_leaf_drew_numpy_numbers_gives_the_models_numpy_numbers():
+    module = LeafThenBranch()
+    how = capture(module, Example.copy_of((torch.randn(4, 4),), {}))
+    assert how.method == "traced_on_example+leaves" and list(how.leaves) == ["noise"]
+    one = torch.randn(1, 4)  # the other branch
+    np.random.seed(0)
+    expected, expected_next = module(one), np.random.rand()
+    timer = GuardedNodeTimer(how.graph_module)
+    timer.install(module)
+    try:
+        np.random.seed(0)
+        got, got_next = module(one), np.random.rand()
+    finally:
+        timer.uninstall(module)
+    assert timer.mismatch and torch.equal(got, expected) and got_next == expected_next
+
+
+class Appender(nn.Module):
+    """A leaf (data-dependent branch) that appends to the store it is given."""
+
+    def forward(self, x, store):
+        if x.sum() > -1e9:
+            store.layers[0].keys = torch.cat([store.layers[0].keys, x])
+        return x * 2
+
+
+class HandsFilledStore(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.appender = Appender()
+
+    def forward(self, x):
+        if x.shape[0] > 1:
+            x = x * 2
+        store = Store()
+        store.layers[0].keys = self.linear(x)
+        return self.appender(x, store), store.layers[0].keys
+
+
+def test_a_leaf_handed_an_object_holding_traced_values_runs_on_a_copy_and_traces_nothing():
+    # Evaluated on the object itself, the leaf would trace torch.cat into the graph with the example's values as a
+    # constant, and the no_grad its evaluation runs under would be left on.
+    module, x = HandsFilledStore(), torch.randn(2, 4)
+    how = capture(module, Example.copy_of((x,), {}))
+    assert torch.is_grad_enabled()
+    assert how.method == "module_hooks" and "does not reproduce the module's output" in how.error  # the leaf's change
+    # to the store is made on the graph's copy, which the model's own output shows
