@@ -72,6 +72,7 @@ __all__ = [
     "refusing_checkpoint",
     "set_host_random_state",
     "short_error",
+    "slot_names",
     "trace_with_leaves",
 ]
 
@@ -187,28 +188,39 @@ class LeafTrace:
     error: str = ""
 
 
-@contextlib.contextmanager
-def refusing_checkpoint() -> Iterator[None]:
+def refusing_checkpoint() -> contextlib.AbstractContextManager[None]:
     """Activation checkpointing called with a traced value among its arguments raises ``TraceError``.
 
     Calls with real values (a leaf evaluated on an example) pass through untouched.
     """
-    saved = [(owner, name, owner.__dict__.get(name, _ABSENT)) for owner, name in CHECKPOINT_INTERNALS
-             if hasattr(owner, name)]
-    for owner, name, _ in saved:
-        setattr(owner, name, _refusing_proxies(getattr(owner, name)))
+    return _patched([(owner, name, _refusing_proxies(getattr(owner, name))) for owner, name in CHECKPOINT_INTERNALS
+                     if hasattr(owner, name)])
+
+
+@contextlib.contextmanager
+def _patched(replacements: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Each ``owner.name`` is its replacement inside the block; after it, also on an error, what it was
+    (removed again where it was inherited, as ``Function.apply`` is by ``CheckpointFunction``)."""
+    saved = [(owner, name, vars(owner).get(name, _ABSENT)) for owner, name, _ in replacements]
+    for owner, name, replacement in replacements:
+        setattr(owner, name, replacement)
     try:
         yield
     finally:
         for owner, name, original in reversed(saved):
-            if original is _ABSENT:  # inherited (``Function.apply``)
+            if original is _ABSENT:
                 delattr(owner, name)
             else:
                 setattr(owner, name, original)
 
 
-def host_random_functions(root: Any) -> list[tuple[dict[str, Any], str, Callable[..., Any]]]:
-    """``(namespace, name, function)`` of each module-level function of the model's source files that draws host random numbers.
+def _records(tracer: fx.Tracer, args: Any, kwargs: Any) -> bool:
+    """Whether a patched call becomes a graph node: it has a traced argument and is not run for a value."""
+    return _has_proxy((args, kwargs)) and not getattr(tracer, "evaluating", False)
+
+
+def host_random_functions(root: Any) -> list[tuple[types.ModuleType, str, Callable[..., Any]]]:
+    """``(source module, name, function)`` of each module-level function of the model's source files that draws host random numbers.
 
     The source files are those of the classes of ``root``'s modules, outside torch; a function
     draws them if ``random`` is among the names its code (nested functions included) uses:
@@ -218,10 +230,10 @@ def host_random_functions(root: Any) -> list[tuple[dict[str, Any], str, Callable
     sources = {type(m).__module__ for m in modules} - {None}
     found = []
     for source in sorted(s for s in sources if s.split(".")[0] != "torch" and s in sys.modules):
-        namespace = vars(sys.modules[source])
-        for name, value in list(namespace.items()):
+        module = sys.modules[source]
+        for name, value in list(vars(module).items()):
             if inspect.isfunction(value) and value.__module__ == source and "random" in _names_used(value.__code__):
-                found.append((namespace, name, value))
+                found.append((module, name, value))
     return found
 
 
@@ -233,15 +245,13 @@ def _names_used(code: types.CodeType) -> set[str]:
     return names
 
 
-@contextlib.contextmanager
-def _host_random_as_nodes(tracer: fx.Tracer, root: Any) -> Iterator[None]:
+def _host_random_as_nodes(tracer: fx.Tracer, root: Any) -> contextlib.AbstractContextManager[None]:
     """While tracing, a call of a ``host_random_functions`` function with a traced argument is a graph node."""
-    found = host_random_functions(root)
 
     def as_node(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def node(*args: Any, **kwargs: Any) -> Any:
-            if _has_proxy((args, kwargs)) and not getattr(tracer, "evaluating", False):
+            if _records(tracer, args, kwargs):
                 proxy = tracer.create_proxy("call_function", original, args, kwargs)
                 proxy.node.meta[HOST_RANDOM] = True
                 return proxy
@@ -249,13 +259,7 @@ def _host_random_as_nodes(tracer: fx.Tracer, root: Any) -> Iterator[None]:
 
         return node
 
-    for namespace, name, original in found:
-        namespace[name] = as_node(original)
-    try:
-        yield
-    finally:
-        for namespace, name, original in found:
-            namespace[name] = original
+    return _patched([(module, name, as_node(original)) for module, name, original in host_random_functions(root)])
 
 
 class ModuleState:
@@ -342,11 +346,12 @@ def holds_traced(value: Any, depth: int = 10, seen: set[int] | None = None) -> b
         items = list(value)
     else:
         items = list(getattr(value, "__dict__", {}).values()) if isinstance(getattr(value, "__dict__", None), dict) else []
-        items += [getattr(value, slot) for slot in _slots(type(value)) if hasattr(value, slot)]
+        items += [getattr(value, slot) for slot in slot_names(type(value)) if hasattr(value, slot)]
     return any(holds_traced(item, depth - 1, seen) for item in items)
 
 
-def _slots(cls: type) -> list[str]:
+def slot_names(cls: type) -> list[str]:
+    """The slots a class and its bases declare (``__dict__`` and ``__weakref__`` aside)."""
     names: list[str] = []
     for klass in cls.__mro__:
         slots = klass.__dict__.get("__slots__", ())
@@ -373,8 +378,7 @@ class FunctionApply:
         return self.__name__
 
 
-@contextlib.contextmanager
-def _functions_as_nodes(tracer: fx.Tracer) -> Iterator[None]:
+def _functions_as_nodes(tracer: fx.Tracer) -> contextlib.AbstractContextManager[None]:
     """A custom autograd Function applied to traced values is a ``FunctionApply`` node.
 
     Traced through, its forward's ops would be recorded and autograd would differentiate them,
@@ -383,22 +387,17 @@ def _functions_as_nodes(tracer: fx.Tracer) -> Iterator[None]:
     original = torch.autograd.Function.__dict__["apply"]
 
     def apply(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
-        if _has_proxy((args, kwargs)) and not getattr(tracer, "evaluating", False):
+        if _records(tracer, args, kwargs):
             return tracer.create_proxy("call_function", FunctionApply(cls), args, kwargs)
         return original.__get__(None, cls)(*args, **kwargs)
 
-    torch.autograd.Function.apply = classmethod(apply)
-    try:
-        yield
-    finally:
-        torch.autograd.Function.apply = original
+    return _patched([(torch.autograd.Function, "apply", classmethod(apply))])
 
 
 UNTIMED_TARGETS.update((torch.is_grad_enabled, torch._C._set_grad_enabled))
 
 
-@contextlib.contextmanager
-def _grad_mode_as_nodes(tracer: fx.Tracer) -> Iterator[None]:
+def _grad_mode_as_nodes(tracer: fx.Tracer) -> contextlib.AbstractContextManager[None]:
     """``no_grad``, ``enable_grad`` and ``set_grad_enabled`` (blocks and decorators) in the forward are graph nodes.
 
     torch.fx does not see grad mode: a ``torch.no_grad()`` block would be traced as plain code and
@@ -407,19 +406,12 @@ def _grad_mode_as_nodes(tracer: fx.Tracer) -> Iterator[None]:
     ``torch.is_grad_enabled`` node when entering, at run time. The grad mode itself does not
     change while tracing. Code run for a value while tracing (``evaluating``) is left alone.
     """
-    grad_mode = torch.autograd.grad_mode
-    patched = [(grad_mode.no_grad, "__enter__"), (grad_mode.no_grad, "__exit__"),
-               (grad_mode.enable_grad, "__enter__"), (grad_mode.enable_grad, "__exit__"),
-               (grad_mode.set_grad_enabled, "__init__"), (grad_mode.set_grad_enabled, "__enter__"),
-               (grad_mode.set_grad_enabled, "__exit__")]
-    originals = {(owner, name): owner.__dict__[name] for owner, name in patched}
-
-    def tracing() -> bool:
-        return not getattr(tracer, "evaluating", False)
+    no_grad, enable_grad, set_grad_enabled = (torch.autograd.grad_mode.no_grad, torch.autograd.grad_mode.enable_grad,
+                                              torch.autograd.grad_mode.set_grad_enabled)
 
     def enter(mode: bool, original: Callable[..., Any]) -> Callable[..., Any]:
         def entered(self: Any, *args: Any, **kwargs: Any) -> None:
-            if not tracing():
+            if getattr(tracer, "evaluating", False):
                 return original(self, *args, **kwargs)
             self.mode = args[0] if args else kwargs.get("mode", mode)  # set_grad_enabled(mode) keeps it for clone()
             self.prev = tracer.create_proxy("call_function", torch.is_grad_enabled, (), {})
@@ -443,21 +435,16 @@ def _grad_mode_as_nodes(tracer: fx.Tracer) -> Iterator[None]:
 
         return exited
 
-    grad_mode.no_grad.__enter__ = enter(False, originals[(grad_mode.no_grad, "__enter__")])
-    grad_mode.enable_grad.__enter__ = enter(True, originals[(grad_mode.enable_grad, "__enter__")])
-    grad_mode.set_grad_enabled.__init__ = enter(True, originals[(grad_mode.set_grad_enabled, "__init__")])
-    grad_mode.set_grad_enabled.__enter__ = entered_again(originals[(grad_mode.set_grad_enabled, "__enter__")])
-    for owner in (grad_mode.no_grad, grad_mode.enable_grad, grad_mode.set_grad_enabled):
-        owner.__exit__ = exit_(originals[(owner, "__exit__")])
-    try:
-        yield
-    finally:
-        for (owner, name), original in originals.items():
-            setattr(owner, name, original)
+    return _patched([
+        (no_grad, "__enter__", enter(False, no_grad.__enter__)),
+        (enable_grad, "__enter__", enter(True, enable_grad.__enter__)),
+        (set_grad_enabled, "__init__", enter(True, set_grad_enabled.__init__)),
+        (set_grad_enabled, "__enter__", entered_again(set_grad_enabled.__enter__)),
+        *[(owner, "__exit__", exit_(owner.__exit__)) for owner in (no_grad, enable_grad, set_grad_enabled)],
+    ])
 
 
-@contextlib.contextmanager
-def _compile_marks_ignored() -> Iterator[None]:
+def _compile_marks_ignored() -> contextlib.AbstractContextManager[None]:
     """``torch._dynamo.mark_static_address`` and the other marks do nothing to a traced value.
 
     They only annotate a tensor for ``torch.compile`` (HF's linear-attention caches mark their
@@ -465,7 +452,6 @@ def _compile_marks_ignored() -> Iterator[None]:
     """
     dynamo = sys.modules.get("torch._dynamo")  # not imported: nothing can call it
     names = [name for name in COMPILE_MARKS if dynamo is not None and hasattr(dynamo, name)]
-    originals = {name: getattr(dynamo, name) for name in names}
 
     def ignoring_proxies(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
@@ -474,13 +460,7 @@ def _compile_marks_ignored() -> Iterator[None]:
 
         return mark
 
-    for name, original in originals.items():
-        setattr(dynamo, name, ignoring_proxies(original))
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(dynamo, name, original)
+    return _patched([(dynamo, name, ignoring_proxies(getattr(dynamo, name))) for name in names])
 
 
 def host_random_state() -> tuple[Any, Any]:
@@ -508,31 +488,24 @@ def random_states_kept(cuda_devices: list[int] | tuple[int, ...] = ()) -> Iterat
             set_host_random_state(host)
 
 
-@contextlib.contextmanager
-def _recorded_factories(tracer: fx.Tracer) -> Iterator[None]:
+def _recorded_factories(tracer: fx.Tracer) -> contextlib.AbstractContextManager[None]:
     """``FACTORIES`` called with a traced value, and ``RANDOM_FACTORIES`` called at all, while tracing, are nodes.
 
     Sizes given as traced ints never reach ``__torch_function__``; a random draw made while
     tracing would be baked into the graph and the graph would draw one number less than the model.
     """
-    originals = {name: getattr(torch, name) for name in (*FACTORIES, *RANDOM_FACTORIES)}
 
     def recorded(original: Callable[..., Any], always: bool) -> Callable[..., Any]:
         @functools.wraps(original)
         def factory(*args: Any, **kwargs: Any) -> Any:
-            if (always or _has_proxy((args, kwargs))) and not getattr(tracer, "evaluating", False):
+            if _records(tracer, args, kwargs) or (always and not getattr(tracer, "evaluating", False)):
                 return tracer.create_proxy("call_function", original, args, kwargs)
             return original(*args, **kwargs)
 
         return factory
 
-    for name, original in originals.items():
-        setattr(torch, name, recorded(original, name in RANDOM_FACTORIES))
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(torch, name, original)
+    return _patched([(torch, name, recorded(getattr(torch, name), name in RANDOM_FACTORIES))
+                     for name in (*FACTORIES, *RANDOM_FACTORIES)])
 
 
 def _refusing_proxies(original: Callable[..., Any]) -> Callable[..., Any]:

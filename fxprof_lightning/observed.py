@@ -65,6 +65,7 @@ from fxprof_lightning.leaves import (
     random_states_kept,
     set_host_random_state,
     short_error,
+    slot_names,
     trace_with_leaves,
 )
 from fxprof_lightning.node_timing import UNTIMED_TARGETS, NodeTimer
@@ -507,7 +508,7 @@ class Rebuild:
             return type(obj)(cls.recipe_of(item, values, depth - 1, family) for item in obj)
         if type(obj) is dict:
             return {key: cls.recipe_of(item, values, depth - 1, family) for key, item in obj.items()}
-        if isinstance(getattr(obj, "__dict__", None), dict) and not _slots_of(obj) and not isinstance(obj, (list, tuple, dict, set)):
+        if isinstance(getattr(obj, "__dict__", None), dict) and not slot_names(type(obj)) and not isinstance(obj, (list, tuple, dict, set)):
             return _Object(type(obj), {k: cls.recipe_of(v, values, depth - 1, family) for k, v in vars(obj).items()})
         raise fx.proxy.TraceError(f"a {type(obj).__name__} built while tracing holds traced values and cannot be "
                                   "built again from them")
@@ -529,10 +530,6 @@ class Rebuild:
 
 
 UNTIMED_TARGETS.add(Rebuild)
-
-
-def _slots_of(obj: Any) -> bool:
-    return any(klass.__dict__.get("__slots__") for klass in type(obj).__mro__ if klass is not object)
 
 
 def _type_name(recipe: Any) -> str:
@@ -615,16 +612,11 @@ def _opened(value: Any, depth: int = 12) -> Any:
         return [_opened(item, depth - 1) for item in value]
     if isinstance(value, dict):
         return {key: _opened(item, depth - 1) for key, item in value.items()}
-    if hasattr(value, "__dict__") or _slots_of(value):
+    if hasattr(value, "__dict__") or slot_names(type(value)):
         state = dict(getattr(value, "__dict__", {}))
-        state.update({slot: getattr(value, slot) for klass in type(value).__mro__
-                      for slot in _names(klass.__dict__.get("__slots__", ())) if hasattr(value, slot)})
+        state.update({slot: getattr(value, slot) for slot in slot_names(type(value)) if hasattr(value, slot)})
         return [type(value).__qualname__, {key: _opened(item, depth - 1) for key, item in state.items()}]
     return value
-
-
-def _names(slots: Any) -> list[str]:
-    return [slots] if isinstance(slots, str) else [name for name in slots if name not in ("__dict__", "__weakref__")]
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
