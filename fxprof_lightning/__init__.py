@@ -1,11 +1,14 @@
-"""fxprof-lightning: per-layer timing of sampled PyTorch Lightning training steps.
+"""fxprof-lightning: per-layer timing of sampled PyTorch training steps.
 
-Add ``FXProfilerCallback`` to a ``Trainer``; see the README for the options.
+``Profiler`` for any training loop (plain PyTorch, Fabric, FSDP2); ``FXProfilerCallback`` for a
+Lightning ``Trainer``. See the README for the options.
 """
 
 from fxprof_lightning.callback import FXProfilerCallback
+from fxprof_lightning.engine import Profiler
 from fxprof_lightning.report import CycleReport, NodeStats
 from fxprof_lightning.schedule import Schedule
+from fxprof_lightning.sinks import ConsoleSink, CsvSink, TensorBoardSink
 
-__all__ = ["CycleReport", "FXProfilerCallback", "NodeStats", "Schedule"]
+__all__ = ["ConsoleSink", "CsvSink", "CycleReport", "FXProfilerCallback", "NodeStats", "Profiler", "Schedule", "TensorBoardSink"]
 __version__ = "0.1.0"

@@ -309,7 +309,8 @@ class NodeTimer:
         return self.bwd[index] + [sum(durations) for durations in self._spans[index] if durations]
 
     def install(self, module: nn.Module, backward_hooks: bool = False) -> None:
-        """Make ``module(...)`` run the instrumented graph until ``uninstall``.
+        """Make ``module(...)`` run the instrumented graph until ``uninstall`` (calls in the other
+        train/eval mode than the graph's run the module's own forward).
 
         ``backward_hooks``: time backward with hooks (as on CUDA) rather than from profiler events.
         """
@@ -318,7 +319,17 @@ class NodeTimer:
         if backward_hooks and self._hooked_graph_module is None:
             self._hooked_graph_module = self._instrument(self._traced, self._annotate, hooked=True)
         self._saved_forward[id(module)] = module.__dict__.get("forward")
-        module.forward = (self._hooked_graph_module if backward_hooks else self.graph_module).forward
+        own_forward, graph_forward = module.forward, (self._hooked_graph_module if backward_hooks else self.graph_module).forward
+        training = self._traced.training
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            # The graph holds the mode it was traced in (dropout, batch norm): a call in the other mode
+            # (an evaluation inside a training step of a plain loop) runs the module's own forward.
+            if module.training is training:
+                return graph_forward(*args, **kwargs)
+            return own_forward(*args, **kwargs)
+
+        module.forward = forward
 
     def uninstall(self, module: nn.Module) -> None:
         """Give ``module`` its own forward back (safe to call when not installed)."""

@@ -1,0 +1,701 @@
+"""``Profiler``: the profiling engine, for plain PyTorch loops, Fabric, FSDP2 and the Lightning callback.
+
+Data flows one way: step -> schedule -> cycle -> statistics -> gather -> report -> sinks.
+
+* ``step()`` ends a step and begins the next, as in ``torch.profiler.profile``; the schedule
+  (``schedule.Schedule``) says what each step is;
+* a cycle (``_OpenCycle``) opens at its first traced step, in a directory of its own, with a
+  ``torch.profiler`` session (``torch_trace.CycleTrace``) and a node timer;
+* at its last recorded step the timer's samples become per-node statistics (``report``), the
+  ranks' tables are gathered and merged, and rank 0 hands the ``CycleReport`` to the sinks (``sinks``).
+
+Decided in one place each: which timer times the module (``_timer_for``: the capture ladder,
+``capture``), where backward times come from (``_backward_source``), the name of a cycle's
+directory (``cycle_name``). Nothing here knows Lightning: ``callback.FXProfilerCallback`` maps
+Trainer hooks onto ``begin_run``/``prepare``/``begin_step``/``end_step``/``end_stage``/``abort``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from fxprof_lightning.capture import Capture, capture
+from fxprof_lightning.flops import NodeCosts, count_costs, input_signature
+from fxprof_lightning.module_hooks import ModuleHookTimer
+from fxprof_lightning.node_timing import BackwardEvents, NodeTimer
+from fxprof_lightning.observed import Example, GuardedNodeTimer, observe_first_call
+from fxprof_lightning.report import CycleReport, NodeStats, merge_ranks, summarize_modules, summarize_nodes
+from fxprof_lightning.schedule import ProfilerAction, Schedule
+from fxprof_lightning.sinks import ConsoleSink, CsvSink, Sink
+from fxprof_lightning.torch_trace import CycleTrace, check_profiler_kwargs
+
+__all__ = ["DEFAULT_DIRPATH", "Profiler", "cycle_name"]
+
+RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
+DEFAULT_DIRPATH = "fxprof"  # relative to the working directory, as torch.utils.tensorboard's "runs"
+STAGES = {"train": "cycle_", "val": "val_cycle_"}  # stage -> directory prefix
+
+
+@dataclass
+class _OpenCycle:
+    """The cycle in progress: where it writes and what collects its data."""
+
+    index: int
+    directory: Path
+    trace: CycleTrace | None
+    timer: NodeTimer | ModuleHookTimer | None
+    capture: Capture | None
+    training: bool
+    recorded: list[int] = field(default_factory=list)
+    backward_wall_ns: list[int] = field(default_factory=list)
+    backward_events: BackwardEvents | None = None  # autograd node times, when no trace records them
+    samples_at_step: int = 0  # the timer's sample count when the step in progress began
+
+
+@dataclass
+class _Stage:
+    """Schedule position and cycles of one loop: training steps or validation steps."""
+
+    name: str  # "train" or "val"
+    step: int = 0
+    open: _OpenCycle | None = None
+    in_step: bool = False  # begin_step was called and end_step not yet
+    cycles: list[CycleReport] = field(default_factory=list)
+    directories: list[Path] = field(default_factory=list)  # written in this run, oldest first
+    last_index: int | None = None  # the cycle opened last, to name the pieces of a cut cycle
+    piece: int = 0
+
+
+class Profiler:
+    """Profile scheduled steps of any training loop with torch.profiler and per-node ``torch.fx`` timing.
+
+    Use it like ``torch.profiler.profile``: call ``step()`` once per training step. The schedule
+    has the semantics of ``torch.profiler.schedule``: ``skip_first`` idle steps, then cycles of
+    ``wait`` idle, ``warmup`` traced-and-discarded and ``active`` recorded steps, ``repeat``
+    cycles (0: as long as training runs). At the last recorded step of each cycle its per-node
+    table goes to the sinks and its files to ``<dirpath>/cycle_NNNN``.
+
+    Args:
+        module: the ``nn.Module`` to time node by node (or a function returning it, called at
+            ``start()``). Its forward is replaced by the timed graph during traced steps only.
+        skip_first, wait, warmup, active, repeat: the schedule (see above).
+        torch_profiler: trace the cycle's steps with ``torch.profiler``.
+        fx_timing: time every FX node of ``module``'s forward.
+        profiler_kwargs: more ``torch.profiler.profile`` arguments (activities, record_shapes, ...).
+        dirpath: output directory (default ``./fxprof``).
+        top_k: how many of the slowest nodes get scalars and table rows.
+        use_gzip: write traces as ``.pt.trace.json.gz`` (else plain ``.pt.trace.json``).
+        keep_cycles: keep only the newest N cycle directories (and reports); None keeps all.
+        profile_validation: also profile the steps inside ``with profiler.validation():``.
+        module_depth: deepest level of the module tree in the modules text (root = 0).
+        backward_timing: time each node's backward too.
+        node_ranges: with ``torch_profiler``, a ``record_function`` range per node in the trace.
+        ranks: global ranks that write traces (None: all). The others still time nodes and take
+            part in the gather.
+        sinks: where cycle reports go (default ``[CsvSink(), ConsoleSink()]``); see ``sinks``.
+
+    Example:
+        >>> with Profiler(model, wait=5, warmup=1, active=3, repeat=2) as prof:
+        ...     for x, y in loader:
+        ...         loss_fn(model(x), y).backward()
+        ...         opt.step(); opt.zero_grad()
+        ...         prof.step()
+        >>> print(prof.cycles[-1].to_markdown())
+    """
+
+    name = "Profiler"  # starts every warning (the Lightning callback sets its own)
+
+    def __init__(
+        self,
+        module: nn.Module | Callable[[], nn.Module] | None,
+        *,
+        skip_first: int = 0,
+        wait: int = 100,
+        warmup: int = 1,
+        active: int = 3,
+        repeat: int = 0,
+        torch_profiler: bool = True,
+        fx_timing: bool = True,
+        profiler_kwargs: dict[str, Any] | None = None,
+        dirpath: str | os.PathLike | None = None,
+        top_k: int = 20,
+        use_gzip: bool = True,
+        keep_cycles: int | None = None,
+        profile_validation: bool = False,
+        module_depth: int = 3,
+        backward_timing: bool = True,
+        node_ranges: bool = True,
+        ranks: Sequence[int] | None = None,
+        sinks: Sequence[Sink] | None = None,
+    ) -> None:
+        self.schedule = Schedule(skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat)
+        if not torch_profiler and not fx_timing:
+            raise ValueError("torch_profiler and fx_timing are both False: turn at least one on")
+        if module is None or not (isinstance(module, nn.Module) or callable(module)):
+            raise ValueError(f"module must be the nn.Module to profile (or a function returning it), got {module!r}")
+        _check_int("top_k", top_k, 1)
+        if keep_cycles is not None:
+            _check_int("keep_cycles", keep_cycles, 1, "or None (keep all)")
+        _check_int("module_depth", module_depth, 0)
+        if ranks is not None and (isinstance(ranks, str | bytes) or not isinstance(ranks, Sequence)
+                                  or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)):
+            raise ValueError(f"ranks must be a list of global ranks (ints >= 0) or None (all ranks), got {ranks!r}")
+        self.module = module
+        self.torch_profiler = torch_profiler
+        self.fx_timing = fx_timing
+        self.profiler_kwargs = check_profiler_kwargs(profiler_kwargs)
+        self.dirpath = Path(dirpath if dirpath is not None else DEFAULT_DIRPATH)
+        self.top_k = top_k
+        self.use_gzip = use_gzip
+        self.keep_cycles = keep_cycles
+        self.profile_validation = profile_validation
+        self.module_depth = module_depth
+        self.backward_timing = backward_timing
+        self.node_ranges = node_ranges
+        self.ranks = None if ranks is None else frozenset(ranks)
+        self.sinks: list[Sink] = list(sinks) if sinks is not None else [CsvSink(), ConsoleSink()]
+
+        self.target: nn.Module | None = None  # the module, once resolved (begin_run)
+        self._train, self._val = _Stage("train"), _Stage("val")
+        self._current = self._train  # the stage step() advances
+        self._running = False
+        self._enabled = True  # False after a failure inside the profiler
+        self._fx_on = fx_timing  # False when the target cannot be traced
+        self._timers: dict[bool, tuple[NodeTimer | ModuleHookTimer, Capture]] = {}  # one per training mode
+        self._examples: dict[bool, Example] = {}  # a recorded call per mode, until a capture uses it
+        self._observers: dict[bool, RemovableHandle] = {}  # recording the first call of a mode
+        self._costs: dict[tuple, NodeCosts | None] = {}  # FLOPs per input signature
+        self._backward_start: int | None = None
+        self._taken: set[str] = set()  # directory names in dirpath from earlier runs
+
+    @property
+    def cycles(self) -> list[CycleReport]:
+        """One report per completed (or cut-short) training cycle."""
+        return self._train.cycles
+
+    @property
+    def val_cycles(self) -> list[CycleReport]:
+        """Like ``cycles``, for validation steps (``profile_validation=True``)."""
+        return self._val.cycles
+
+    @property
+    def step_num(self) -> int:
+        """The number of the training step in progress (or the next one), counted from 0."""
+        return self._train.step
+
+    # ------------------------------------------------------------ the plain-loop API
+
+    def start(self) -> None:
+        """Begin profiling; the code until the next ``step()`` is training step ``step_num``."""
+        if self._running:
+            raise RuntimeError(f"{self.name}.start() was called twice without stop()")
+        self.begin_run()
+        self.prepare()
+        self._running = True
+        self.begin_step("train")
+
+    def step(self) -> None:
+        """End the current step and begin the next (inside ``validation()``: a validation step)."""
+        if not self._running:
+            raise RuntimeError(f"{self.name}.step() was called before start(): use `with {self.name}(...) as prof:` "
+                               "or call prof.start() first")
+        stage = self._current.name
+        self.end_step(stage)
+        self.begin_step(stage)
+
+    def stop(self) -> None:
+        """End profiling: a step in progress that ran the module counts, a cycle in progress is written cut short."""
+        if not self._running:
+            return
+        self._running = False
+        self._finish_step(self._current)
+        self.end_stage("train")
+        self.end_run()
+
+    def __enter__(self) -> Profiler:
+        self.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: Any) -> None:
+        if error is None:
+            self.stop()
+        else:
+            self._running = False
+            self.abort()
+
+    @contextlib.contextmanager
+    def validation(self) -> Iterator[Profiler]:
+        """Validation steps: inside, ``step()`` advances the validation schedule, and the training step in
+        progress is paused (validation is not timed as training). Without ``profile_validation`` nothing
+        inside is profiled.
+
+        Example:
+            >>> with prof.validation():
+            ...     for x, y in val_loader:
+            ...         model(x); prof.step()
+        """
+        if not self._running:
+            raise RuntimeError(f"{self.name}.validation() needs a started profiler")
+        train = self._train
+        if train.open is not None and train.open.timer is not None:
+            train.open.timer.uninstall(self.target)
+        self._current = self._val
+        self.prepare("val")
+        self.begin_step("val")
+        try:
+            yield self
+        finally:
+            self._finish_step(self._val)
+            self.end_stage("val")
+            self._current = train
+            if train.in_step and train.open is not None and train.open.timer is not None and self._enabled:
+                train.open.timer.install(self.target)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule position, to resume with ``load_state_dict``."""
+        return {"step": self._train.step, "val_step": self._val.step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue the schedule where ``state_dict`` left it (call before ``start()``)."""
+        self._train.step = int(state_dict.get("step", 0))
+        self._val.step = int(state_dict.get("val_step", 0))
+
+    # ------------------------------------------------------------ the driver API (the Lightning callback)
+
+    def reset(self, train: bool = True) -> None:
+        """Forget the cycles and schedule position of validation (and of training, with ``train``)."""
+        if train:
+            self._train = _Stage("train")
+        self._val = _Stage("val")
+        self._current = self._train
+
+    def begin_run(self) -> None:
+        """Resolve the module, forget captures, and list the names in ``dirpath`` that earlier runs took."""
+        self.target = self.module if isinstance(self.module, nn.Module) else self.module()
+        self._enabled, self._fx_on, self._timers, self._costs, self._examples = True, self.fx_timing, {}, {}, {}
+        self.stop_observing()
+        if self._fx_on and hasattr(self.target, "_orig_mod"):
+            self.warn(
+                f"{type(self.target._orig_mod).__name__} is torch.compile'd, which torch.fx cannot time node by node; "
+                "node timing is off, torch.profiler traces go on. Profile the module before compiling it to get "
+                "node timing."
+            )
+            self._fx_on = False
+        taken = sorted(p.name for p in self.dirpath.glob("*cycle_*")) if self.rank == 0 and self.dirpath.is_dir() else []
+        self._taken = set(_broadcast(taken))
+
+    def prepare(self, stage: str = "train") -> None:
+        """Capture the module in its current mode before the stage's first timed step (or start recording a call)."""
+        if self._fx_on and self._enabled and (stage == "train" or self.profile_validation):
+            self._safely("capturing the module", self._timer_for, self.target)
+
+    def begin_step(self, stage: str = "train") -> None:
+        """A step of ``stage`` begins: open its cycle if the schedule says so, and install the timer."""
+        state = self._stage(stage)
+        state.in_step = True
+        action = self.schedule.action(state.step)
+        if action is ProfilerAction.NONE or not self._enabled:
+            return
+        self._safely("starting a profiled step", self._start_collecting, state, action)
+
+    def end_step(self, stage: str = "train") -> None:
+        """A step of ``stage`` ends: count it, and write the cycle at its last recorded step."""
+        state = self._stage(stage)
+        state.in_step = False
+        step, state.step = state.step, state.step + 1
+        action = self.schedule.action(step)
+        if state.open is not None:
+            self._safely("ending a profiled step", self._stop_collecting, state, step, action)
+        if action is ProfilerAction.RECORD_AND_SAVE:
+            # Decided by the schedule alone, so every rank takes part in the gather, even one whose profiling failed.
+            self._safely("writing a cycle", self._close_cycle, state, gather=True)
+
+    def end_stage(self, stage: str = "train") -> None:
+        """The loop of ``stage`` stopped (or paused): write a cycle it left before its last recorded step."""
+        state = self._stage(stage)
+        last = state.step - 1
+        if last >= 0 and self.schedule.action(last) in (ProfilerAction.WARMUP, ProfilerAction.RECORD):
+            self._safely("writing a partial cycle", self._close_cycle, state, gather=True)
+        if state.open is not None:  # a step that opened a cycle and never ended
+            self._safely("writing a cycle left open", self._close_cycle, state, gather=False)
+
+    def abort(self) -> None:
+        """Training stopped with an exception: write this rank's open cycles (no collective) and remove every hook."""
+        self.stop_observing()
+        for state in (self._train, self._val):
+            state.in_step = False
+            if state.open is not None:
+                # Other ranks may not get here: no collective, this rank's data only.
+                self._safely("writing the cycle cut short by an exception", self._close_cycle, state, gather=False)
+
+    def end_run(self) -> None:
+        """Profiling ends: remove the first-call recorders and let the sinks finish (rank 0)."""
+        self.stop_observing()
+        if self.rank == 0:
+            for sink in self.sinks:
+                self._safely("closing a sink", sink.close, self)
+
+    def backward_started(self) -> None:
+        """Mark the start of a recorded step's backward (measures ``CycleReport.backward_wall_ms``)."""
+        if self._train.open is not None and self.schedule.action(self._train.step) in RECORDING:
+            self._backward_start = time.perf_counter_ns()
+
+    def backward_ended(self) -> None:
+        start, self._backward_start = self._backward_start, None
+        if start is not None and self._train.open is not None:
+            self._train.open.backward_wall_ns.append(time.perf_counter_ns() - start)
+
+    @property
+    def rank(self) -> int:
+        """Global rank from ``torch.distributed`` (0 when it is not initialised)."""
+        return torch.distributed.get_rank() if _distributed() else 0
+
+    @property
+    def world_size(self) -> int:
+        return torch.distributed.get_world_size() if _distributed() else 1
+
+    def warn(self, message: str) -> None:
+        """A warning on rank 0, naming the profiler."""
+        if self.rank == 0:
+            warnings.warn(f"{self.name}: {message}", stacklevel=3)
+
+    # ------------------------------------------------------------ steps and cycles
+
+    def _stage(self, name: str) -> _Stage:
+        if name not in STAGES:
+            raise ValueError(f"stage must be 'train' or 'val', got {name!r}")
+        return self._train if name == "train" else self._val
+
+    def _finish_step(self, stage: _Stage) -> None:
+        """The step in progress when a loop stops: counted if the module ran in it, else dropped."""
+        if not stage.in_step:
+            return
+        cycle = stage.open
+        if cycle is not None and cycle.timer is not None and _samples(cycle.timer) > cycle.samples_at_step:
+            self.end_step(stage.name)
+            return
+        stage.in_step = False
+        if cycle is not None and cycle.timer is not None:
+            cycle.timer.uninstall(self.target)
+
+    def _start_collecting(self, stage: _Stage, action: ProfilerAction) -> None:
+        if stage.open is None:
+            stage.open = self._open_cycle(stage)
+        cycle = stage.open
+        if _stopped_fitting(cycle.timer) and not cycle.recorded:  # nothing recorded is lost: switch
+            cycle.timer, cycle.capture = self._timer_for(self.target)
+        timer = cycle.timer
+        if timer is not None:
+            if action in RECORDING and not cycle.recorded:
+                timer.reset()  # drop what the warm-up steps measured
+            hooks = stage is self._train and action in RECORDING and not self._backward_source(cycle, timer)
+            cycle.samples_at_step = _samples(timer)
+            timer.install(self.target, backward_hooks=hooks)
+
+    def _backward_source(self, cycle: _OpenCycle, timer: NodeTimer | ModuleHookTimer) -> bool:
+        """Where the cycle's backward times come from; False when hooks on the autograd nodes must time them.
+
+        The cycle's trace when there is one; else profiler events of the backward scope alone
+        (``BackwardEvents``), unless another profiler is running; timers that do not use events
+        (CUDA) time backward with hooks of their own.
+        """
+        if cycle.trace is not None or not timer.uses_backward_events:
+            return True
+        if cycle.backward_events is None:
+            cycle.backward_events = BackwardEvents()
+            if not cycle.backward_events.start():
+                self.warn("another profiler is running, so this cycle's backward times "
+                          + ("come from hooks on the autograd nodes (slower)" if isinstance(timer, NodeTimer)
+                             else "are missing (module hooks take them from profiler events)"))
+        return cycle.backward_events.running
+
+    def _stop_collecting(self, stage: _Stage, step: int, action: ProfilerAction) -> None:
+        cycle = stage.open
+        if cycle.timer is not None:
+            cycle.timer.uninstall(self.target)
+        if action in RECORDING:
+            cycle.recorded.append(step)
+        if cycle.trace is not None:
+            cycle.trace.step()
+
+    def _open_cycle(self, stage: _Stage) -> _OpenCycle:
+        index = self.schedule.cycle_of(stage.step)
+        stage.piece = stage.piece + 1 if index == stage.last_index else 0
+        stage.last_index = index
+        directory = self.dirpath / cycle_name(STAGES[stage.name], index, stage.piece, self._taken)
+        directory.mkdir(parents=True, exist_ok=True)
+        if not stage.directories or stage.directories[-1] != directory:
+            stage.directories.append(directory)
+        # Capture first: tracing on a recorded call runs the module, which no trace should record.
+        timer, how = self._timer_for(self.target) if self._fx_on else (None, None)
+        trace = None
+        other = self._val if stage is self._train else self._train
+        if not self.torch_profiler or (self.ranks is not None and self.rank not in self.ranks):
+            pass
+        elif other.open is not None and (other.open.trace is not None or other.open.backward_events is not None):
+            self.warn(f"a {other.name} cycle's profiler is still running, so {stage.name} steps {stage.step}+ get "
+                      "node timing only (one profiler runs at a time)")
+        elif torch._C._autograd._profiler_enabled():
+            self.warn("another profiler is running, so this cycle writes no trace (starting one would cancel it); "
+                      "node timing goes on")
+        else:
+            # The cycle opens at whichever of its traced steps comes first (normally its first).
+            steps = [s for s in self.schedule.traced_steps(index) if s >= stage.step]
+            actions = {s: self.schedule.action(s) for s in steps}
+            trace = CycleTrace(actions, directory, f"rank{self.rank}", self.use_gzip, self.profiler_kwargs,
+                               backward_events=self._fx_on)
+        if self._fx_on and self.target.training in self._observers:  # the mode's first call is still to come
+            self.warn(f"torch.fx could not trace {type(self.target).__name__} whole, so it is timed by "
+                      f"{how.describe()} in this cycle, which starts at its first call; later cycles are traced on "
+                      "that call")
+        return _OpenCycle(index, directory, trace, timer, how, self.target.training)
+
+    def _close_cycle(self, stage: _Stage, gather: bool) -> None:
+        cycle, stage.open = stage.open, None
+        nodes = None
+        if cycle is not None:
+            if cycle.trace is not None:
+                cycle.trace.stop()  # first: its events hold the backward times
+                for error in cycle.trace.errors:
+                    self.warn(error)
+            if cycle.timer is not None:
+                nodes = self._measure_nodes(cycle)
+        ranks = 1
+        if gather and self.world_size > 1:
+            gathered: list[Any] = [None] * self.world_size
+            torch.distributed.all_gather_object(gathered, nodes)
+            ranks = sum(1 for table in gathered if table)
+            nodes = merge_ranks(gathered)
+        if cycle is None:
+            return
+        if not cycle.recorded:
+            # Cut during warm-up: nothing to report (a trace holds no recorded step); the rest of the
+            # cycle, if it comes, opens a new piece.
+            for path in cycle.trace.paths if cycle.trace is not None else []:
+                path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                cycle.directory.rmdir()
+            if stage.directories and stage.directories[-1] == cycle.directory:
+                stage.directories.pop()
+            return
+        report = CycleReport(index=cycle.index, steps=cycle.recorded, directory=cycle.directory,
+                             partial=cycle.recorded != self.schedule.recorded_steps(cycle.index),
+                             ranks=max(ranks, 1), stage=stage.name, nodes=nodes or [], capture=cycle.capture,
+                             trace_paths=list(cycle.trace.paths) if cycle.trace is not None else [])
+        if cycle.backward_wall_ns:
+            report.backward_wall_ms = sum(cycle.backward_wall_ns) / len(cycle.backward_wall_ns) / 1e6
+        if report.nodes and cycle.timer is not None:
+            report.modules = summarize_modules(cycle.timer.nodes, report.nodes, len(cycle.recorded), self._type_name)
+        if self._fx_on and not report.nodes and not _stopped_fitting(cycle.timer):
+            self.warn(f"{type(self.target).__name__}.forward did not run in the recorded steps {cycle.recorded}, so "
+                      "no node was timed. If the training step calls a submodule instead, profile that submodule "
+                      "(the Lightning callback: module='...').")
+        if report.nodes and self.rank == 0:
+            for sink in self.sinks:
+                sink.write_cycle(report, self)
+        stage.cycles.append(report)
+        self._forget_old_cycles(stage)
+
+    def _forget_old_cycles(self, stage: _Stage) -> None:
+        if self.keep_cycles is None:
+            return
+        del stage.cycles[: -self.keep_cycles]
+        while len(stage.directories) > self.keep_cycles:
+            old = stage.directories.pop(0)
+            for path in old.glob(f"rank{self.rank}.*"):  # this rank's traces (its node's disk)
+                path.unlink(missing_ok=True)
+            if self.rank == 0:
+                shutil.rmtree(old, ignore_errors=True)
+
+    # ------------------------------------------------------------ statistics
+
+    def _measure_nodes(self, cycle: _OpenCycle) -> list[NodeStats] | None:
+        """This rank's node statistics for the cycle; the timer is emptied for the next one."""
+        timer = cycle.timer
+        timer.uninstall(self.target)
+        events = cycle.backward_events.stop() if cycle.backward_events is not None else None
+        if cycle.backward_events is not None and cycle.backward_events.lost:
+            self.warn("another profiler started while this cycle recorded and took over the profiler session, "
+                      "so the cycle's nodes get no backward times")
+        if not cycle.recorded or _stopped_fitting(timer):  # a graph that stopped fitting kept nothing
+            return None
+        timer.add_backward(events if events is not None else cycle.trace.backward_events if cycle.trace else [])
+        timer.resolve()
+        costs = self._costs_for(cycle)
+        backward = [timer.bwd_ns(i) for i in range(len(timer.nodes))]
+        nodes = summarize_nodes(timer.nodes, timer.fwd, backward, costs, timer.mem_delta, timer.mem_peak)
+        timer.reset()
+        return nodes
+
+    def _costs_for(self, cycle: _OpenCycle) -> NodeCosts | None:
+        """FLOPs and output sizes, counted once per input signature in an untimed meta-device pass."""
+        inputs = cycle.timer.forward_inputs
+        if cycle.capture is None or cycle.capture.graph_module is None or inputs is None:
+            return None
+        key = input_signature(inputs, cycle.training)
+        if key not in self._costs:
+            try:
+                self._costs[key] = count_costs(cycle.capture.graph_module, inputs, cycle.training)
+            except Exception as error:  # an op without a meta kernel: no FLOPs, timing goes on
+                self.warn(f"FLOPs not counted ({type(error).__name__}: {error})")
+                self._costs[key] = None
+        return self._costs[key]
+
+    def _type_name(self, path: str) -> str:
+        try:
+            return type(self.target.get_submodule(path)).__name__
+        except AttributeError:
+            return ""
+
+    # ------------------------------------------------------------ which timer
+
+    def _timer_for(self, module: nn.Module) -> tuple[NodeTimer | ModuleHookTimer, Capture]:
+        """The timer for the module's current mode, captured on first use (see ``capture``).
+
+        A module whose own forward torch.fx cannot trace is traced on a recorded call of it: the
+        first call in each mode is recorded (``observe_first_call``) and the next capture of that
+        mode uses it; until then (a cycle that opens at the mode's very first call) module hooks
+        time it. A graph that stops fitting the calls is replaced by module hooks.
+        """
+        training = module.training
+        entry = self._timers.get(training)
+        if entry is None:
+            entry = self._timers[training] = self._capture(module)
+        elif _stopped_fitting(entry[0]):
+            graph_capture = entry[1]
+            how = Capture("module_hooks", None, {}, f"{graph_capture.error}; the graph traced on a recorded call "
+                                                    f"stopped fitting the calls: {entry[0].mismatch}")
+            entry = self._timers[training] = (self._hook_timer(module), how)
+        return entry
+
+    def _capture(self, module: nn.Module) -> tuple[NodeTimer | ModuleHookTimer, Capture]:
+        training = module.training
+        example = self._examples.pop(training, None)
+        how = capture(module, example)
+        if how.graph_module is None and example is None:  # no warning yet: the recorded call may do better
+            if training not in self._observers:
+                self._observers[training] = observe_first_call(module, training, functools.partial(self._observed, training))
+            return self._hook_timer(module), how
+        device = next(module.parameters(), torch.empty(0)).device.type
+        if how.on_example:
+            timer = GuardedNodeTimer(how.graph_module, annotate=self._ranges, backward=self.backward_timing,
+                                     device=device, on_mismatch=functools.partial(self._warn_mismatch, module, training))
+        elif how.graph_module is not None:
+            timer = NodeTimer(how.graph_module, annotate=self._ranges, backward=self.backward_timing, device=device)
+        else:
+            timer = self._hook_timer(module)
+        if how.method != "symbolic_trace":
+            self.warn(f"torch.fx could not trace {type(module).__name__} whole, so it is timed by {how.describe()}")
+        return timer, how
+
+    @property
+    def _ranges(self) -> bool:
+        """Whether timers open a ``record_function`` range per node (for the trace)."""
+        return self.torch_profiler and self.node_ranges
+
+    def _hook_timer(self, module: nn.Module) -> ModuleHookTimer:
+        return ModuleHookTimer(module, annotate=self._ranges)
+
+    def _observed(self, training: bool, example: Example) -> None:
+        """Runs inside the module's call: keep the example; the mode's next cycle captures again with it."""
+        self._examples[training] = example
+        self._observers.pop(training, None)
+        self._timers.pop(training, None)
+
+    def stop_observing(self) -> None:
+        """Remove the hooks waiting for a mode's first call (a mode whose first call never came)."""
+        for handle in self._observers.values():
+            handle.remove()
+        self._observers = {}
+
+    def _warn_mismatch(self, module: nn.Module, training: bool, reason: str) -> None:
+        mode = "training" if training else "evaluation"
+        self.warn(
+            f"a call of {type(module).__name__} does not fit the graph traced on its first {mode} call ({reason}). "
+            f"That call ran the module's own forward, so training is unchanged; {mode} steps are timed by module "
+            "hooks from now on (a cycle that had already recorded steps with the graph reports no node times)."
+        )
+
+    # ------------------------------------------------------------ failures
+
+    def _safely(self, what: str, work: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Run profiler work; on failure warn, clean up and stop profiling, never break training."""
+        try:
+            work(*args, **kwargs)
+        except Exception as error:
+            message = (f"{self.name} failed while {what}: {type(error).__name__}: {error}. "
+                       "Profiling is off for the rest of this run; training goes on.")
+            # Every rank says so: a failure on one rank only must not pass unnoticed.
+            warnings.warn(f"[rank: {self.rank}] {message}" if self.world_size > 1 else message, stacklevel=3)
+            self._disable()
+
+    def _disable(self) -> None:
+        self._enabled = False
+        self.stop_observing()
+        for stage in (self._train, self._val):
+            cycle, stage.open = stage.open, None
+            if cycle is None:
+                continue
+            if cycle.timer is not None:
+                cycle.timer.uninstall(self.target)
+            if cycle.backward_events is not None:
+                cycle.backward_events.stop()
+            if cycle.trace is not None:
+                with contextlib.suppress(Exception):  # already failing; the warning has been given
+                    cycle.trace.stop()
+
+
+def cycle_name(prefix: str, index: int, piece: int, taken: set[str]) -> str:
+    """``cycle_0003`` (``-p1`` for the second piece of a cut cycle), with ``-r1``, ``-r2``... only when an
+    earlier run in the same directory took that name.
+
+    Example:
+        >>> cycle_name("cycle_", 3, 0, {"cycle_0003"}), cycle_name("cycle_", 4, 0, {"cycle_0003"})
+        ('cycle_0003-r1', 'cycle_0004')
+    """
+    name = f"{prefix}{index:04d}" + (f"-p{piece}" if piece else "")
+    run = 0
+    while (f"{name}-r{run}" if run else name) in taken:
+        run += 1
+    return f"{name}-r{run}" if run else name
+
+
+def _check_int(name: str, value: Any, minimum: int, alternative: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}{' ' + alternative if alternative else ''}, got {value!r}")
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _broadcast(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (itself when not distributed)."""
+    if not _distributed() or torch.distributed.get_world_size() == 1:
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _samples(timer: NodeTimer | ModuleHookTimer) -> int:
+    """How many forward samples a timer holds (grows when the module runs)."""
+    return sum(len(samples) for samples in timer.fwd)
+
+
+def _stopped_fitting(timer: Any) -> bool:
+    """Whether a timer's graph, traced on a recorded call, stopped fitting the calls (and times nothing)."""
+    return isinstance(timer, GuardedNodeTimer) and timer.mismatch is not None
