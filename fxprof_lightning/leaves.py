@@ -113,8 +113,12 @@ class LeafTracer(fx.Tracer):
         self.extra_leaves = leaves
         self.failed_in: str | None = None
         self.root_constants: list[str] = []  # put on the root for the graph: pop them once a GraphModule holds them
+        self.hooked: dict[str, str] = {}  # submodules kept whole because they have hooks, and which
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if hooks_of(m):  # a graph that traced through it would skip them
+            self.hooked[module_qualified_name] = f"{hooks_of(m)}: they run only when the module is called whole"
+            return True
         return module_qualified_name in self.extra_leaves or super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
@@ -528,6 +532,21 @@ def _has_proxy(tree: Any) -> bool:
     return bool(found)
 
 
+def hooks_of(module: nn.Module) -> str:
+    """What hooks run around ``module``'s forward ('' for none): FSDP2's unshard and reshard are such hooks."""
+    kinds = [kind for kind, hooks in (("forward pre-hooks", module._forward_pre_hooks), ("forward hooks", module._forward_hooks),
+                                      ("backward hooks", module._backward_hooks),
+                                      ("backward pre-hooks", module._backward_pre_hooks)) if hooks]
+    if not kinds:
+        return ""
+    fsdp = " (fully_shard: FSDP2 unshards and reshards its parameters in them)" if _is_fsdp(module) else ""
+    return f"has {' and '.join(kinds)}{fsdp}"
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    return any(cls.__name__ == "FSDPModule" and cls.__module__.startswith("torch.distributed") for cls in type(module).__mro__)
+
+
 def short_error(error: BaseException) -> str:
     """``Type: first line`` of an exception, for reports."""
     first_line = (str(error).strip().splitlines() or [""])[0]
@@ -547,7 +566,8 @@ def trace_with_leaves(make_tracer: Callable[[set[str]], LeafTracer],
     for _ in range(MAX_LEAF_RETRIES):
         tracer = make_tracer(set(leaves))
         try:
-            return LeafTrace(trace(tracer), leaves, first_error)
+            graph_module = trace(tracer)
+            return LeafTrace(graph_module, {**tracer.hooked, **leaves}, first_error)
         except Exception as error:  # tracing user code can fail in any way
             first_error = first_error or short_error(error)
             culprit = tracer.failed_in

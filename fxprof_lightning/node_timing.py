@@ -257,6 +257,7 @@ class NodeTimer:
         self.graph_module = self._instrument(traced, annotate, hooked=self._cuda)
         self._hooked_graph_module = self.graph_module if self._cuda else None  # built when first needed
         self._saved_forward: dict[int, Any] = {}
+        self._root: nn.Module | None = None  # the module installed on (for its own parameters and buffers)
 
     def reset(self) -> None:
         """Forget every sample recorded so far."""
@@ -319,6 +320,7 @@ class NodeTimer:
         if backward_hooks and self._hooked_graph_module is None:
             self._hooked_graph_module = self._instrument(self._traced, self._annotate, hooked=True)
         self._saved_forward[id(module)] = module.__dict__.get("forward")
+        self._root = module
         own_forward, graph_forward = module.forward, (self._hooked_graph_module if backward_hooks else self.graph_module).forward
         training = self._traced.training
 
@@ -342,6 +344,12 @@ class NodeTimer:
             module.forward = previous
 
     # The generated forward calls these: keep them lean, they run once per node per call.
+
+    def _root_attribute(self, name: str) -> Any:
+        """A parameter or buffer of the module the graph runs as: the module's current one, as its own
+        forward would read it (FSDP2 replaces the root's sharded parameters by unsharded ones in its
+        pre-forward hook; the graph module's copies would be the sharded ones)."""
+        return getattr(self._root, name)
 
     def _inputs(self, *args: Any) -> None:
         self._first_of_call = True
@@ -424,6 +432,9 @@ class NodeTimer:
             if node.op != "placeholder" and placeholders and all(n in copies for n in placeholders):
                 graph.call_function(self._inputs, tuple(copies[n] for n in placeholders))  # once all inputs exist
                 placeholders = []
+            if _own_state_of_root(traced, node):  # read from the module it runs as (FSDP2 swaps them)
+                copies[node] = graph.call_function(self._root_attribute, (node.target,))
+                continue
             if not is_timed(node):
                 copies[node] = graph.node_copy(node, copies.__getitem__)
                 continue
@@ -448,6 +459,11 @@ class NodeTimer:
         if first_build:
             self.reset()
         return fx.GraphModule(traced, graph, class_name=f"{type(traced).__name__}Timed")
+
+
+def _own_state_of_root(traced: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether a node reads a parameter or buffer held by the root module itself (not by a submodule)."""
+    return node.op == "get_attr" and "." not in node.target and (node.target in traced._parameters or node.target in traced._buffers)
 
 
 def _copy_node(graph: fx.Graph, node: fx.Node, copies: dict[fx.Node, fx.Node], traced: fx.GraphModule) -> fx.Node:

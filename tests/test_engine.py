@@ -1,0 +1,207 @@
+"""``Profiler`` in plain PyTorch loops: schedule, files, sinks, bitwise training, resume, validation, bad input."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import inspect
+import json
+
+import pytest
+import torch
+from conftest import SmallNet, image_loader, read_events
+from torch.nn import functional as F
+from torch.utils.tensorboard import SummaryWriter
+
+from fxprof_lightning import ConsoleSink, CsvSink, FXProfilerCallback, Profiler, TensorBoardSink
+
+
+def train(steps: int, profiler: Profiler | None = None, model: torch.nn.Module | None = None, seed: int = 0):
+    """``steps`` SGD steps in a plain loop (of ``model``, else the profiled module, else a new SmallNet),
+    calling ``profiler.step()`` after each."""
+    model = model if model is not None else profiler.module if profiler is not None else SmallNet()
+    torch.manual_seed(seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    batches = iter(image_loader(samples=4 * steps))
+    for _ in range(steps):
+        x, y = next(batches)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if profiler is not None:
+            profiler.step()
+    return model
+
+
+def test_a_plain_loop_gets_cycles_files_and_node_times(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = SmallNet()
+    with Profiler(model, wait=1, warmup=1, active=2, repeat=2, dirpath=tmp_path) as prof:
+        train(10, prof, model)
+    assert [c.steps for c in prof.cycles] == [[2, 3], [6, 7]]
+    assert [c.directory.name for c in prof.cycles] == ["cycle_0000", "cycle_0001"]
+    for cycle in prof.cycles:
+        assert not cycle.partial and cycle.capture.method == "symbolic_trace"
+        names = {n.name for n in cycle.nodes}
+        assert {"conv", "bn", "relu", "mean", "head"} <= names
+        assert all(n.calls == 2 and n.mean_ms > 0 for n in cycle.nodes)
+        assert {n.name for n in cycle.nodes if n.bwd_calls} >= {"conv", "head"}
+        assert cycle.backward_wall_ms is None  # no Trainer hook marks backward in a plain loop
+        (trace,) = cycle.trace_paths
+        assert trace.parent == cycle.directory and trace.name.startswith("rank0.") and trace.name.endswith(".pt.trace.json.gz")
+        events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+        steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
+        assert steps == {f"ProfilerStep#{s}" for s in cycle.steps}  # the trace numbers steps as the loop does
+        assert {"conv", "head"} <= {e["name"] for e in events if e.get("cat") == "user_annotation"}
+        rows = list(csv.DictReader((cycle.directory / "fx_nodes.csv").read_text().splitlines()))
+        assert {r["name"] for r in rows} == names
+        assert (cycle.directory / "fx_modules.csv").exists()
+    assert "forward" not in model.__dict__  # the module's own forward is back
+    out = capsys.readouterr().out
+    assert "Profiler: 2 cycle(s) recorded" in out and "Slowest nodes of cycle 1 (steps 6-7)" in out
+
+
+def test_skip_first_defaults_to_zero_as_in_torch_profiler(tmp_path):
+    with Profiler(SmallNet(), wait=0, warmup=1, active=2, repeat=1, dirpath=tmp_path, sinks=[]) as prof:
+        train(4, prof)
+    assert [c.steps for c in prof.cycles] == [[1, 2]]  # torch.profiler.schedule(wait=0, warmup=1, active=2, repeat=1)
+    defaults = {name: p.default for name, p in inspect.signature(Profiler).parameters.items()}
+    callback_defaults = {name: p.default for name, p in inspect.signature(FXProfilerCallback).parameters.items()}
+    assert (defaults["skip_first"], defaults["repeat"]) == (0, 0)
+    shared = set(defaults) & set(callback_defaults)
+    assert shared == set(defaults) - {"sinks"} and all(defaults[k] == callback_defaults[k] for k in shared - {"module"})
+
+
+def test_training_is_bitwise_unchanged(tmp_path):
+    torch.manual_seed(0)
+    plain = train(12, model=SmallNet(), seed=1)
+    torch.manual_seed(0)
+    with Profiler(SmallNet(), wait=1, warmup=1, active=2, dirpath=tmp_path, sinks=[]) as prof:
+        profiled = train(12, prof, seed=1)
+    assert len(prof.cycles) == 3
+    for (name, a), b in zip(plain.state_dict().items(), profiled.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_resume_through_state_dict_continues_the_schedule_with_plain_names(tmp_path):
+    schedule = {"wait": 1, "warmup": 1, "active": 2}  # recorded: 2-3, 6-7, 10-11
+    first = Profiler(SmallNet(), **schedule, dirpath=tmp_path, sinks=[])
+    with first:
+        train(7, first)  # stops inside cycle 1, after step 6
+    state = first.state_dict()
+    assert state["step"] == 7
+
+    resumed = Profiler(SmallNet(), **schedule, dirpath=tmp_path, sinks=[])
+    resumed.load_state_dict(state)
+    with resumed:
+        train(5, resumed)  # steps 7-11
+    assert [(c.index, c.steps, c.partial) for c in first.cycles] == [(0, [2, 3], False), (1, [6], True)]
+    assert [(c.index, c.steps, c.partial) for c in resumed.cycles] == [(1, [7], True), (2, [10, 11], False)]
+    # The cut cycle's name was taken by the first run: only that one gets a suffix.
+    assert [c.directory.name for c in resumed.cycles] == ["cycle_0001-r1", "cycle_0002"]
+
+
+def test_validation_steps_are_their_own_stage_and_not_training(tmp_path):
+    torch.manual_seed(0)
+    model = SmallNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    with Profiler(model, wait=0, warmup=0, active=2, repeat=1, dirpath=tmp_path, profile_validation=True, sinks=[]) as prof:
+        for x, y in image_loader(samples=12):
+            F.cross_entropy(model(x), y).backward()  # step 0 runs, then validation inside step 1
+            optimizer.step()
+            optimizer.zero_grad()
+            prof.step()
+            if prof.step_num == 1:
+                model.eval()
+                with torch.no_grad(), prof.validation():
+                    for vx, _ in image_loader(samples=8, seed=1):
+                        model(vx)
+                        prof.step()
+                model.train()
+    assert [c.steps for c in prof.cycles] == [[0, 1]]
+    assert all(n.calls == 2 for n in prof.cycles[0].nodes)  # validation calls were not counted as training
+    (val,) = prof.val_cycles
+    assert val.steps == [0, 1] and val.directory.name == "val_cycle_0000" and val.stage == "val"
+    assert {n.name for n in val.nodes} >= {"conv", "head"} and all(n.bwd_calls == 0 for n in val.nodes)
+
+
+def test_a_call_in_the_other_mode_runs_the_modules_own_forward(tmp_path):
+    torch.manual_seed(0)
+    model = SmallNet()  # dropout and batch norm: the graph traced in training mode must not run in eval mode
+    x = torch.randn(4, 3, 8, 8)
+    with Profiler(model, wait=0, warmup=0, active=2, repeat=1, dirpath=tmp_path, sinks=[]) as prof:
+        model(x).sum().backward()
+        model.eval()
+        evaluated = model(x)  # inside a recorded training step, without validation()
+        expected = type(model).forward(model, x)
+        model.train()
+        prof.step()
+    assert torch.equal(evaluated, expected)
+    assert prof.cycles[0].steps == [0]  # stop() counts the step in progress: the module ran in it
+    assert all(n.calls == 1 for n in prof.cycles[0].nodes)
+
+
+def test_sinks_write_what_the_callback_writes(tmp_path):
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    with Profiler(SmallNet(), wait=0, warmup=1, active=2, repeat=1, dirpath=tmp_path / "out", top_k=3,
+                  sinks=[CsvSink(), TensorBoardSink(writer), ConsoleSink(every_cycle=True)]) as prof:
+        train(4, prof)
+    writer.close()
+    events = read_events(tmp_path / "tb")
+    scalars = set(events.Tags()["scalars"])
+    assert {"fxprof/fwd_ms/total", "fxprof/bwd_ms/total"} <= scalars
+    assert len([t for t in scalars if t.startswith("fxprof/fwd_ms/")]) == 3 + 1  # top_k nodes and the total
+    assert [e.step for e in events.Scalars("fxprof/fwd_ms/total")] == [2]
+    assert {"fxprof/nodes", "fxprof/modules"} <= set(events.Tags()["tensors"])
+    assert all((c.directory / "fx_nodes.csv").exists() for c in prof.cycles)
+
+
+def test_no_sinks_write_no_csv_but_keep_the_traces(tmp_path):
+    with Profiler(SmallNet(), wait=0, warmup=0, active=1, repeat=1, dirpath=tmp_path, sinks=[]) as prof:
+        train(2, prof)
+    (cycle,) = prof.cycles
+    assert [p.name for p in cycle.directory.iterdir()] == [cycle.trace_paths[0].name]
+
+
+def test_ranks_not_listed_write_no_trace_but_time_nodes(tmp_path):
+    with Profiler(SmallNet(), wait=0, warmup=1, active=2, repeat=1, dirpath=tmp_path, ranks=[1], sinks=[]) as prof:
+        train(4, prof)
+    (cycle,) = prof.cycles
+    assert cycle.trace_paths == [] and cycle.nodes and {n.name for n in cycle.nodes if n.bwd_calls} >= {"conv", "head"}
+
+
+def test_an_exception_in_the_loop_writes_the_cut_cycle_and_leaves_no_wrapper(tmp_path):
+    model = SmallNet()
+    with pytest.raises(KeyError), Profiler(model, wait=0, warmup=0, active=3, repeat=1, dirpath=tmp_path, sinks=[]) as prof:
+        train(2, prof, model)
+        raise KeyError("the user's own error")
+    assert "forward" not in model.__dict__ and not torch.autograd.profiler._is_profiler_enabled
+    (cycle,) = prof.cycles
+    assert cycle.partial and cycle.steps == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"wait": -1}, "wait must be >= 0"),
+        ({"active": 0}, "active must be >= 1"),
+        ({"ranks": "0"}, "ranks must be a list of global ranks"),
+        ({"ranks": [0, -1]}, "ranks must be a list of global ranks"),
+        ({"top_k": 0}, "top_k must be an int >= 1"),
+        ({"profiler_kwargs": {"schedule": None}}, "profiler_kwargs may not set schedule"),
+        ({"torch_profiler": False, "fx_timing": False}, "both False"),
+    ],
+)
+def test_bad_arguments_are_refused_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Profiler(SmallNet(), **kwargs)
+
+
+def test_misuse_is_named():
+    with pytest.raises(ValueError, match="module must be the nn.Module to profile"):
+        Profiler(None)
+    prof = Profiler(SmallNet())
+    with pytest.raises(RuntimeError, match=r"step\(\) was called before start\(\)"):
+        prof.step()
+    with pytest.raises(ValueError, match="stage must be 'train' or 'val'"):
+        prof.begin_step("test")
