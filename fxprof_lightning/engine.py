@@ -37,7 +37,14 @@ from fxprof_lightning.flops import NodeCosts, count_costs, input_signature
 from fxprof_lightning.module_hooks import ModuleHookTimer
 from fxprof_lightning.node_timing import BackwardEvents, NodeTimer
 from fxprof_lightning.observed import Example, GuardedNodeTimer, observe_first_call
-from fxprof_lightning.report import CycleReport, NodeStats, merge_ranks, summarize_modules, summarize_nodes
+from fxprof_lightning.report import (
+    CycleReport,
+    NodeStats,
+    merge_ranks,
+    summarize_modules,
+    summarize_nodes,
+    summarize_ranges,
+)
 from fxprof_lightning.schedule import ProfilerAction, Schedule
 from fxprof_lightning.sinks import ConsoleSink, CsvSink, Sink
 from fxprof_lightning.torch_trace import CycleTrace, check_profiler_kwargs
@@ -473,12 +480,14 @@ class Profiler:
                     self.warn(error)
             if cycle.timer is not None:
                 nodes = self._measure_nodes(cycle)
+        ranges = [cycle.trace.ranges] if cycle is not None and cycle.trace is not None else []
         ranks = 1
         if gather and self.world_size > 1:
             gathered: list[Any] = [None] * self.world_size
-            torch.distributed.all_gather_object(gathered, nodes)
-            ranks = sum(1 for table in gathered if table)
-            nodes = merge_ranks(gathered)
+            torch.distributed.all_gather_object(gathered, (nodes, ranges))
+            ranks = sum(1 for table, _ in gathered if table)
+            nodes = merge_ranks([table for table, _ in gathered])
+            ranges = [r for _, rank_ranges in gathered for r in rank_ranges]
         if cycle is None:
             return
         if not cycle.recorded:
@@ -495,6 +504,7 @@ class Profiler:
                              partial=cycle.recorded != self.schedule.recorded_steps(cycle.index),
                              ranks=max(ranks, 1), stage=stage.name, nodes=nodes or [], capture=cycle.capture,
                              trace_paths=list(cycle.trace.paths) if cycle.trace is not None else [])
+        report.ranges = summarize_ranges(ranges, len(cycle.recorded))
         if cycle.backward_wall_ns:
             report.backward_wall_ms = sum(cycle.backward_wall_ns) / len(cycle.backward_wall_ns) / 1e6
         if report.nodes and cycle.timer is not None:

@@ -11,7 +11,8 @@ from typing import Any
 
 from fxprof_lightning.node_timing import NodeInfo
 
-__all__ = ["CycleReport", "ModuleStats", "NodeStats", "merge_ranks", "summarize_modules", "summarize_nodes"]
+__all__ = ["CycleReport", "ModuleStats", "NodeStats", "RangeStats", "merge_ranks", "summarize_modules", "summarize_nodes",
+           "summarize_ranges"]
 
 NS_PER_MS = 1e6
 
@@ -73,6 +74,31 @@ class ModuleStats:
     total_fwd_ms: float
     self_bwd_ms: float
     total_bwd_ms: float
+
+
+@dataclass(frozen=True)
+class RangeStats:
+    """A range that a library opens in the trace (FSDP2's ``FSDP::all_gather (blocks.0)``...), per recorded step.
+
+    ``module`` is the module the range names ('' for the root), ``ms_per_step`` the mean over ranks.
+    """
+
+    name: str
+    module: str
+    calls_per_step: float
+    ms_per_step: float
+
+
+def summarize_ranges(per_rank: list[dict[str, list[int]] | None], steps: int) -> list[RangeStats]:
+    """Per-step time of each named range, averaged over the ranks that recorded it, slowest first."""
+    names = sorted({name for ranges in per_rank if ranges for name in ranges})
+    stats = []
+    for name in names:
+        tables = [ranges[name] for ranges in per_rank if ranges and name in ranges]
+        module = name.rpartition(" (")[2].rstrip(")") if name.endswith(")") else name.rpartition(" for ")[2] if " for " in name else ""
+        stats.append(RangeStats(name, module, sum(len(t) for t in tables) / len(tables) / steps,
+                                sum(sum(t) for t in tables) / len(tables) / steps / NS_PER_MS))
+    return sorted(stats, key=lambda r: r.ms_per_step, reverse=True)
 
 
 def _spread(ns: list[int]) -> tuple[float, float, float, float, float]:
@@ -229,6 +255,7 @@ class CycleReport:
         stage: ``"train"`` or ``"val"``.
         capture: how the module was captured (``capture.Capture``: method, leaf modules and why), or None.
         backward_wall_ms: measured wall time of ``backward`` per recorded step (training), or None.
+        ranges: FSDP2's ranges in the trace (all-gather, reduce-scatter... per module), slowest first.
     """
 
     index: int
@@ -242,6 +269,7 @@ class CycleReport:
     stage: str = "train"
     capture: Any = None
     backward_wall_ms: float | None = None
+    ranges: list[RangeStats] = field(default_factory=list)
 
     @property
     def forward_ms_per_step(self) -> float:
@@ -286,6 +314,11 @@ class CycleReport:
             lines.append(row)
         if len(shown) < len(self.nodes):
             lines.append(f"\n{len(self.nodes) - len(shown)} faster nodes not shown.")
+        if self.ranges:
+            lines += ["", "FSDP ranges in the trace (ms per step, inside the nodes above):", "",
+                      "| range | module | ms per step | calls per step |", "|---|---|---:|---:|"]
+            lines += [f"| {_md(r.name)} | {_md(r.module or '(root)')} | {r.ms_per_step:.3f} | {r.calls_per_step:g} |"
+                      for r in self.ranges]
         return "\n".join(lines)
 
     def modules_to_text(self, depth: int | None = None) -> str:
@@ -308,6 +341,10 @@ class CycleReport:
     def modules_to_csv(self) -> str:
         """The module tree as CSV, depth first."""
         return _csv(ModuleStats, self.modules)
+
+    def ranges_to_csv(self) -> str:
+        """The FSDP ranges as CSV, slowest first."""
+        return _csv(RangeStats, self.ranges)
 
 
 def _csv(record_type: type, records: list) -> str:

@@ -59,12 +59,14 @@ def cycle_texts(report: CycleReport, top_k: int, module_depth: int) -> dict[str,
 
 
 class CsvSink:
-    """``fx_nodes.csv`` and ``fx_modules.csv`` in the cycle's directory (written atomically)."""
+    """``fx_nodes.csv``, ``fx_modules.csv`` (and ``fsdp_ranges.csv``) in the cycle's directory, written atomically."""
 
     def write_cycle(self, report: CycleReport, profiler: Profiler) -> None:
         write_atomically(report.directory / "fx_nodes.csv", report.to_csv(), profiler.name)
         if report.modules:
             write_atomically(report.directory / "fx_modules.csv", report.modules_to_csv(), profiler.name)
+        if report.ranges:
+            write_atomically(report.directory / "fsdp_ranges.csv", report.ranges_to_csv(), profiler.name)
 
     def close(self, profiler: Profiler) -> None:
         pass

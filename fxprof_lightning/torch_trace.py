@@ -23,6 +23,8 @@ from fxprof_lightning.node_timing import backward_durations
 __all__ = ["CycleTrace", "check_profiler_kwargs"]
 
 OWNED_KWARGS = ("schedule", "on_trace_ready")
+# Ranges that torch's FSDP2 opens around its work, named after the module: "FSDP::all_gather (blocks.0)".
+RANGE_PREFIXES = ("FSDP::",)
 
 
 def check_profiler_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -74,6 +76,7 @@ class CycleTrace:
         self.paths: list[Path] = []
         self.errors: list[str] = []
         self.backward_events: list[tuple[int, int]] = []  # (sequence number, ns) per autograd node run (NodeTimer.add_backward)
+        self.ranges: dict[str, list[int]] = {}  # ns of each run of a communication range (FSDP::all_gather (blocks.0), ...)
         self._collect_backward = backward_events
         self._directory = directory
         self._worker = worker
@@ -101,8 +104,12 @@ class CycleTrace:
         self._profiler.stop()
 
     def _write(self, profiler: torch.profiler.profile) -> None:
+        events = profiler.profiler.kineto_results.events()
         if self._collect_backward:
-            self.backward_events += backward_durations(profiler.profiler.kineto_results.events())
+            self.backward_events += backward_durations(events)
+        for event in events:
+            if event.name().startswith(RANGE_PREFIXES):
+                self.ranges.setdefault(event.name(), []).append(event.duration_ns())
         stamp = time.time_ns()
         final = self._directory / f"{self._worker}.{stamp}{self._suffix}"
         # A name the plugin's pattern (...pt.trace.json[.gz]) does not match, same extension for gzip.
