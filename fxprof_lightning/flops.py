@@ -74,6 +74,9 @@ def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool)
     for b in traced.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     meta_module = copy.deepcopy(traced, memo).train(training)
+    for module in meta_module.modules():  # a leaf's hooks (the user's, FSDP2's) must not run in this pass
+        for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks):
+            hooks.clear()
     for node in meta_module.graph.nodes:  # devices baked in as constants (a graph traced on an example) become meta
         node.args, node.kwargs = fx.node.map_aggregate((node.args, node.kwargs), _meta_device)
     meta_module.recompile()

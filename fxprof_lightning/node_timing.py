@@ -346,7 +346,7 @@ class NodeTimer:
     # The generated forward calls these: keep them lean, they run once per node per call.
 
     def _root_attribute(self, name: str) -> Any:
-        """A parameter or buffer of the module the graph runs as: the module's current one, as its own
+        """A parameter of the module the graph runs as: the module's current one, as its own
         forward would read it (FSDP2 replaces the root's sharded parameters by unsharded ones in its
         pre-forward hook; the graph module's copies would be the sharded ones)."""
         return getattr(self._root, name)
@@ -432,7 +432,7 @@ class NodeTimer:
             if node.op != "placeholder" and placeholders and all(n in copies for n in placeholders):
                 graph.call_function(self._inputs, tuple(copies[n] for n in placeholders))  # once all inputs exist
                 placeholders = []
-            if _own_state_of_root(traced, node):  # read from the module it runs as (FSDP2 swaps them)
+            if _own_state_of_root(traced, node):  # read from the module it runs as (FSDP2 swaps parameters)
                 copies[node] = graph.call_function(self._root_attribute, (node.target,))
                 continue
             if not is_timed(node):
@@ -462,8 +462,11 @@ class NodeTimer:
 
 
 def _own_state_of_root(traced: fx.GraphModule, node: fx.Node) -> bool:
-    """Whether a node reads a parameter or buffer held by the root module itself (not by a submodule)."""
-    return node.op == "get_attr" and "." not in node.target and (node.target in traced._parameters or node.target in traced._buffers)
+    """Whether a node reads a parameter held by the root module itself (not by a submodule).
+
+    Buffers stay the graph module's: tensor constants of the trace are buffers there, not on the root.
+    """
+    return node.op == "get_attr" and "." not in node.target and node.target in traced._parameters
 
 
 def _copy_node(graph: fx.Graph, node: fx.Node, copies: dict[fx.Node, fx.Node], traced: fx.GraphModule) -> fx.Node:

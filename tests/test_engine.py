@@ -205,3 +205,19 @@ def test_misuse_is_named():
         prof.step()
     with pytest.raises(ValueError, match="stage must be 'train' or 'val'"):
         prof.begin_step("test")
+
+
+def test_a_submodule_with_hooks_stays_whole_so_its_hooks_run(tmp_path):
+    def model_with_hook(calls):
+        torch.manual_seed(0)
+        model = SmallNet()
+        model.head.register_forward_hook(lambda module, args, output: calls.append(1) or output * 0.5)
+        return model
+
+    plain_calls, profiled_calls = [], []
+    plain = train(6, model=model_with_hook(plain_calls), seed=1)
+    with Profiler(model_with_hook(profiled_calls), wait=0, warmup=1, active=2, dirpath=tmp_path, sinks=[]) as prof:
+        profiled = train(6, prof, seed=1)
+    assert len(profiled_calls) == len(plain_calls) == 6  # the hook ran in the timed steps too
+    assert prof.cycles[0].capture.leaves == {"head": "has forward hooks: they run only when the module is called whole"}
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), profiled.state_dict().values(), strict=True))
