@@ -100,7 +100,7 @@ from fxprof_lightning.capture import Capture, capture
 from fxprof_lightning.leaves import short_error
 from fxprof_lightning.module_hooks import ModuleHookTimer
 from fxprof_lightning.node_timing import BackwardEvents, NodeTimer, is_timed, tensors_in
-from fxprof_lightning.observed import Example, GuardedNodeTimer, trace_on_example
+from fxprof_lightning.traced_on_example import Example, GuardedNodeTimer, trace_on_example
 
 BATCH = 2
 IMAGE = 64  # CNNs: 3 x 64 x 64

@@ -36,7 +36,6 @@ from fxprof_lightning.capture import Capture, capture
 from fxprof_lightning.flops import NodeCosts, count_costs, input_signature
 from fxprof_lightning.module_hooks import ModuleHookTimer
 from fxprof_lightning.node_timing import BackwardEvents, NodeTimer
-from fxprof_lightning.observed import Example, GuardedNodeTimer, observe_first_call
 from fxprof_lightning.report import (
     CycleReport,
     NodeStats,
@@ -48,6 +47,7 @@ from fxprof_lightning.report import (
 from fxprof_lightning.schedule import ProfilerAction, Schedule
 from fxprof_lightning.sinks import ConsoleSink, CsvSink, Sink
 from fxprof_lightning.torch_trace import CycleTrace, check_profiler_kwargs
+from fxprof_lightning.traced_on_example import Example, GuardedNodeTimer, observe_first_call
 
 __all__ = ["DEFAULT_DIRPATH", "Profiler", "cycle_name"]
 

@@ -1,7 +1,7 @@
 """Tracing with leaves: the submodule torch.fx fails in is kept whole, and tracing is tried again.
 
 Both tracing rungs of the capture ladder (``capture.capture``) use this loop: plain symbolic
-tracing and tracing on a recorded call (``observed``). When tracing fails inside a submodule,
+tracing and tracing on a recorded call (``traced_on_example``). When tracing fails inside a submodule,
 the innermost such submodule becomes a *leaf* (one ``call_module`` node, called as a whole)
 and tracing starts over, so one untraceable block costs node granularity in that block only.
 A failure in the root's own forward ends the loop: no graph.
@@ -31,7 +31,7 @@ about the proxy, not about the value, and the answer is baked into the graph wit
 ``isinstance(x, torch.Tensor)`` is False, ``hasattr(x, name)`` is True, ``x is y`` compares
 proxies. A forward that branches on those yields a graph that differs from what the module
 does. This is a torch.fx limitation; plain symbolic tracing (rungs 1 and 2) has no real call to
-check the graph against. Rung 3 has one and checks it (``observed.trace_on_example``).
+check the graph against. Rung 3 has one and checks it (``traced_on_example.trace_on_example``).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from typing import Any
 import torch.utils.checkpoint
 from torch import fx, nn
 
-from fxprof_lightning.node_timing import UNTIMED_TARGETS
+from fxprof_lightning.node_timing import mark_untimed
 
 try:
     import numpy
@@ -398,9 +398,6 @@ def _functions_as_nodes(tracer: fx.Tracer) -> contextlib.AbstractContextManager[
     return _patched([(torch.autograd.Function, "apply", classmethod(apply))])
 
 
-UNTIMED_TARGETS.update((torch.is_grad_enabled, torch._C._set_grad_enabled))
-
-
 def _grad_mode_as_nodes(tracer: fx.Tracer) -> contextlib.AbstractContextManager[None]:
     """``no_grad``, ``enable_grad`` and ``set_grad_enabled`` (blocks and decorators) in the forward are graph nodes.
 
@@ -419,7 +416,8 @@ def _grad_mode_as_nodes(tracer: fx.Tracer) -> contextlib.AbstractContextManager[
                 return original(self, *args, **kwargs)
             self.mode = args[0] if args else kwargs.get("mode", mode)  # set_grad_enabled(mode) keeps it for clone()
             self.prev = tracer.create_proxy("call_function", torch.is_grad_enabled, (), {})
-            tracer.create_proxy("call_function", torch._C._set_grad_enabled, (self.mode,), {})
+            mark_untimed(self.prev.node)
+            mark_untimed(tracer.create_proxy("call_function", torch._C._set_grad_enabled, (self.mode,), {}).node)
             return None
 
         return entered
@@ -434,7 +432,7 @@ def _grad_mode_as_nodes(tracer: fx.Tracer) -> contextlib.AbstractContextManager[
         def exited(self: Any, *args: Any) -> None:
             if not isinstance(getattr(self, "prev", None), fx.Proxy):  # entered outside the trace
                 return original(self, *args)
-            tracer.create_proxy("call_function", torch._C._set_grad_enabled, (self.prev,), {})
+            mark_untimed(tracer.create_proxy("call_function", torch._C._set_grad_enabled, (self.prev,), {}).node)
             return None
 
         return exited

@@ -46,18 +46,24 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["BackwardEvents", "CudaClock", "NodeInfo", "NodeTimer", "autograd_nodes", "describe_target", "enter_range", "exit_range", "is_timed", "tensors_in"]
+__all__ = ["BackwardEvents", "CudaClock", "NodeInfo", "NodeTimer", "autograd_nodes", "describe_target", "enter_range", "exit_range", "is_timed", "mark_untimed", "tensors_in"]
 
 # Node kinds that run code worth timing; placeholders, get_attr and output only move references.
 TIMED_OPS = ("call_module", "call_function", "call_method")
-# Functions a capture puts into a graph that are bookkeeping, not the model's work (e.g. guards),
-# and classes whose instances are such functions.
-UNTIMED_TARGETS: set[Any] = set()
+# ``node.meta`` key of nodes a capture puts into a graph that are bookkeeping, not the model's work
+# (guards, grad-mode switches, rebuilt objects): ``mark_untimed``.
+UNTIMED = "fxprof_untimed"
+
+
+def mark_untimed(node: fx.Node) -> fx.Node:
+    """Mark a node as bookkeeping: it runs, untimed, with no row of its own."""
+    node.meta[UNTIMED] = True
+    return node
 
 
 def is_timed(node: fx.Node) -> bool:
     """Whether a node runs the model's code (and gets a row, a clock and FLOPs)."""
-    return node.op in TIMED_OPS and node.target not in UNTIMED_TARGETS and type(node.target) not in UNTIMED_TARGETS
+    return node.op in TIMED_OPS and not node.meta.get(UNTIMED)
 
 sequence_nr_now = torch.autograd._get_sequence_nr
 BACKWARD_SCOPE = int(torch._C._profiler.RecordScope.BACKWARD_FUNCTION)

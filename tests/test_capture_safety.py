@@ -24,7 +24,7 @@ from torch.nn import functional as F
 
 from fxprof_lightning.capture import capture
 from fxprof_lightning.leaves import host_random_functions, refusing_checkpoint
-from fxprof_lightning.observed import Example, GuardedNodeTimer
+from fxprof_lightning.traced_on_example import Example, GuardedNodeTimer
 
 CHECKPOINT_REASON = "activation checkpointing cannot be traced"
 

@@ -25,7 +25,7 @@ arguments of one call, recorded by ``observe_first_call``), ``trace_on_example``
 
 Every answer specialises the graph on the example, so a *guard* node that checks it again goes
 into the graph, the constant arguments included. Guards are bookkeeping, not timed
-(``node_timing.UNTIMED_TARGETS``). A call the graph does not fit fails a guard
+(``node_timing.mark_untimed``). A call the graph does not fit fails a guard
 (``GraphMismatch``); ``GuardedNodeTimer`` then runs the module's own forward for that call and
 stops using the graph.
 
@@ -68,7 +68,7 @@ from fxprof_lightning.leaves import (
     slot_names,
     trace_with_leaves,
 )
-from fxprof_lightning.node_timing import UNTIMED_TARGETS, NodeTimer
+from fxprof_lightning.node_timing import NodeTimer, mark_untimed
 
 __all__ = ["GUARDS", "Example", "ExampleTracer", "GraphMismatch", "GuardedNodeTimer", "Rebuild", "example_forward",
            "observe_first_call", "trace_on_example"]
@@ -163,7 +163,6 @@ def check_argument(value: Any, expected: Any, name: str) -> None:
 
 
 GUARDS = (check_truth, check_length, check_index, check_attribute, check_argument)
-UNTIMED_TARGETS.update(GUARDS)
 
 
 # ------------------------------------------------------------------ the explicit forward
@@ -283,7 +282,7 @@ class ExampleTracer(LeafTracer):
 
     def guard(self, check: Callable[..., None], *args: Any) -> None:
         """Put ``check(*args)`` into the graph."""
-        self.create_proxy("call_function", check, args, {})
+        mark_untimed(self.create_proxy("call_function", check, args, {}).node)
 
     # Python asking about a proxy: the example answers, a guard asks again at run time.
 
@@ -405,7 +404,7 @@ class ExampleTracer(LeafTracer):
         if holds_traced(a):  # built in the forward from traced values: built again at run time
             values: list[fx.Proxy] = []
             recipe = Rebuild.recipe_of(a, values)
-            return self.create_node("call_function", Rebuild(recipe), tuple(self.create_arg(v) for v in values), {})
+            return mark_untimed(self.create_node("call_function", Rebuild(recipe), tuple(self.create_arg(v) for v in values), {}))
         name = self.constants.get(id(a))
         if name is None:
             name = self.constants[id(a)] = f"_fxprof_constant_{len(self.constants)}"
@@ -527,9 +526,6 @@ class Rebuild:
         if kind is dict:
             return {key: cls._build(item, values) for key, item in recipe.items()}
         return recipe
-
-
-UNTIMED_TARGETS.add(Rebuild)
 
 
 def _type_name(recipe: Any) -> str:
@@ -657,7 +653,7 @@ def _guard_constant_arguments(graph: fx.Graph, concrete_args: dict[str, Any]) ->
         if getattr(placeholder, "op", None) != "placeholder" or name not in concrete_args:
             continue  # the model's own assert
         with graph.inserting_before(node):
-            graph.call_function(check_argument, (placeholder, expected, name))
+            mark_untimed(graph.call_function(check_argument, (placeholder, expected, name)))
         graph.erase_node(node)
         if compare is not None and not compare.users:
             graph.erase_node(compare)
