@@ -221,3 +221,24 @@ def test_a_submodule_with_hooks_stays_whole_so_its_hooks_run(tmp_path):
     assert len(profiled_calls) == len(plain_calls) == 6  # the hook ran in the timed steps too
     assert prof.cycles[0].capture.leaves == {"head": "has forward hooks: they run only when the module is called whole"}
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), profiled.state_dict().values(), strict=True))
+
+
+def test_a_fabric_loop(tmp_path):
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = SmallNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    fabric_model, optimizer = fabric.setup(model, optimizer)  # profile the module itself, not Fabric's wrapper
+    loader = fabric.setup_dataloaders(image_loader(samples=24))
+    with Profiler(model, wait=1, warmup=1, active=2, repeat=1, dirpath=tmp_path, sinks=[CsvSink()]) as prof:
+        for x, y in loader:
+            fabric.backward(F.cross_entropy(fabric_model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            prof.step()
+    (cycle,) = prof.cycles
+    assert cycle.steps == [2, 3] and {"conv", "head"} <= {n.name for n in cycle.nodes if n.bwd_calls}
+    assert (cycle.directory / "fx_nodes.csv").exists() and cycle.trace_paths
