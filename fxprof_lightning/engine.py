@@ -312,6 +312,8 @@ class Profiler:
     def begin_step(self, stage: str = "train") -> None:
         """A step of ``stage`` begins: open its cycle if the schedule says so, and install the timer."""
         state = self._stage(stage)
+        if state is None:
+            return
         state.in_step = True
         action = self.schedule.action(state.step)
         if action is ProfilerAction.NONE or not self._enabled:
@@ -321,6 +323,8 @@ class Profiler:
     def end_step(self, stage: str = "train") -> None:
         """A step of ``stage`` ends: count it, and write the cycle at its last recorded step."""
         state = self._stage(stage)
+        if state is None:
+            return
         state.in_step = False
         step, state.step = state.step, state.step + 1
         action = self.schedule.action(step)
@@ -333,6 +337,8 @@ class Profiler:
     def end_stage(self, stage: str = "train") -> None:
         """The loop of ``stage`` stopped (or paused): write a cycle it left before its last recorded step."""
         state = self._stage(stage)
+        if state is None:
+            return
         last = state.step - 1
         if last >= 0 and self.schedule.action(last) in (ProfilerAction.WARMUP, ProfilerAction.RECORD):
             self._safely("writing a partial cycle", self._close_cycle, state, gather=True)
@@ -381,9 +387,12 @@ class Profiler:
 
     # ------------------------------------------------------------ steps and cycles
 
-    def _stage(self, name: str) -> _Stage:
+    def _stage(self, name: str) -> _Stage | None:
+        """The stage's state, or None for validation without ``profile_validation`` (nothing to do)."""
         if name not in STAGES:
             raise ValueError(f"stage must be 'train' or 'val', got {name!r}")
+        if name == "val" and not self.profile_validation:
+            return None
         return self._train if name == "train" else self._val
 
     def _finish_step(self, stage: _Stage) -> None:

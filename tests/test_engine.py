@@ -125,6 +125,19 @@ def test_validation_steps_are_their_own_stage_and_not_training(tmp_path):
     assert {n.name for n in val.nodes} >= {"conv", "head"} and all(n.bwd_calls == 0 for n in val.nodes)
 
 
+def test_validation_without_profile_validation_is_only_paused_training(tmp_path):
+    model = SmallNet()
+    with Profiler(model, wait=0, warmup=0, active=2, repeat=1, dirpath=tmp_path, sinks=[]) as prof:
+        model(torch.randn(4, 3, 8, 8)).sum().backward()
+        with torch.no_grad(), prof.validation():
+            model(torch.randn(4, 3, 8, 8))
+            prof.step()
+        prof.step()
+    assert [c.steps for c in prof.cycles] == [[0]] and prof.val_cycles == []
+    assert all(n.calls == 1 for n in prof.cycles[0].nodes)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cycle_0000"]
+
+
 def test_a_call_in_the_other_mode_runs_the_modules_own_forward(tmp_path):
     torch.manual_seed(0)
     model = SmallNet()  # dropout and batch norm: the graph traced in training mode must not run in eval mode
