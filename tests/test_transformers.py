@@ -7,6 +7,7 @@ model trained without the profiler, also when a later batch does not fit the tra
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import lightning.pytorch as pl
@@ -426,3 +427,30 @@ def test_wav2vec2_draws_its_masks_at_every_step_and_keeps_its_layerdrop_encoder_
     assert "control flow" in cycle.capture.leaves["wav2vec2.encoder"] and "rand" in cycle.capture.leaves["wav2vec2.encoder"]
     targets = {n.target for n in cycle.nodes}
     assert any(t.endswith("_compute_mask_indices") for t in targets) and "wav2vec2.feature_extractor.conv_layers.0.conv" in targets
+
+
+def test_a_plain_loop_traces_a_lora_causal_lm_on_its_first_call(tmp_path):
+    """Profiler without Lightning: the first call is recorded and the next cycle's graph is traced on it."""
+    from fxprof_lightning import Profiler
+
+    def run(profiled: bool) -> tuple[nn.Module, Profiler | None]:
+        torch.manual_seed(0)
+        model = lora_llama()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        prof = Profiler(model, wait=1, warmup=1, active=2, repeat=1, dirpath=tmp_path, sinks=[]) if profiled else None
+        with prof or contextlib.nullcontext():
+            for batch in lm_loader(steps=5):
+                model(**batch).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if prof:
+                    prof.step()
+        return model, prof
+
+    plain, _ = run(False)
+    with pytest.warns(UserWarning, match=r"timed by traced_on_example"):
+        profiled, prof = run(True)
+    (cycle,) = prof.cycles
+    assert cycle.steps == [2, 3] and cycle.capture.method == "traced_on_example"
+    assert {"lora_A.default", "lora_B.default"} <= {n.target.rpartition("q_proj.")[2] for n in cycle.nodes}
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), profiled.state_dict().values(), strict=True))
