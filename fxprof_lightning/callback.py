@@ -26,6 +26,10 @@ from fxprof_lightning.sinks import ConsoleSink, CsvSink, cycle_scalars, cycle_te
 
 __all__ = ["FXProfilerCallback", "LoggerSink"]
 
+# Read and set on the callback, held by its engine.
+ENGINE_SETTINGS = frozenset({"schedule", "torch_profiler", "fx_timing", "profiler_kwargs", "top_k", "use_gzip", "keep_cycles",
+                             "profile_validation", "module_depth", "backward_timing", "node_ranges", "ranks"})
+
 
 class FXProfilerCallback(Callback):
     """Profile scheduled training steps with torch.profiler and per-node ``torch.fx`` timing.
@@ -90,9 +94,15 @@ class FXProfilerCallback(Callback):
 
     def __getattr__(self, name: str) -> Any:
         """The settings (``schedule``, ``top_k``, ``torch_profiler``...) are the engine's."""
-        if name != "profiler" and "profiler" in self.__dict__ and not name.startswith("__"):
+        if name in ENGINE_SETTINGS and "profiler" in self.__dict__:
             return getattr(self.__dict__["profiler"], name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ENGINE_SETTINGS and "profiler" in self.__dict__:
+            setattr(self.profiler, name, value)
+        else:
+            super().__setattr__(name, value)
 
     @property
     def cycles(self) -> list[CycleReport]:

@@ -70,6 +70,7 @@ class _OpenCycle:
     backward_wall_ns: list[int] = field(default_factory=list)
     backward_events: BackwardEvents | None = None  # autograd node times, when no trace records them
     samples_at_step: int = 0  # the timer's sample count when the step in progress began
+    backward_hooks: bool = False  # the step in progress times backward with hooks (no profiler events)
 
 
 @dataclass
@@ -269,7 +270,7 @@ class Profiler:
             self.end_stage("val")
             self._current = train
             if train.in_step and train.open is not None and train.open.timer is not None and self._enabled:
-                train.open.timer.install(self.target)
+                train.open.timer.install(self.target, backward_hooks=train.open.backward_hooks)
 
     def state_dict(self) -> dict[str, Any]:
         """The schedule position, to resume with ``load_state_dict``."""
@@ -346,9 +347,16 @@ class Profiler:
             self._safely("writing a cycle left open", self._close_cycle, state, gather=False)
 
     def abort(self) -> None:
-        """Training stopped with an exception: write this rank's open cycles (no collective) and remove every hook."""
+        """Training stopped with an exception: write this rank's open cycles (no collective) and remove every hook.
+
+        The step the exception stopped counts as recorded if the module ran in it (its samples are in the timer).
+        """
         self.stop_observing()
         for state in (self._train, self._val):
+            cycle = state.open
+            if state.in_step and cycle is not None and cycle.timer is not None and _samples(cycle.timer) > cycle.samples_at_step \
+                    and self.schedule.action(state.step) in RECORDING:
+                cycle.recorded.append(state.step)  # its samples are in: the step the exception stopped counts
             state.in_step = False
             if state.open is not None:
                 # Other ranks may not get here: no collective, this rank's data only.
@@ -418,7 +426,7 @@ class Profiler:
             if action in RECORDING and not cycle.recorded:
                 timer.reset()  # drop what the warm-up steps measured
             hooks = stage is self._train and action in RECORDING and not self._backward_source(cycle, timer)
-            cycle.samples_at_step = _samples(timer)
+            cycle.samples_at_step, cycle.backward_hooks = _samples(timer), hooks
             timer.install(self.target, backward_hooks=hooks)
 
     def _backward_source(self, cycle: _OpenCycle, timer: NodeTimer | ModuleHookTimer) -> bool:
@@ -457,8 +465,13 @@ class Profiler:
             stage.directories.append(directory)
         # Capture first: tracing on a recorded call runs the module, which no trace should record.
         timer, how = self._timer_for(self.target) if self._fx_on else (None, None)
-        trace = None
         other = self._val if stage is self._train else self._train
+        if timer is not None and other.open is not None and other.open.timer is timer:  # one timer, one cycle
+            self.warn(f"the {stage.name} cycle from step {stage.step} would share the open {other.name} cycle's timer "
+                      f"(the module is in {'training' if self.target.training else 'eval'} mode for both): its nodes are "
+                      "not timed. Switch the module to eval mode before entering validation().")
+            timer, how = None, None
+        trace = None
         if not self.torch_profiler or (self.ranks is not None and self.rank not in self.ranks):
             pass
         elif other.open is not None and (other.open.trace is not None or other.open.backward_events is not None):
@@ -473,7 +486,7 @@ class Profiler:
             actions = {s: self.schedule.action(s) for s in steps}
             trace = CycleTrace(actions, directory, f"rank{self.rank}", self.use_gzip, self.profiler_kwargs,
                                backward_events=self._fx_on)
-        if self._fx_on and self.target.training in self._observers:  # the mode's first call is still to come
+        if how is not None and self.target.training in self._observers:  # the mode's first call is still to come
             self.warn(f"torch.fx could not trace {type(self.target).__name__} whole, so it is timed by "
                       f"{how.describe()} in this cycle, which starts at its first call; later cycles are traced on "
                       "that call")
@@ -518,7 +531,7 @@ class Profiler:
             report.backward_wall_ms = sum(cycle.backward_wall_ns) / len(cycle.backward_wall_ns) / 1e6
         if report.nodes and cycle.timer is not None:
             report.modules = summarize_modules(cycle.timer.nodes, report.nodes, len(cycle.recorded), self._type_name)
-        if self._fx_on and not report.nodes and not _stopped_fitting(cycle.timer):
+        if cycle.timer is not None and not report.nodes and not _stopped_fitting(cycle.timer):
             self.warn(f"{type(self.target).__name__}.forward did not run in the recorded steps {cycle.recorded}, so "
                       "no node was timed. If the training step calls a submodule instead, profile that submodule "
                       "(the Lightning callback: module='...').")

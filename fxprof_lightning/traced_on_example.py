@@ -707,7 +707,7 @@ class GuardedNodeTimer(NodeTimer):
         graph_forward = module.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if self.mismatch is None:
+            if self.mismatch is None and module.training is self._traced.training:  # only the graph's errors are caught
                 random_state, grad_mode = self._random_state(), torch.is_grad_enabled()
                 try:
                     return graph_forward(*args, **kwargs)

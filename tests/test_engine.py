@@ -255,3 +255,54 @@ def test_a_fabric_loop(tmp_path):
     (cycle,) = prof.cycles
     assert cycle.steps == [2, 3] and {"conv", "head"} <= {n.name for n in cycle.nodes if n.bwd_calls}
     assert (cycle.directory / "fx_nodes.csv").exists() and cycle.trace_paths
+
+
+def test_validation_entered_in_training_mode_leaves_the_training_cycle_alone(tmp_path):
+    model = SmallNet()
+    with Profiler(model, wait=0, warmup=0, active=3, repeat=1, dirpath=tmp_path, profile_validation=True, sinks=[]) as prof:
+        for step in range(3):
+            model(torch.randn(4, 3, 8, 8)).sum().backward()
+            if step == 1:
+                # eval() only inside validation(): the val cycle opens in training mode.
+                with pytest.warns(UserWarning, match="Switch the module to eval mode"), torch.no_grad(), prof.validation():
+                    model.eval()
+                    model(torch.randn(4, 3, 8, 8))
+                    prof.step()
+                model.train()
+            prof.step()
+    assert [c.steps for c in prof.cycles] == [[0, 1, 2]] and all(n.calls == 3 for n in prof.cycles[0].nodes)
+    assert [c.nodes for c in prof.val_cycles] == [[]]
+
+
+def test_an_error_of_the_own_forward_in_the_other_mode_is_the_users_and_runs_once(tmp_path):
+    class Picky(torch.nn.Module):  # traced on a recorded call (a shape branch); raises on odd batches in eval mode
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.calls = torch.nn.Linear(4, 4), 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += not self.training
+            if not self.training and x.shape[0] % 2:
+                raise ValueError("odd batch")
+            return self.lin(x) if x.shape[0] > 1 else x
+
+    model = Picky()
+    with Profiler(model, wait=0, warmup=0, active=2, repeat=2, dirpath=tmp_path, sinks=[]) as prof:
+        for step in range(4):
+            model(torch.randn(2, 4)).sum().backward()
+            if step == 2:  # the second cycle runs the graph traced on the first call
+                model.eval()
+                with pytest.raises(ValueError, match="odd batch"):
+                    model(torch.randn(3, 4))
+                model.train()
+            prof.step()
+    assert model.calls == 1  # not run again as if the graph had failed
+    assert prof.cycles[1].capture.method == "traced_on_example" and prof.cycles[1].nodes  # the graph is still used
+
+
+def test_options_set_on_the_callback_reach_its_engine():
+    callback = FXProfilerCallback(top_k=3)
+    callback.top_k, callback.keep_cycles = 5, 1
+    assert (callback.profiler.top_k, callback.profiler.keep_cycles, callback.top_k) == (5, 1, 5)
+    with pytest.raises(AttributeError):
+        callback.no_such_setting  # noqa: B018
