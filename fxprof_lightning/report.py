@@ -28,7 +28,13 @@ class NodeStats:
     call (a multiply-add is 2 FLOPs), ``*_gflops_per_s`` divide them by the mean times,
     ``out_bytes`` is the size of the node's output tensors. ``mem_delta_bytes`` and
     ``mem_peak_bytes`` (CUDA only, else None) are the mean change of allocated memory and
-    the mean peak above the starting point. With several ranks (see ``merge_ranks``) the
+    the mean peak above the starting point. ``mad_ms``/``bwd_mad_ms`` are the median absolute
+    deviations of the per-call samples (the robust spread that regression checks use).
+    ``fwd_bytes`` estimates the bytes one forward call moves (its input and output tensors and the
+    parameters it reads, each once); ``fwd_gbytes_per_s`` divides it by ``mean_ms``,
+    ``intensity`` is ``fwd_flops / fwd_bytes``, ``bound`` is ``"compute"`` or ``"memory"`` (the
+    roofline's side, from the device's peaks) and ``pct_of_peak`` the achieved share of what the
+    roofline allows at that intensity (see ``roofline``). With several ranks (see ``merge_ranks``) the
     figures are means over ranks, ``min_ms``/``max_ms`` extremes over ranks, and
     ``slowest_rank``/``slowest_rank_ms`` name the rank with the highest ``mean_ms``.
     """
@@ -60,6 +66,13 @@ class NodeStats:
     mem_peak_bytes: float | None = None
     slowest_rank: int = 0
     slowest_rank_ms: float = 0.0
+    mad_ms: float = 0.0
+    bwd_mad_ms: float = 0.0
+    fwd_bytes: int | None = None
+    fwd_gbytes_per_s: float | None = None
+    intensity: float | None = None
+    bound: str = ""
+    pct_of_peak: float | None = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +112,14 @@ def summarize_ranges(per_rank: list[dict[str, list[int]] | None], steps: int) ->
         stats.append(RangeStats(name, module, sum(len(t) for t in tables) / len(tables) / steps,
                                 sum(sum(t) for t in tables) / len(tables) / steps / NS_PER_MS))
     return sorted(stats, key=lambda r: r.ms_per_step, reverse=True)
+
+
+def _mad(ns: list[int]) -> float:
+    """Median absolute deviation of nanosecond samples, in ms."""
+    if len(ns) < 2:
+        return 0.0
+    middle = statistics.median(ns)
+    return statistics.median(abs(x - middle) for x in ns) / NS_PER_MS
 
 
 def _spread(ns: list[int]) -> tuple[float, float, float, float, float]:
@@ -148,7 +169,7 @@ def summarize_nodes(
                 out_bytes=costs.out_bytes[i] if costs else None,
                 mem_delta_bytes=statistics.fmean(mem_delta[i]) if mem_delta and mem_delta[i] else None,
                 mem_peak_bytes=statistics.fmean(mem_peak[i]) if mem_peak and mem_peak[i] else None,
-                slowest_rank_ms=mean,
+                slowest_rank_ms=mean, mad_ms=_mad(fwd[i]), bwd_mad_ms=_mad(bwd[i]),
             )
         )
     stats.sort(key=lambda s: s.total_ms + s.bwd_total_ms, reverse=True)
@@ -216,7 +237,7 @@ def merge_ranks(per_rank: list[list[NodeStats] | None]) -> list[NodeStats]:
         merged_fields = {  # means over ranks by default ...
             f.name: statistics.fmean(getattr(s, f.name) for s in tables)
             for f in fields(NodeStats)
-            if f.name.endswith(("_ms", "_bytes", "gflops_per_s")) and all(getattr(s, f.name) is not None for s in tables)
+            if (f.name.endswith(("_ms", "_bytes", "_per_s")) or f.name in ("intensity", "pct_of_peak")) and all(getattr(s, f.name) is not None for s in tables)
         }
         merged_fields.update(  # ... except these
             calls=max(s.calls for s in tables),
@@ -256,6 +277,10 @@ class CycleReport:
         capture: how the module was captured (``capture.Capture``: method, leaf modules and why), or None.
         backward_wall_ms: measured wall time of ``backward`` per recorded step (training), or None.
         ranges: FSDP2's ranges in the trace (all-gather, reduce-scatter... per module), slowest first.
+        step_ms: wall time of each recorded step (from its start to the next step's start), rank 0's.
+        step_cpu_ms: this process's CPU time (all threads) over each recorded step.
+        regressions: nodes slower than in the earlier cycles beyond the noise (``regressions.Regression``).
+        advice: what to try, one sentence each, most useful first (``advice``).
     """
 
     index: int
@@ -270,6 +295,10 @@ class CycleReport:
     capture: Any = None
     backward_wall_ms: float | None = None
     ranges: list[RangeStats] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+    step_cpu_ms: list[float] = field(default_factory=list)
+    regressions: list[Any] = field(default_factory=list)
+    advice: list[str] = field(default_factory=list)
 
     @property
     def forward_ms_per_step(self) -> float:
@@ -280,6 +309,17 @@ class CycleReport:
     def backward_ms_per_step(self) -> float:
         """Summed node backward time per recorded step."""
         return sum(n.bwd_total_ms for n in self.nodes) / max(len(self.steps), 1)
+
+    def to_summary(self) -> dict[str, Any]:
+        """The cycle apart from its tables, as JSON-ready values (``cycle.json`` in the cycle's directory)."""
+        return {
+            "index": self.index, "stage": self.stage, "steps": self.steps, "partial": self.partial, "ranks": self.ranks,
+            "forward_ms_per_step": self.forward_ms_per_step, "backward_ms_per_step": self.backward_ms_per_step,
+            "backward_wall_ms": self.backward_wall_ms, "step_ms": self.step_ms, "step_cpu_ms": self.step_cpu_ms,
+            "capture": self.capture.describe() if self.capture is not None else None,
+            "regressions": [asdict(r) for r in self.regressions], "advice": self.advice,
+            "trace_files": [p.name for p in self.trace_paths],
+        }
 
     def to_markdown(self, top_k: int | None = None) -> str:
         """The node table as Markdown, slowest first (``top_k`` rows at most)."""
