@@ -71,6 +71,9 @@ class _OpenCycle:
     backward_events: BackwardEvents | None = None  # autograd node times, when no trace records them
     samples_at_step: int = 0  # the timer's sample count when the step in progress began
     backward_hooks: bool = False  # the step in progress times backward with hooks (no profiler events)
+    step_start: tuple[int, float] | None = None  # perf_counter_ns, process_time of the recorded step in progress
+    step_ms: list[float] = field(default_factory=list)
+    step_cpu_ms: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -428,6 +431,8 @@ class Profiler:
             hooks = stage is self._train and action in RECORDING and not self._backward_source(cycle, timer)
             cycle.samples_at_step, cycle.backward_hooks = _samples(timer), hooks
             timer.install(self.target, backward_hooks=hooks)
+        if action in RECORDING:
+            cycle.step_start = (time.perf_counter_ns(), time.process_time())
 
     def _backward_source(self, cycle: _OpenCycle, timer: NodeTimer | ModuleHookTimer) -> bool:
         """Where the cycle's backward times come from; False when hooks on the autograd nodes must time them.
@@ -448,6 +453,11 @@ class Profiler:
 
     def _stop_collecting(self, stage: _Stage, step: int, action: ProfilerAction) -> None:
         cycle = stage.open
+        if cycle.step_start is not None:
+            wall, cpu = cycle.step_start
+            cycle.step_ms.append((time.perf_counter_ns() - wall) / 1e6)
+            cycle.step_cpu_ms.append((time.process_time() - cpu) * 1e3)
+            cycle.step_start = None
         if cycle.timer is not None:
             cycle.timer.uninstall(self.target)
         if action in RECORDING:
@@ -525,7 +535,8 @@ class Profiler:
         report = CycleReport(index=cycle.index, steps=cycle.recorded, directory=cycle.directory,
                              partial=cycle.recorded != self.schedule.recorded_steps(cycle.index),
                              ranks=max(ranks, 1), stage=stage.name, nodes=nodes or [], capture=cycle.capture,
-                             trace_paths=list(cycle.trace.paths) if cycle.trace is not None else [])
+                             trace_paths=list(cycle.trace.paths) if cycle.trace is not None else [],
+                             step_ms=cycle.step_ms, step_cpu_ms=cycle.step_cpu_ms)
         report.ranges = summarize_ranges(ranges, len(cycle.recorded))
         if cycle.backward_wall_ns:
             report.backward_wall_ms = sum(cycle.backward_wall_ns) / len(cycle.backward_wall_ns) / 1e6

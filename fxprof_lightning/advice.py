@@ -1,0 +1,126 @@
+"""What to try: rules that read a cycle's node table and return one sentence per finding.
+
+Each rule is a pure function of node statistics (and, for some, of earlier cycles or the
+regressions found) returning ``Advice`` items; ``advise`` runs them all and keeps the most
+important. A sentence names the node or module, gives the evidence, and says what to try.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from fxprof_lightning.report import NodeStats
+
+__all__ = ["Advice", "advise", "elementwise_share", "heavy_backward", "low_peak", "regressed", "slow_rank"]
+
+MIN_SHARE = 5.0  # % of the step's node time: smaller nodes are not worth advice
+LOW_PEAK = 30.0  # % of the roofline's attainable rate below which a large matmul or conv is "low"
+BACKWARD_RATIO = 3.0  # backward this many times its forward is suspicious (2x is normal for matmuls)
+ELEMENTWISE_SHARE = 15.0  # % of the step's node time in one module's elementwise nodes
+SLOW_RANK_SHARE = 2 / 3  # the same rank slowest in this share of the cycles
+
+
+@dataclass(frozen=True)
+class Advice:
+    """One finding: ``weight`` orders them (the share of step time at stake, in %)."""
+
+    weight: float
+    text: str
+
+
+def _share(node: NodeStats, grand_ms: float) -> float:
+    return 100.0 * (node.total_ms + node.bwd_total_ms) / grand_ms if grand_ms > 0 else 0.0
+
+
+def _grand(nodes: list[NodeStats]) -> float:
+    return sum(n.total_ms + n.bwd_total_ms for n in nodes)
+
+
+def low_peak(nodes: list[NodeStats]) -> list[Advice]:
+    """A matmul or conv with a large share of the time that reaches a small fraction of the device's peak."""
+    grand, found = _grand(nodes), []
+    for n in nodes:
+        if not n.fwd_flops or n.pct_of_peak is None or n.pct_of_peak >= LOW_PEAK or _share(n, grand) < MIN_SHARE:
+            continue
+        what = "batch size or matrix sizes (multiples of 8/64), bf16 autocast or TF32" if n.bound == "compute" else \
+            "a larger batch (more work per byte), fusing it with its neighbours (torch.compile), or a lower precision"
+        found.append(Advice(_share(n, grand), (
+            f"`{n.name}` ({n.target}, {_share(n, grand):.0f}% of node time) reaches {n.pct_of_peak:.0f}% of what the "
+            f"device allows at its {n.intensity:.1f} FLOP/byte ({n.bound}-bound, {n.fwd_gflops_per_s or 0:.1f} GFLOP/s): "
+            f"try a larger {what}.")))
+    return found
+
+
+def heavy_backward(nodes: list[NodeStats]) -> list[Advice]:
+    """A node whose backward takes many times its forward."""
+    grand, found = _grand(nodes), []
+    for n in nodes:
+        if n.bwd_calls == 0 or n.mean_ms <= 0 or n.bwd_mean_ms < BACKWARD_RATIO * n.mean_ms or _share(n, grand) < MIN_SHARE:
+            continue
+        found.append(Advice(_share(n, grand), (
+            f"`{n.name}` ({n.target}) takes {n.bwd_mean_ms / n.mean_ms:.1f}x as long in backward as in forward "
+            f"({n.bwd_mean_ms:.3f} vs {n.mean_ms:.3f} ms per call, {_share(n, grand):.0f}% of node time): look for "
+            "gradients nobody needs (requires_grad on inputs or frozen weights), an op without a fused backward, or "
+            "a scatter/index backward; the trace's backward ops of this node show which.")))
+    return found
+
+
+def elementwise_share(nodes: list[NodeStats]) -> list[Advice]:
+    """Many small FLOP-less nodes (activations, adds, norms' pieces) of one module taking a large share."""
+    grand = _grand(nodes)
+    by_module: dict[str, list[NodeStats]] = {}
+    for n in nodes:
+        if n.op in ("call_function", "call_method") and not n.fwd_flops:
+            by_module.setdefault(n.module_path, []).append(n)
+    found = []
+    for module, group in by_module.items():
+        share = sum(_share(n, grand) for n in group)
+        if len(group) < 2 or share < ELEMENTWISE_SHARE:
+            continue
+        names = ", ".join(f"`{n.name}`" for n in group[:4]) + (", ..." if len(group) > 4 else "")
+        found.append(Advice(share, (
+            f"{len(group)} elementwise nodes of `{module or '(root)'}` ({names}) take {share:.0f}% of node time, each "
+            "reading and writing whole tensors: fusing them (torch.compile, or a fused kernel for the pattern) "
+            "would save most of it.")))
+    return found
+
+
+def slow_rank(history: list[list[NodeStats]], ranks: int) -> list[Advice]:
+    """The same rank the slowest (for most node time) in most of the cycles so far."""
+    if ranks < 2 or len(history) < 3:
+        return []
+    slowest = []
+    for nodes in history:
+        weight: Counter[int] = Counter()
+        for n in nodes:
+            weight[n.slowest_rank] += n.total_ms + n.bwd_total_ms
+        if weight:
+            slowest.append(weight.most_common(1)[0][0])
+    rank, count = Counter(slowest).most_common(1)[0] if slowest else (0, 0)
+    if count < SLOW_RANK_SHARE * len(history):
+        return []
+    return [Advice(50.0, (
+        f"Rank {rank} was the slowest in {count} of {len(history)} cycles: the others wait for it at every "
+        "collective. Check its data loading, its GPU (clocks, other processes) and uneven inputs (sequence lengths)."))]
+
+
+def regressed(regressions: list) -> list[Advice]:
+    """A node that got slower than in the earlier cycles, beyond the noise (``regressions.Regression``)."""
+    return [Advice(100.0 * (r.ratio - 1), (
+        f"`{r.node}` {r.direction} got {r.ratio:.2f}x slower than in the earlier cycles ({r.baseline_ms:.3f} -> "
+        f"{r.now_ms:.3f} ms per call, noise {r.noise_ms:.3f} ms): look at what changed since (input shapes, "
+        "data, another process on the machine); `fxprof compare` shows it against any earlier run.")) for r in regressions]
+
+
+def advise(nodes: list[NodeStats], history: list[list[NodeStats]] = (), regressions: list = (), ranks: int = 1,
+           top: int = 5) -> list[str]:
+    """The ``top`` findings of every rule, most at stake first.
+
+    ``history`` holds the node tables of the cycles so far (this one last), ``regressions`` this
+    cycle's regressions, ``ranks`` how many ranks were merged.
+    """
+    found = [*regressed(list(regressions)), *low_peak(nodes), *heavy_backward(nodes), *elementwise_share(nodes),
+             *slow_rank(list(history), ranks)]
+    found.sort(key=lambda a: a.weight, reverse=True)
+    return [a.text for a in found[:top]]

@@ -1,0 +1,80 @@
+"""Advice rules and the trust figures: pure functions on hand-made node tables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fxprof_lightning.advice import advise, elementwise_share, heavy_backward, low_peak, regressed, slow_rank
+from fxprof_lightning.report import NodeStats
+from fxprof_lightning.trust import cpu_per_wall, distortion, step_spread
+
+
+def node(name: str, fwd: float, bwd: float = 0.0, **extra) -> NodeStats:
+    """A node timed over 3 calls: ``fwd``/``bwd`` ms per call."""
+    fields = dict(name=name, op="call_module", target="Linear", module_path=name, calls=3, mean_ms=fwd,
+                  median_ms=fwd, min_ms=fwd, max_ms=fwd, total_ms=3 * fwd, pct=0.0, bwd_calls=3 if bwd else 0,
+                  bwd_mean_ms=bwd, bwd_median_ms=bwd, bwd_total_ms=3 * bwd)
+    fields.update(extra)
+    return NodeStats(**fields)
+
+
+def test_low_peak_names_a_large_slow_matmul_only():
+    slow = node("fc1", 4.0, 8.0, fwd_flops=10**9, pct_of_peak=6.0, intensity=40.0, bound="compute", fwd_gflops_per_s=250.0)
+    fast = node("fc2", 4.0, 8.0, fwd_flops=10**9, pct_of_peak=70.0, intensity=40.0, bound="compute")
+    tiny = node("fc3", 0.01, 0.02, fwd_flops=10**6, pct_of_peak=1.0, intensity=2.0, bound="memory")
+    found = low_peak([slow, fast, tiny])
+    assert len(found) == 1
+    assert "`fc1`" in found[0].text and "6% of what the device allows" in found[0].text and "compute-bound" in found[0].text
+
+
+def test_heavy_backward_needs_a_large_ratio_and_share():
+    heavy = node("emb", 1.0, 5.0)
+    normal = node("fc", 1.0, 2.0)
+    found = heavy_backward([heavy, normal])
+    assert [a.text.split("`")[1] for a in found] == ["emb"]
+    assert "5.0x as long in backward" in found[0].text
+
+
+def test_elementwise_share_groups_flopless_nodes_by_module():
+    nodes = [node("matmul", 2.0, 4.0, fwd_flops=10**8, op="call_function", module_path="block"),
+             *(node(f"add_{i}", 0.5, 0.5, op="call_function", module_path="block", fwd_flops=0) for i in range(4)),
+             node("relu", 0.01, 0.01, op="call_function", module_path="head", fwd_flops=0)]
+    found = elementwise_share(nodes)
+    assert len(found) == 1 and "4 elementwise nodes of `block`" in found[0].text
+
+
+def test_slow_rank_needs_the_same_rank_in_most_cycles():
+    on_rank = [[node("fc", 1.0, slowest_rank=1)], [node("fc", 1.0, slowest_rank=1)], [node("fc", 1.0, slowest_rank=0)],
+               [node("fc", 1.0, slowest_rank=1)]]
+    assert "Rank 1 was the slowest in 3 of 4 cycles" in slow_rank(on_rank, ranks=2)[0].text
+    assert slow_rank(on_rank, ranks=1) == []
+    alternating = [[node("fc", 1.0, slowest_rank=i % 2)] for i in range(4)]
+    assert slow_rank(alternating, ranks=2) == []
+
+
+@dataclass(frozen=True)
+class FakeRegression:  # the fields regressions.Regression has
+    node: str
+    direction: str
+    baseline_ms: float
+    now_ms: float
+    ratio: float
+    noise_ms: float
+
+
+def test_regressed_and_advise_order_by_what_is_at_stake():
+    regression = FakeRegression("fc1", "forward", 1.0, 1.3, 1.3, 0.02)
+    assert "`fc1` forward got 1.30x slower" in regressed([regression])[0].text
+    nodes = [node("emb", 1.0, 5.0)]  # 100% of node time, 5x backward
+    texts = advise(nodes, history=[nodes], regressions=[regression])
+    assert len(texts) == 2 and texts[0].startswith("`emb`")
+    assert advise([node("fc", 1.0, 2.0)]) == []  # nothing worth saying
+
+
+def test_trust_figures():
+    assert step_spread([10.0]) is None
+    assert abs(step_spread([10.0, 12.0, 11.0]) - 2 / 11) < 1e-12
+    assert cpu_per_wall([10.0, 10.0], [15.0, 25.0]) == 2.0
+    assert distortion([10.0, 10.4, 10.2], [10.0, 10.3]) is None
+    assert "spread" in distortion([10.0, 40.0, 10.2], [])
+    assert "3.0x the earlier cycles'" in distortion([30.0, 30.2, 30.1], [10.0, 10.1])
