@@ -1,4 +1,4 @@
-"""FLOPs and output sizes per FX node, counted in a separate, untimed pass on the meta device.
+"""FLOPs, output sizes and bytes moved per FX node, counted in a separate, untimed pass on the meta device.
 
 The pass runs the traced graph node by node (``torch.fx.Interpreter``, fine here: nothing
 is timed) on a copy of the module whose parameters and buffers live on the ``meta`` device,
@@ -6,6 +6,17 @@ with meta inputs of the recorded shapes: no real computation, random states kept
 to the real model. ``torch.utils.flop_counter.FlopCounterMode`` counts each node's forward
 ops; the backward of the sum of the outputs is counted per node with hooks on the autograd
 nodes each node created. Convention: a multiply-add is 2 FLOPs (that of FlopCounterMode).
+
+Bytes moved (``fwd_bytes``, for the roofline): an estimate of the memory traffic of one forward
+call, the sizes of the tensors the node touches at its boundary: its input tensors (a ``get_attr``
+parameter or buffer fed to a function is one of them), its output tensors, and, for a
+``call_module`` node, every parameter and buffer of that module (its submodules' included). Each
+tensor counts once however often it appears, and tensors sharing storage (views, an in-place op's
+output, a parameter and its ``detach()``) count once, at the largest size seen, at most the
+storage's size (an ``expand``ed tensor counts what it really holds). This is the compulsory traffic,
+what an ideal cache would move: the real traffic is larger when tiles are re-read because they do not
+fit in cache (large matmuls, convolutions), when a leaf module's intermediates between its own ops go
+through memory (not counted), and smaller when an input is still in cache from the node before.
 """
 
 from __future__ import annotations
@@ -21,16 +32,20 @@ from torch.utils.flop_counter import FlopCounterMode
 from fxprof_lightning.leaves import random_states_kept
 from fxprof_lightning.node_timing import autograd_nodes, is_timed, sequence_nr_now, tensors_in
 
-__all__ = ["NodeCosts", "count_costs", "input_signature"]
+__all__ = ["NodeCosts", "bytes_moved", "count_costs", "input_signature"]
 
 
 @dataclass(frozen=True)
 class NodeCosts:
-    """Per timed node, in graph order: forward and backward FLOPs, bytes of output tensors."""
+    """Per timed node, in graph order: forward and backward FLOPs, bytes of output tensors, bytes moved.
+
+    ``fwd_bytes`` estimates the bytes one forward call reads and writes (see the module docstring).
+    """
 
     fwd_flops: list[int]
     bwd_flops: list[int]
     out_bytes: list[int]
+    fwd_bytes: list[int]
 
 
 def input_signature(inputs: tuple[Any, ...], training: bool) -> tuple:
@@ -63,8 +78,36 @@ def _to_meta(value: Any) -> Any:
     return value
 
 
+def _storage_key(tensor: torch.Tensor) -> int:
+    """What identifies a tensor's memory: its storage (views and in-place outputs share it), else the tensor."""
+    try:
+        return tensor.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):  # no storage (sparse, some subclasses)
+        return id(tensor)
+
+
+def _storage_bytes(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return None
+
+
+def bytes_moved(tensors: list[torch.Tensor]) -> int:
+    """Bytes of ``tensors``, each storage once at the largest size seen through it (at most the storage's size)."""
+    largest: dict[int, int] = {}
+    for t in tensors:
+        size = t.numel() * t.element_size()
+        storage = _storage_bytes(t)
+        if storage is not None:
+            size = min(size, storage)
+        key = _storage_key(t)
+        largest[key] = max(largest.get(key, 0), size)
+    return sum(largest.values())
+
+
 def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool) -> NodeCosts:
-    """FLOPs and output bytes of every timed node of ``traced`` for ``inputs``.
+    """FLOPs, output bytes and bytes moved of every timed node of ``traced`` for ``inputs``.
 
     Raises whatever the meta pass raises (an op without a meta kernel, data-dependent code).
     """
@@ -84,6 +127,7 @@ def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool)
     position = {n: i for i, n in enumerate(timed)}
     fwd = [0] * len(timed)
     out_bytes = [0] * len(timed)
+    moved = [0] * len(timed)
     backward_counter = FlopCounterMode(display=False)
     backward = [_BackwardFlops(backward_counter) for _ in timed]
 
@@ -92,11 +136,17 @@ def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool)
             if node not in position:
                 return super().run_node(node)
             i = position[node]
+            args, kwargs = self.fetch_args_kwargs_from_env(node)
+            read = tensors_in(list(args)) + tensors_in(dict(kwargs))
+            if node.op == "call_module":
+                module = self.fetch_attr(node.target)
+                read += [*module.parameters(), *module.buffers()]
             first = sequence_nr_now()
             with FlopCounterMode(display=False) as counter:
                 output = super().run_node(node)
             fwd[i] = counter.get_total_flops()
             out_bytes[i] = sum(t.numel() * t.element_size() for t in tensors_in(output))
+            moved[i] = bytes_moved(read + tensors_in(output))
             for fn in autograd_nodes([t.grad_fn for t in tensors_in(output)], first, sequence_nr_now()):
                 fn.register_prehook(backward[i].pre)
                 fn.register_hook(backward[i].post)
@@ -108,4 +158,4 @@ def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool)
         if isinstance(loss, torch.Tensor):
             with backward_counter:
                 loss.backward()
-    return NodeCosts(fwd, [b.total for b in backward], out_bytes)
+    return NodeCosts(fwd, [b.total for b in backward], out_bytes, moved)
