@@ -22,13 +22,22 @@ from typing_extensions import override
 
 from fxprof_lightning.engine import Profiler
 from fxprof_lightning.report import CycleReport
-from fxprof_lightning.sinks import ConsoleSink, CsvSink, cycle_scalars, cycle_texts
+from fxprof_lightning.roofline import Peaks
+from fxprof_lightning.sinks import (
+    ConsoleSink,
+    CsvSink,
+    PictureSink,
+    cycle_scalars,
+    log_to_summary_writer,
+    log_trend_to_summary_writer,
+)
 
 __all__ = ["FXProfilerCallback", "LoggerSink"]
 
 # Read and set on the callback, held by its engine.
 ENGINE_SETTINGS = frozenset({"schedule", "torch_profiler", "fx_timing", "profiler_kwargs", "top_k", "use_gzip", "keep_cycles",
-                             "profile_validation", "module_depth", "backward_timing", "node_ranges", "ranks"})
+                             "profile_validation", "module_depth", "backward_timing", "node_ranges", "ranks", "peaks",
+                             "pictures", "verbose"})
 
 
 class FXProfilerCallback(Callback):
@@ -45,9 +54,10 @@ class FXProfilerCallback(Callback):
             node (None: the LightningModule itself).
         dirpath: output directory (None: ``<trainer.log_dir>/fxprof``).
         profile_validation: also profile validation batches, with their own schedule position,
-            ``val_cycle_NNNN`` directories, ``fxprof/val/...`` tags and ``val_cycles`` reports.
+            ``val_cycle_NNNN`` directories, ``fxprof_val/...`` tags and ``val_cycles`` reports.
         skip_first, wait, warmup, active, repeat, torch_profiler, fx_timing, profiler_kwargs, top_k,
-            use_gzip, keep_cycles, module_depth, backward_timing, node_ranges, ranks: as for
+            use_gzip, keep_cycles, module_depth, backward_timing, node_ranges, ranks, peaks, pictures,
+            verbose: as for
             ``Profiler`` (see the README's table of options).
 
     Example:
@@ -78,6 +88,9 @@ class FXProfilerCallback(Callback):
         backward_timing: bool = True,
         node_ranges: bool = True,
         ranks: list[int] | None = None,
+        peaks: Peaks | None = None,
+        pictures: bool = True,
+        verbose: bool = False,
     ) -> None:
         if module is not None and (not isinstance(module, str) or not module):
             raise ValueError(f"module must be a dotted attribute path such as 'model.backbone' or None, got {module!r}")
@@ -87,7 +100,8 @@ class FXProfilerCallback(Callback):
             self._resolve_target, skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat,
             torch_profiler=torch_profiler, fx_timing=fx_timing, profiler_kwargs=profiler_kwargs, dirpath=dirpath,
             top_k=top_k, use_gzip=use_gzip, keep_cycles=keep_cycles, profile_validation=profile_validation,
-            module_depth=module_depth, backward_timing=backward_timing, node_ranges=node_ranges, ranks=ranks, sinks=[],
+            module_depth=module_depth, backward_timing=backward_timing, node_ranges=node_ranges, ranks=ranks, peaks=peaks,
+            pictures=pictures, verbose=verbose, sinks=[],
         )
         self.profiler.name = type(self).__name__
         self._pl_module: pl.LightningModule | None = None
@@ -124,7 +138,7 @@ class FXProfilerCallback(Callback):
         out_dir = self.dirpath if self.dirpath is not None else Path(trainer.log_dir or trainer.default_root_dir) / "fxprof"
         self.profiler.dirpath = out_dir
         logdir = next((lg.root_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), out_dir)
-        self.profiler.sinks = [CsvSink(), LoggerSink(trainer.loggers), ConsoleSink(logdir=logdir)]
+        self.profiler.sinks = [CsvSink(), PictureSink(), LoggerSink(trainer.loggers), ConsoleSink(logdir=logdir)]
         if not trainer.loggers:
             rank_zero_warn("FXProfilerCallback: the Trainer has no logger, so no scalars or text are logged; "
                            f"the per-cycle CSV and traces are still written under {out_dir}")
@@ -220,19 +234,25 @@ class FXProfilerCallback(Callback):
 
 
 class LoggerSink:
-    """The Trainer's loggers as a sink: scalars to every logger, the node and module tables as text to TensorBoard."""
+    """The Trainer's loggers as a sink: scalars to every logger; to TensorBoard also the tables as text, the
+    pictures and a CUSTOM SCALARS layout (``sinks.log_to_summary_writer``)."""
 
     def __init__(self, loggers: list[Logger]) -> None:
         self.loggers = loggers
 
     def write_cycle(self, report: CycleReport, profiler: Profiler) -> None:
+        from fxprof_lightning.trackers import log_cycle_files
+
         step = report.steps[-1]
         for logger in self.loggers:
-            logger.log_metrics(cycle_scalars(report, profiler.top_k), step=step)
             if isinstance(logger, TensorBoardLogger):
-                for tag, text in cycle_texts(report, profiler.top_k, profiler.module_depth).items():
-                    logger.experiment.add_text(tag, text, global_step=step)
+                log_to_summary_writer(logger.experiment, report, profiler)
+            else:
+                logger.log_metrics(cycle_scalars(report), step=step)
+            log_cycle_files(logger, report, profiler)  # tables and files to CSV, MLflow, W&B
             logger.save()
 
     def close(self, profiler: Profiler) -> None:
-        pass
+        for logger in self.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                log_trend_to_summary_writer(logger.experiment, profiler)

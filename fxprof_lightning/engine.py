@@ -21,6 +21,7 @@ import contextlib
 import functools
 import os
 import shutil
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -32,10 +33,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from fxprof_lightning.advice import advise
 from fxprof_lightning.capture import Capture, capture
 from fxprof_lightning.flops import NodeCosts, count_costs, input_signature
 from fxprof_lightning.module_hooks import ModuleHookTimer
 from fxprof_lightning.node_timing import BackwardEvents, NodeTimer
+from fxprof_lightning.regressions import find_regressions
 from fxprof_lightning.report import (
     CycleReport,
     NodeStats,
@@ -44,16 +47,19 @@ from fxprof_lightning.report import (
     summarize_nodes,
     summarize_ranges,
 )
+from fxprof_lightning.roofline import Peaks, device_peaks, with_roofline
 from fxprof_lightning.schedule import ProfilerAction, Schedule
-from fxprof_lightning.sinks import ConsoleSink, CsvSink, Sink
+from fxprof_lightning.sinks import ConsoleSink, CsvSink, PictureSink, Sink
 from fxprof_lightning.torch_trace import CycleTrace, check_profiler_kwargs
 from fxprof_lightning.traced_on_example import Example, GuardedNodeTimer, observe_first_call
+from fxprof_lightning.trust import distortion
 
 __all__ = ["DEFAULT_DIRPATH", "Profiler", "cycle_name"]
 
 RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 DEFAULT_DIRPATH = "fxprof"  # relative to the working directory, as torch.utils.tensorboard's "runs"
 STAGES = {"train": "cycle_", "val": "val_cycle_"}  # stage -> directory prefix
+HISTORY = 20  # recent cycles kept per stage for regressions and advice (find_regressions uses the last 5)
 
 
 @dataclass
@@ -88,6 +94,10 @@ class _Stage:
     directories: list[Path] = field(default_factory=list)  # written in this run, oldest first
     last_index: int | None = None  # the cycle opened last, to name the pieces of a cut cycle
     piece: int = 0
+    tracked: list[str] | None = None  # the nodes whose scalar series the run logs (the first cycle's top_k)
+    history: list[list[NodeStats]] = field(default_factory=list)  # node tables of the recent cycles (advice)
+    baseline: list[list[NodeStats]] = field(default_factory=list)  # ... of the recent sound, whole cycles
+    step_medians: list[float] = field(default_factory=list)  # median step ms of those
 
 
 class Profiler:
@@ -116,7 +126,11 @@ class Profiler:
         node_ranges: with ``torch_profiler``, a ``record_function`` range per node in the trace.
         ranks: global ranks that write traces (None: all). The others still time nodes and take
             part in the gather.
-        sinks: where cycle reports go (default ``[CsvSink(), ConsoleSink()]``); see ``sinks``.
+        peaks: the device's peak GFLOP/s and GB/s for the roofline columns (``roofline.Peaks``); None
+            measures them once per device with a short micro-benchmark and caches them.
+        pictures: draw the slowest layers, the module tree and the trend (needs matplotlib).
+        verbose: the console sink prints every cycle's full tables, not one line.
+        sinks: where cycle reports go (default ``[CsvSink(), PictureSink(), ConsoleSink()]``); see ``sinks``.
 
     Example:
         >>> with Profiler(model, wait=5, warmup=1, active=3, repeat=2) as prof:
@@ -150,6 +164,9 @@ class Profiler:
         backward_timing: bool = True,
         node_ranges: bool = True,
         ranks: Sequence[int] | None = None,
+        peaks: Peaks | None = None,
+        pictures: bool = True,
+        verbose: bool = False,
         sinks: Sequence[Sink] | None = None,
     ) -> None:
         self.schedule = Schedule(skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat)
@@ -177,7 +194,13 @@ class Profiler:
         self.backward_timing = backward_timing
         self.node_ranges = node_ranges
         self.ranks = None if ranks is None else frozenset(ranks)
-        self.sinks: list[Sink] = list(sinks) if sinks is not None else [CsvSink(), ConsoleSink()]
+        if peaks is not None and not isinstance(peaks, Peaks):
+            raise ValueError(f"peaks must be a fxprof_lightning.roofline.Peaks(gflops_per_s=..., gbytes_per_s=...) or "
+                             f"None (measure them), got {peaks!r}")
+        self.peaks = peaks
+        self.pictures = pictures
+        self.verbose = verbose
+        self.sinks: list[Sink] = list(sinks) if sinks is not None else [CsvSink(), PictureSink(), ConsoleSink()]
 
         self.target: nn.Module | None = None  # the module, once resolved (begin_run)
         self._train, self._val = _Stage("train"), _Stage("val")
@@ -547,10 +570,45 @@ class Profiler:
                       "no node was timed. If the training step calls a submodule instead, profile that submodule "
                       "(the Lightning callback: module='...').")
         if report.nodes and self.rank == 0:
+            self._safely("analysing a cycle", self._analyse, stage, report)
             for sink in self.sinks:
                 sink.write_cycle(report, self)
         stage.cycles.append(report)
         self._forget_old_cycles(stage)
+
+    def _analyse(self, stage: _Stage, report: CycleReport) -> None:
+        """What the report says beyond its tables: tracked nodes, roofline, trust, regressions, advice (rank 0)."""
+        if stage.tracked is None:
+            stage.tracked = [n.name for n in report.nodes[: self.top_k]]
+        report.tracked = stage.tracked
+        peaks = self._device_peaks()
+        if peaks is not None:
+            report.nodes = with_roofline(report.nodes, peaks)
+        report.distortion = distortion(report.step_ms, stage.step_medians)
+        if report.distortion:
+            self.warn(f"{stage.name} cycle {report.index}'s numbers look distorted by other load: {report.distortion}. "
+                      "It is left out of the regression baseline; compare it with other cycles before acting on it.")
+        sound = not report.partial and report.distortion is None
+        if sound:
+            report.regressions = find_regressions(stage.baseline, report.nodes)
+        stage.history = [*stage.history, report.nodes][-HISTORY:]
+        report.advice = advise(report.nodes, stage.history, report.regressions, report.ranks)
+        if sound:
+            stage.baseline = [*stage.baseline, report.nodes][-HISTORY:]
+            stage.step_medians = [*stage.step_medians, statistics.median(report.step_ms or [0.0])][-HISTORY:]
+
+    def _device_peaks(self) -> Peaks | None:
+        """The given peaks, or the target's device's, measured once (and cached across runs)."""
+        if self.peaks is None:
+            parameter = next(self.target.parameters(), None) if self.target is not None else None
+            device = parameter.device if parameter is not None and parameter.device.type != "meta" else torch.device("cpu")
+            try:
+                self.peaks = device_peaks(device)
+            except Exception as error:  # no roofline, the rest goes on
+                self.warn(f"could not measure the device's peaks for the roofline ({type(error).__name__}: {error}); "
+                          "give them as peaks=Peaks(gflops_per_s=..., gbytes_per_s=...)")
+                self.peaks = False
+        return self.peaks or None
 
     def _forget_old_cycles(self, stage: _Stage) -> None:
         if self.keep_cycles is None:

@@ -166,7 +166,7 @@ def summarize_nodes(
                 bwd_max_ms=b_high, bwd_total_ms=b_total, bwd_pct=100.0 * sum(bwd[i]) / bwd_grand,
                 fwd_flops=fwd_flops, bwd_flops=bwd_flops,
                 fwd_gflops_per_s=_gflops(fwd_flops, mean), bwd_gflops_per_s=_gflops(bwd_flops, b_mean),
-                out_bytes=costs.out_bytes[i] if costs else None,
+                out_bytes=costs.out_bytes[i] if costs else None, fwd_bytes=costs.fwd_bytes[i] if costs else None,
                 mem_delta_bytes=statistics.fmean(mem_delta[i]) if mem_delta and mem_delta[i] else None,
                 mem_peak_bytes=statistics.fmean(mem_peak[i]) if mem_peak and mem_peak[i] else None,
                 slowest_rank_ms=mean, mad_ms=_mad(fwd[i]), bwd_mad_ms=_mad(bwd[i]),
@@ -281,6 +281,10 @@ class CycleReport:
         step_cpu_ms: this process's CPU time (all threads) over each recorded step.
         regressions: nodes slower than in the earlier cycles beyond the noise (``regressions.Regression``).
         advice: what to try, one sentence each, most useful first (``advice``).
+        distortion: why the cycle's numbers look distorted by other load (``trust.distortion``), or None.
+        tracked: the nodes whose series the run logs as scalars: the same in every cycle of a run
+            (the first cycle's ``top_k`` slowest), so the series have no gaps.
+        pictures: PNG images by tag (``fxprof/slowest_layers``...), rendered once for every sink that wants them.
     """
 
     index: int
@@ -299,6 +303,9 @@ class CycleReport:
     step_cpu_ms: list[float] = field(default_factory=list)
     regressions: list[Any] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
+    distortion: str | None = None
+    tracked: list[str] = field(default_factory=list)
+    pictures: dict[str, bytes] = field(default_factory=dict, repr=False)
 
     @property
     def forward_ms_per_step(self) -> float:
@@ -318,17 +325,20 @@ class CycleReport:
             "backward_wall_ms": self.backward_wall_ms, "step_ms": self.step_ms, "step_cpu_ms": self.step_cpu_ms,
             "capture": self.capture.describe() if self.capture is not None else None,
             "regressions": [asdict(r) for r in self.regressions], "advice": self.advice,
+            "distortion": self.distortion, "tracked": self.tracked,
             "trace_files": [p.name for p in self.trace_paths],
         }
 
     def to_markdown(self, top_k: int | None = None) -> str:
-        """The node table as Markdown, slowest first (``top_k`` rows at most)."""
+        """The cycle as Markdown: header, trust line, node table (slowest first, ``top_k`` rows at most),
+        regressions, advice and FSDP ranges."""
         shown = self.nodes if top_k is None else self.nodes[:top_k]
-        steps = f"steps {self.steps[0]}-{self.steps[-1]}" if self.steps else "no recorded step"
+        steps = max(len(self.steps), 1)
+        step_range = f"steps {self.steps[0]}-{self.steps[-1]}" if self.steps else "no recorded step"
         stage = "Validation cycle" if self.stage == "val" else "Cycle"
         over_ranks = f", mean over {self.ranks} ranks" if self.ranks > 1 else ""
         straggler = self.ranks > 1
-        header = f"{stage} {self.index}{' (partial)' if self.partial else ''}, {steps}: forward {self.forward_ms_per_step:.3f} ms"
+        header = f"{stage} {self.index}{' (partial)' if self.partial else ''}, {step_range}: forward {self.forward_ms_per_step:.3f} ms"
         if self.backward_ms_per_step:
             header += f", backward {self.backward_ms_per_step:.3f} ms"
             if self.backward_wall_ms:
@@ -336,24 +346,40 @@ class CycleReport:
         header += f" per step over {len(self.nodes)} nodes{over_ranks}"
         if self.capture is not None and self.capture.method != "symbolic_trace":
             header += f"; captured by {self.capture.describe()}"
-        lines = [
-            header,
-            "",
-            "| op type | node | target | mean ms | % of total | calls | bwd mean ms | bwd % | GFLOP/s |"
-            + (" slowest rank ms | slowest rank |" if straggler else ""),
-            "|---|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if straggler else ""),
+        lines = [header, ""]
+        if self.step_ms:
+            trust = f"Recorded steps took {statistics.median(self.step_ms):.1f} ms (median)"
+            if len(self.step_ms) > 1:
+                spread = (max(self.step_ms) - min(self.step_ms)) / max(statistics.median(self.step_ms), 1e-9)
+                trust += f", spread {100 * spread:.0f}%"
+            if self.step_cpu_ms and sum(self.step_ms) > 0:
+                trust += f", {sum(self.step_cpu_ms) / sum(self.step_ms):.2f} CPU s per wall s"
+            lines += [trust + ".", ""]
+        if self.distortion:
+            lines += [f"**These numbers look distorted by other load:** {self.distortion}.", ""]
+        grand = sum(n.total_ms + n.bwd_total_ms for n in self.nodes) or 1.0
+        lines += [
+            "| node | op | target | fwd ms/call | bwd ms/call | fwd+bwd ms/step | % of fwd+bwd | calls/step "
+            "| fwd GFLOP/s | % of peak | bound |" + (" slowest rank fwd ms/call | slowest rank |" if straggler else ""),
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|" + ("---:|---:|" if straggler else ""),
         ]
         for n in shown:
-            gflops = f"{n.fwd_gflops_per_s:.1f}" if n.fwd_gflops_per_s is not None else ""
             row = (
-                f"| {n.op} | {_md(n.name)} | {_md(n.target)} | {n.mean_ms:.3f} | {n.pct:.1f} | {n.calls} "
-                f"| {n.bwd_mean_ms:.3f} | {n.bwd_pct:.1f} | {gflops} |"
+                f"| {_md(n.name)} | {n.op} | {_md(n.target)} | {n.mean_ms:.3f} | {n.bwd_mean_ms:.3f} "
+                f"| {(n.total_ms + n.bwd_total_ms) / steps:.3f} | {100 * (n.total_ms + n.bwd_total_ms) / grand:.1f} "
+                f"| {n.calls / steps:g} | {_num(n.fwd_gflops_per_s, '.1f')} | {_num(n.pct_of_peak, '.0f')} | {n.bound} |"
             )
             if straggler:
                 row += f" {n.slowest_rank_ms:.3f} | {n.slowest_rank} |"
             lines.append(row)
         if len(shown) < len(self.nodes):
             lines.append(f"\n{len(self.nodes) - len(shown)} faster nodes not shown.")
+        if self.regressions:
+            lines += ["", "Regressions, slower than in the earlier cycles beyond the noise (median ms per call):", ""]
+            lines += [f"- {_md(r.node)} {r.direction}: {r.baseline_ms:.3f} -> {r.now_ms:.3f} ms ({r.ratio:.2f}x, "
+                      f"noise {r.noise_ms:.3f} ms)" for r in self.regressions]
+        if self.advice:
+            lines += ["", "What to try:", "", *(f"- {text}" for text in self.advice)]
         if self.ranges:
             lines += ["", "FSDP ranges in the trace (ms per step, inside the nodes above):", "",
                       "| range | module | ms per step | calls per step |", "|---|---|---:|---:|"]
@@ -366,7 +392,8 @@ class CycleReport:
         shown = [m for m in self.modules if depth is None or m.depth <= depth]
         rows = [(("  " * m.depth) + (m.path.rsplit(".", 1)[-1] or "(root)") + f" ({m.type_name})", m) for m in shown]
         width = max((len(label) for label, _ in rows), default=10)
-        lines = ["```", f"{'module':<{width}}  self fwd  total fwd   self bwd  total bwd  calls/step"]
+        lines = ["Module tree, ms per step (self: the module's own nodes; total: with its submodules):", "",
+                 "```", f"{'module':<{width}}  self fwd  total fwd   self bwd  total bwd  calls/step"]
         for label, m in rows:
             lines.append(
                 f"{label:<{width}}  {m.self_fwd_ms:8.3f}  {m.total_fwd_ms:9.3f}  {m.self_bwd_ms:9.3f}  {m.total_bwd_ms:9.3f}  {m.calls_per_step:10g}"
@@ -394,6 +421,10 @@ def _csv(record_type: type, records: list) -> str:
     for record in records:
         writer.writerow({k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(record).items()})
     return buffer.getvalue()
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "" if value is None else format(value, spec)
 
 
 def _md(text: str) -> str:

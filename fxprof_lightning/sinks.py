@@ -6,25 +6,31 @@ handed in (``Profiler(..., sinks=[...])``), as ``on_trace_ready`` is to ``torch.
 read the report and the profiler's settings (``top_k``, ``module_depth``) and never reach back
 into collection. The Lightning callback adds one that writes to the Trainer's loggers.
 
-Tags are shared by every sink that logs scalars or text (``cycle_scalars``, ``cycle_texts``):
-``fxprof/fwd_ms/<node>``, ``fxprof/bwd_ms/<node>``, ``.../total``, ``fxprof/nodes``,
-``fxprof/modules``; validation cycles use ``fxprof/val/...``. The step is the cycle's last
-recorded step.
+Tags are shared by every sink that logs scalars, text or pictures (``cycle_scalars``,
+``cycle_texts``): the run's totals in the ``fxprof`` group (``fxprof/forward_ms_per_step``,
+``fxprof/backward_ms_per_step``, ``fxprof/regressions``, ``fxprof/step_spread``,
+``fxprof/cpu_per_wall``), the tracked nodes in ``fxprof_nodes`` (``fxprof_nodes/<node>/forward_ms_per_call``,
+``.../backward_ms_per_call``), text ``fxprof/nodes`` (with the regressions and advice), ``fxprof/modules`` and
+pictures ``fxprof/slowest_layers``, ``fxprof/module_tree``, ``fxprof/trend``. Validation cycles
+use ``fxprof_val`` and ``fxprof_val_nodes``. The step is the cycle's last recorded step.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fxprof_lightning.report import CycleReport
+from fxprof_lightning.trust import cpu_per_wall, step_spread
 
 if TYPE_CHECKING:
     from fxprof_lightning.engine import Profiler
 
-__all__ = ["ConsoleSink", "CsvSink", "Sink", "TensorBoardSink", "cycle_scalars", "cycle_texts", "tag_prefix"]
+__all__ = ["ConsoleSink", "CsvSink", "PictureSink", "Sink", "TensorBoardSink", "cycle_pictures", "cycle_scalars",
+           "cycle_texts", "tag_prefix"]
 
 
 class Sink(Protocol):
@@ -34,19 +40,46 @@ class Sink(Protocol):
 
 
 def tag_prefix(report: CycleReport) -> str:
-    """``fxprof`` for training cycles, ``fxprof/val`` for validation cycles."""
-    return "fxprof/val" if report.stage == "val" else "fxprof"
+    """``fxprof`` for training cycles, ``fxprof_val`` for validation cycles (``..._nodes`` for the node series)."""
+    return "fxprof_val" if report.stage == "val" else "fxprof"
 
 
-def cycle_scalars(report: CycleReport, top_k: int) -> dict[str, float]:
-    """The cycle's scalars: mean ms per call of the ``top_k`` slowest nodes, and the totals per step."""
-    prefix, top = tag_prefix(report), report.nodes[:top_k]
-    metrics = {f"{prefix}/fwd_ms/{n.name}": n.mean_ms for n in top}
-    metrics[f"{prefix}/fwd_ms/total"] = report.forward_ms_per_step
+def cycle_scalars(report: CycleReport) -> dict[str, float]:
+    """The cycle's scalars: totals per step, trust figures, regressions, and the tracked nodes' ms per call.
+
+    The tracked nodes are the same in every cycle of a run (``CycleReport.tracked``), so their
+    series have a point in every cycle.
+    """
+    prefix = tag_prefix(report)
+    metrics = {f"{prefix}/forward_ms_per_step": report.forward_ms_per_step,
+               f"{prefix}/regressions": float(len(report.regressions))}
     if report.backward_ms_per_step:
-        metrics.update({f"{prefix}/bwd_ms/{n.name}": n.bwd_mean_ms for n in top if n.bwd_calls})
-        metrics[f"{prefix}/bwd_ms/total"] = report.backward_ms_per_step
+        metrics[f"{prefix}/backward_ms_per_step"] = report.backward_ms_per_step
+    for name, value in (("step_spread", step_spread(report.step_ms)),
+                        ("cpu_per_wall", cpu_per_wall(report.step_ms, report.step_cpu_ms))):
+        if value is not None:
+            metrics[f"{prefix}/{name}"] = value
+    by_name = {n.name: n for n in report.nodes}
+    for name in report.tracked:
+        n = by_name.get(name)
+        if n is None:
+            continue
+        metrics[f"{prefix}_nodes/{name}/forward_ms_per_call"] = n.mean_ms
+        if n.bwd_calls:
+            metrics[f"{prefix}_nodes/{name}/backward_ms_per_call"] = n.bwd_mean_ms
     return metrics
+
+
+def custom_scalars_layout(validation: bool = False) -> dict:
+    """A TensorBoard CUSTOM SCALARS page comparing the tracked layers and the totals in one chart each."""
+    charts = {}
+    for stage, prefix in (("training", "fxprof"), ("validation", "fxprof_val"))[: 2 if validation else 1]:
+        charts[f"fxprof ({stage})"] = {
+            "forward ms per call, tracked layers": ["Multiline", [rf"^{prefix}_nodes/.*/forward_ms_per_call$"]],
+            "backward ms per call, tracked layers": ["Multiline", [rf"^{prefix}_nodes/.*/backward_ms_per_call$"]],
+            "ms per step": ["Multiline", [rf"^{prefix}/(forward|backward)_ms_per_step$"]],
+        }
+    return charts
 
 
 def cycle_texts(report: CycleReport, top_k: int, module_depth: int) -> dict[str, str]:
@@ -58,8 +91,85 @@ def cycle_texts(report: CycleReport, top_k: int, module_depth: int) -> dict[str,
     return texts
 
 
+def cycle_pictures(report: CycleReport, profiler: Profiler) -> dict[str, bytes]:
+    """The cycle's pictures as PNG, by tag: the slowest layers and the module tree (rendered once per cycle).
+
+    Empty when ``profiler.pictures`` is off or matplotlib is missing (warned once).
+    """
+    if not profiler.pictures or not report.nodes:
+        return {}
+    if not report.pictures:
+        plots = _plots(profiler)
+        if plots is None:
+            return {}
+        prefix = tag_prefix(report)
+        report.pictures[f"{prefix}/slowest_layers"] = plots.png_bytes(plots.slowest_layers(report, profiler.top_k))
+        if report.modules:
+            report.pictures[f"{prefix}/module_tree"] = plots.png_bytes(plots.module_icicle(report, profiler.module_depth))
+    return report.pictures
+
+
+def trend_picture(profiler: Profiler) -> bytes | None:
+    """The trend of the top layers over the run's training cycles, as PNG (None without 2 cycles or matplotlib)."""
+    cycles = [c for c in profiler.cycles if c.nodes]
+    if not profiler.pictures or len(cycles) < 2:
+        return None
+    if "fxprof/trend" not in cycles[-1].pictures:
+        plots = _plots(profiler)
+        if plots is None:
+            return None
+        cycles[-1].pictures["fxprof/trend"] = plots.png_bytes(plots.trend(cycles))
+    return cycles[-1].pictures["fxprof/trend"]
+
+
+def _plots(profiler: Profiler) -> Any:
+    try:
+        import matplotlib  # noqa: F401  (the plots module imports it lazily)
+
+        from fxprof_lightning import plots
+    except ImportError as error:
+        if not getattr(profiler, "_warned_pictures", False):
+            profiler._warned_pictures = True
+            profiler.warn(f"no pictures: {error}")
+        return None
+    return plots
+
+
+def png_to_array(png: bytes) -> Any:
+    """An H x W x 3 uint8 array of a PNG (for ``SummaryWriter.add_image(..., dataformats="HWC")``)."""
+    import io
+
+    from matplotlib import image
+
+    pixels = image.imread(io.BytesIO(png), format="png")[..., :3]
+    return (pixels * 255).round().astype("uint8") if pixels.dtype.kind == "f" else pixels
+
+
+def log_to_summary_writer(writer: Any, report: CycleReport, profiler: Profiler) -> None:
+    """Scalars, text and pictures of a cycle to a ``SummaryWriter`` (also what the callback sends to a TensorBoardLogger)."""
+    step = report.steps[-1]
+    if not getattr(writer, "_fxprof_layout", False):
+        writer.add_custom_scalars(custom_scalars_layout(profiler.profile_validation))
+        writer._fxprof_layout = True
+    for tag, value in cycle_scalars(report).items():
+        writer.add_scalar(tag, value, global_step=step)
+    for tag, text in cycle_texts(report, profiler.top_k, profiler.module_depth).items():
+        writer.add_text(tag, text, global_step=step)
+    for tag, png in cycle_pictures(report, profiler).items():
+        writer.add_image(tag, png_to_array(png), global_step=step, dataformats="HWC")
+    writer.flush()
+
+
+def log_trend_to_summary_writer(writer: Any, profiler: Profiler) -> None:
+    png = trend_picture(profiler)
+    if png is not None:
+        writer.add_image("fxprof/trend", png_to_array(png), global_step=profiler.cycles[-1].steps[-1], dataformats="HWC")
+    writer.flush()
+
+
 class CsvSink:
-    """``fx_nodes.csv``, ``fx_modules.csv`` (and ``fsdp_ranges.csv``) in the cycle's directory, written atomically."""
+    """``fx_nodes.csv``, ``fx_modules.csv``, ``cycle.json`` (and ``fsdp_ranges.csv``) in the cycle's directory,
+    written atomically. ``cycle.json`` holds the rest of the report (``CycleReport.to_summary``)."""
 
     def write_cycle(self, report: CycleReport, profiler: Profiler) -> None:
         write_atomically(report.directory / "fx_nodes.csv", report.to_csv(), profiler.name)
@@ -67,13 +177,15 @@ class CsvSink:
             write_atomically(report.directory / "fx_modules.csv", report.modules_to_csv(), profiler.name)
         if report.ranges:
             write_atomically(report.directory / "fsdp_ranges.csv", report.ranges_to_csv(), profiler.name)
+        summary = json.dumps(report.to_summary(), indent=1, default=str)
+        write_atomically(report.directory / "cycle.json", summary, profiler.name)
 
     def close(self, profiler: Profiler) -> None:
         pass
 
 
 class TensorBoardSink:
-    """Scalars and text to a ``torch.utils.tensorboard.SummaryWriter``, with the callback's tags.
+    """Scalars, text and pictures to a ``torch.utils.tensorboard.SummaryWriter``, with the callback's tags.
 
     Example:
         >>> from torch.utils.tensorboard import SummaryWriter
@@ -84,42 +196,72 @@ class TensorBoardSink:
         self.writer = writer
 
     def write_cycle(self, report: CycleReport, profiler: Profiler) -> None:
-        step = report.steps[-1]
-        for tag, value in cycle_scalars(report, profiler.top_k).items():
-            self.writer.add_scalar(tag, value, global_step=step)
-        for tag, text in cycle_texts(report, profiler.top_k, profiler.module_depth).items():
-            self.writer.add_text(tag, text, global_step=step)
-        self.writer.flush()
+        log_to_summary_writer(self.writer, report, profiler)
 
     def close(self, profiler: Profiler) -> None:
-        self.writer.flush()
+        log_trend_to_summary_writer(self.writer, profiler)
+
+
+class PictureSink:
+    """``slowest_layers.png`` and ``module_tree.png`` in each cycle's directory, ``trend.png`` in ``dirpath`` at the end."""
+
+    def write_cycle(self, report: CycleReport, profiler: Profiler) -> None:
+        for tag, png in cycle_pictures(report, profiler).items():
+            _write_bytes(report.directory / f"{tag.rsplit('/', 1)[1]}.png", png, profiler.name)
+
+    def close(self, profiler: Profiler) -> None:
+        png = trend_picture(profiler)
+        if png is not None:
+            _write_bytes(profiler.dirpath / "trend.png", png, profiler.name)
 
 
 class ConsoleSink:
-    """Prints a summary of the slowest nodes when profiling ends (and, with ``every_cycle``, one line per cycle).
+    """One line per cycle as it is written, and a summary when profiling ends.
+
+    The line gives the steps, forward and backward ms per step, the slowest node, the regressions
+    and a distortion warning; with the profiler's ``verbose`` the full node table and module tree follow.
 
     Args:
-        every_cycle: also print one line as each cycle is written.
+        every_cycle: print the line per cycle (the end-of-run summary always comes).
         logdir: the directory to name in the ``tensorboard --logdir`` hint (default: the profiler's ``dirpath``).
     """
 
-    def __init__(self, every_cycle: bool = False, logdir: str | os.PathLike | None = None) -> None:
+    def __init__(self, every_cycle: bool = True, logdir: str | os.PathLike | None = None) -> None:
         self.every_cycle = every_cycle
         self.logdir = logdir
 
     def write_cycle(self, report: CycleReport, profiler: Profiler) -> None:
         if self.every_cycle:
-            stage = "validation cycle" if report.stage == "val" else "cycle"
-            partial = " (partial)" if report.partial else ""
-            line = (f"{profiler.name}: {stage} {report.index}{partial}, steps {report.steps[0]}-{report.steps[-1]}: "
-                    f"forward {report.forward_ms_per_step:.3f} ms")
-            if report.backward_ms_per_step:
-                line += f", backward {report.backward_ms_per_step:.3f} ms"
-            print(f"{line} per step over {len(report.nodes)} nodes -> {report.directory}")
+            print(cycle_line(report, profiler.name))
+        if profiler.verbose:
+            for text in cycle_texts(report, profiler.top_k, profiler.module_depth).values():
+                print(f"\n{text}\n")
 
     def close(self, profiler: Profiler) -> None:
         if profiler.cycles:
             print(summary(profiler.cycles, profiler.name, profiler.dirpath, self.logdir or profiler.dirpath))
+
+
+def cycle_line(report: CycleReport, name: str) -> str:
+    """One line about a cycle: steps, ms per step, the slowest node, regressions, distortion."""
+    stage = "validation cycle" if report.stage == "val" else "cycle"
+    partial = " (partial)" if report.partial else ""
+    line = (f"{name}: {stage} {report.index}{partial}, steps {report.steps[0]}-{report.steps[-1]}: "
+            f"forward {report.forward_ms_per_step:.2f} ms")
+    if report.backward_ms_per_step:
+        line += f", backward {report.backward_ms_per_step:.2f} ms"
+    line += " per step"
+    if report.nodes:
+        top = report.nodes[0]
+        grand = sum(n.total_ms + n.bwd_total_ms for n in report.nodes) or 1.0
+        line += f"; slowest {top.name} ({100 * (top.total_ms + top.bwd_total_ms) / grand:.0f}%)"
+    if report.regressions:
+        worst = report.regressions[0]
+        more = f" and {len(report.regressions) - 1} more" if len(report.regressions) > 1 else ""
+        line += f"; REGRESSION {worst.node} {worst.direction} {worst.ratio:.2f}x{more}"
+    if report.distortion:
+        line += "; DISTORTED by other load"
+    return line
 
 
 def summary(cycles: list[CycleReport], name: str, out_dir: Path, logdir: str | os.PathLike) -> str:
@@ -140,11 +282,18 @@ def summary(cycles: list[CycleReport], name: str, out_dir: Path, logdir: str | o
     return "\n".join(lines)
 
 
-def write_atomically(path: Path, text: str, name: str = "fxprof") -> None:
-    """Write ``text`` to ``path`` in one ``os.replace``; on failure warn and go on."""
+def _write_bytes(path: Path, data: bytes, name: str) -> None:
+    write_atomically(path, data, name)
+
+
+def write_atomically(path: Path, data: str | bytes, name: str = "fxprof") -> None:
+    """Write ``data`` to ``path`` in one ``os.replace``; on failure warn and go on."""
     partial = path.with_name(f".{path.name}.partial")
     try:
-        partial.write_text(text)
+        if isinstance(data, bytes):
+            partial.write_bytes(data)
+        else:
+            partial.write_text(data)
         os.replace(partial, path)
     except OSError as error:
         partial.unlink(missing_ok=True)

@@ -67,7 +67,7 @@ def test_cycles_report_recorded_steps_and_nodes(profiled_run):
         costs = [n.total_ms + n.bwd_total_ms for n in cycle.nodes]
         assert costs == sorted(costs, reverse=True)  # slowest forward + backward first
         markdown = cycle.to_markdown()
-        assert "| op type | node | target | mean ms | % of total | calls |" in markdown
+        assert "| node | op | target | fwd ms/call | bwd ms/call | fwd+bwd ms/step | % of fwd+bwd | calls/step |" in markdown
         assert all(f"`{name}`" in markdown for name in SMALLNET_NODES)
 
 
@@ -80,10 +80,15 @@ def test_module_runs_its_own_forward_outside_traced_steps(profiled_run):
 def test_cycle_directories_hold_one_trace_and_the_csv(profiled_run):
     root, _, callback, _ = profiled_run
     fxprof = root / "logs" / "version_0" / "fxprof"
-    assert sorted(p.name for p in fxprof.iterdir()) == ["cycle_0000", "cycle_0001"]
+    assert sorted(p.name for p in fxprof.iterdir()) == ["cycle_0000", "cycle_0001", "trend.png"]
+    assert (fxprof / "trend.png").read_bytes().startswith(b"\x89PNG")
     for cycle in callback.cycles:
         assert cycle.directory == fxprof / f"cycle_{cycle.index:04d}"
-        assert sorted(p.name for p in cycle.directory.iterdir() if not TRACE_NAME.match(p.name)) == ["fx_modules.csv", "fx_nodes.csv"]
+        assert sorted(p.name for p in cycle.directory.iterdir() if not TRACE_NAME.match(p.name)) == [
+            "cycle.json", "fx_modules.csv", "fx_nodes.csv", "module_tree.png", "slowest_layers.png"]
+        summary = json.loads((cycle.directory / "cycle.json").read_text())
+        assert (summary["index"], summary["steps"], summary["trace_files"]) == (cycle.index, cycle.steps,
+                                                                                [cycle.trace_paths[0].name])
         assert [p.parent for p in cycle.trace_paths] == [cycle.directory]
         assert TRACE_NAME.match(cycle.trace_paths[0].name)
         trace = json.loads(gzip.decompress(cycle.trace_paths[0].read_bytes()))
@@ -104,14 +109,17 @@ def test_scalars_and_text_reach_tensorboard(profiled_run):
     root, _, callback, _ = profiled_run
     events = read_events(root / "logs" / "version_0")
     tags = set(events.Tags()["scalars"])
-    assert scalar_steps(events, "fxprof/fwd_ms/total") == [5, 9]
-    per_node = {t for t in tags if t.startswith("fxprof/fwd_ms/") and t != "fxprof/fwd_ms/total"}
-    top3 = {f"fxprof/fwd_ms/{n.name}" for c in callback.cycles for n in c.nodes[:3]}
-    assert per_node == top3
+    assert scalar_steps(events, "fxprof/forward_ms_per_step") == [5, 9]
+    per_node = {t for t in tags if t.startswith("fxprof_nodes/") and t.endswith("/forward_ms_per_call")}
+    tracked = [n.name for n in callback.cycles[0].nodes[:3]]  # the first cycle's top_k, tracked for the whole run
+    assert per_node == {f"fxprof_nodes/{name}/forward_ms_per_call" for name in tracked}
     for cycle in callback.cycles:
+        assert cycle.tracked == tracked
+        by_name = {n.name: n for n in cycle.nodes}
         logged = {t: v for t in per_node for e in events.Scalars(t) if e.step == cycle.steps[-1] for v in [e.value]}
-        assert logged == pytest.approx({f"fxprof/fwd_ms/{n.name}": n.mean_ms for n in cycle.nodes[:3]})
-        total = next(e.value for e in events.Scalars("fxprof/fwd_ms/total") if e.step == cycle.steps[-1])
+        assert logged == pytest.approx({f"fxprof_nodes/{name}/forward_ms_per_call": by_name[name].mean_ms
+                                        for name in tracked})  # a point in every cycle: no gaps
+        total = next(e.value for e in events.Scalars("fxprof/forward_ms_per_step") if e.step == cycle.steps[-1])
         assert total == pytest.approx(sum(n.total_ms for n in cycle.nodes) / 2, rel=1e-5)
 
     texts = events.Tensors("fxprof/nodes/text_summary")  # add_text appends /text_summary
@@ -119,7 +127,7 @@ def test_scalars_and_text_reach_tensorboard(profiled_run):
     for text, cycle in zip(texts, callback.cycles, strict=True):
         markdown = tensor_util.make_ndarray(text.tensor_proto).item().decode()
         assert markdown == cycle.to_markdown(3)
-        assert markdown.count("\n| call_") == 3  # top_k rows
+        assert markdown.count("\n| `") == 3  # top_k rows
 
 
 def test_summary_printed_at_end_of_fit(tmp_path, capsys):
@@ -159,7 +167,8 @@ def test_torch_profiler_only_and_fx_only(tmp_path):
     _train(tmp_path / "b", [fx_only], steps=3)
     (cycle,) = fx_only.cycles
     assert cycle.trace_paths == [] and {n.name for n in cycle.nodes} == SMALLNET_NODES
-    assert sorted(p.name for p in cycle.directory.iterdir()) == ["fx_modules.csv", "fx_nodes.csv"]
+    assert sorted(p.name for p in cycle.directory.iterdir()) == [
+        "cycle.json", "fx_modules.csv", "fx_nodes.csv", "module_tree.png", "slowest_layers.png"]
 
 
 def test_node_ranges_can_be_left_out_of_the_trace(tmp_path):
@@ -201,7 +210,7 @@ def test_a_model_fx_cannot_trace_at_all_is_timed_by_module_hooks(tmp_path):
     (cycle,) = callback.cycles
     assert cycle.capture.method == "module_hooks" and len(cycle.trace_paths) == 1
     assert {n.name for n in cycle.nodes} == {"(root)", "conv", "bn", "drop", "head"}
-    assert "fxprof/fwd_ms/total" in read_events(tmp_path / "logs" / "version_0").Tags()["scalars"]
+    assert "fxprof/forward_ms_per_step" in read_events(tmp_path / "logs" / "version_0").Tags()["scalars"]
 
 
 def test_a_failing_profiler_never_ends_training(tmp_path):

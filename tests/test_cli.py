@@ -91,7 +91,7 @@ def test_callback_from_yaml_profiles_the_fit(tmp_path):
     (trace_path,) = cycle.trace_paths
     assert TRACE_NAME.match(trace_path.name)
     files = {p.name for p in cycle.directory.iterdir()}
-    assert {name for name in files if name.endswith((".json", ".json.gz"))} == {trace_path.name}  # one trace, rank 0
+    assert {name for name in files if name.endswith((".pt.trace.json", ".pt.trace.json.gz"))} == {trace_path.name}  # one trace, rank 0
     assert "fx_nodes.csv" in files and not [name for name in files if name.startswith(".")]
 
     events = json.loads(gzip.decompress(trace_path.read_bytes()))["traceEvents"]
@@ -101,9 +101,9 @@ def test_callback_from_yaml_profiles_the_fit(tmp_path):
         assert {row["name"] for row in csv.DictReader(f)} == SMALLNET_NODES
 
     tensorboard = read_events(log_dir)
-    assert [e.step for e in tensorboard.Scalars("fxprof/fwd_ms/total")] == [3]
-    per_node = {t for t in tensorboard.Tags()["scalars"] if t.startswith("fxprof/fwd_ms/") and t != "fxprof/fwd_ms/total"}
-    assert per_node == {f"fxprof/fwd_ms/{n.name}" for n in cycle.nodes[:3]}  # top_k=3
+    assert [e.step for e in tensorboard.Scalars("fxprof/forward_ms_per_step")] == [3]
+    per_node = {t for t in tensorboard.Tags()["scalars"] if t.endswith("/forward_ms_per_call")}
+    assert per_node == {f"fxprof_nodes/{n.name}/forward_ms_per_call" for n in cycle.nodes[:3]}  # top_k=3
     (text,) = tensorboard.Tensors("fxprof/nodes/text_summary")
     assert tensor_util.make_ndarray(text.tensor_proto).item().decode() == cycle.to_markdown(3)
 

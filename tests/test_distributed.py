@@ -224,9 +224,9 @@ def test_rank_zero_logs_each_cycle_once(ddp_run):
     event_files = sorted(p.relative_to(root).as_posix() for p in root.rglob("events.out.tfevents.*"))
     assert len(event_files) == 1 and event_files[0].startswith("logs/version_0/"), event_files  # rank 1 writes none
     events = read_events(root / "logs" / "version_0")
-    assert [e.step for e in events.Scalars("fxprof/fwd_ms/total")] == [3, 6]  # one value per cycle, not one per rank
-    per_node = {t for t in events.Tags()["scalars"] if t.startswith("fxprof/fwd_ms/") and t != "fxprof/fwd_ms/total"}
-    assert per_node == {f"fxprof/fwd_ms/{name}" for c in reports[0]["cycles"] for name, *_ in c["nodes"][:3]}
+    assert [e.step for e in events.Scalars("fxprof/forward_ms_per_step")] == [3, 6]  # one value per cycle, not per rank
+    per_node = {t for t in events.Tags()["scalars"] if t.endswith("/forward_ms_per_call")}
+    assert per_node == {f"fxprof_nodes/{name}/forward_ms_per_call" for name, *_ in reports[0]["cycles"][0]["nodes"][:3]}
 
     logged = texts(events, "fxprof/nodes/text_summary")
     assert [step for step, _ in logged] == [3, 6]
@@ -234,11 +234,11 @@ def test_rank_zero_logs_each_cycle_once(ddp_run):
         assert markdown == cycle["markdown"]
         lines = markdown.splitlines()
         assert "mean over 2 ranks" in lines[0]
-        (header,) = [line for line in lines if line.startswith("| op type |")]
-        assert header.startswith("| op type | node | target | mean ms | % of total | calls |")
-        assert header.endswith("| slowest rank ms | slowest rank |")
-        assert markdown.count("\n| call_") == 3  # top_k rows, each ending in the slowest rank
-        assert all(re.search(r"\| [\d.]+ \| [01] \|$", line) for line in markdown.splitlines() if line.startswith("| call_"))
+        (header,) = [line for line in lines if line.startswith("| node |")]
+        assert header.startswith("| node | op | target | fwd ms/call | bwd ms/call |")
+        assert header.endswith("| slowest rank fwd ms/call | slowest rank |")
+        assert markdown.count("\n| `") == 3  # top_k rows, each ending in the slowest rank
+        assert all(re.search(r"\| [\d.]+ \| [01] \|$", line) for line in markdown.splitlines() if line.startswith("| `"))
 
 
 # ------------------------------------------------------------------- one rank without node timing
@@ -282,7 +282,7 @@ def test_a_rank_that_cannot_trace_is_timed_by_module_hooks_and_gathered(tmp_path
     rows = read_csv(directory / "fx_nodes.csv")
     assert {r["name"]: int(r["slowest_rank"]) for r in rows} == slowest
     events = read_events(tmp_path / "logs" / "version_0")
-    assert [e.step for e in events.Scalars("fxprof/fwd_ms/total")] == [3]
+    assert [e.step for e in events.Scalars("fxprof/forward_ms_per_step")] == [3]
     ((step, markdown),) = texts(events, "fxprof/nodes/text_summary")
     assert step == 3 and "mean over 2 ranks" in markdown.splitlines()[0]
 

@@ -162,9 +162,9 @@ def test_sinks_write_what_the_callback_writes(tmp_path):
     writer.close()
     events = read_events(tmp_path / "tb")
     scalars = set(events.Tags()["scalars"])
-    assert {"fxprof/fwd_ms/total", "fxprof/bwd_ms/total"} <= scalars
-    assert len([t for t in scalars if t.startswith("fxprof/fwd_ms/")]) == 3 + 1  # top_k nodes and the total
-    assert [e.step for e in events.Scalars("fxprof/fwd_ms/total")] == [2]
+    assert {"fxprof/forward_ms_per_step", "fxprof/backward_ms_per_step", "fxprof/regressions"} <= scalars
+    assert len([t for t in scalars if t.endswith("/forward_ms_per_call")]) == 3  # top_k nodes
+    assert [e.step for e in events.Scalars("fxprof/forward_ms_per_step")] == [2]
     assert {"fxprof/nodes/text_summary", "fxprof/modules/text_summary"} <= set(events.Tags()["tensors"])
     assert all((c.directory / "fx_nodes.csv").exists() for c in prof.cycles)
 

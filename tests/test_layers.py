@@ -55,14 +55,15 @@ def test_backward_per_node_reaches_report_csv_and_tensorboard(tmp_path):
     assert nodes["drop"].bwd_calls == 2  # dropout's mask multiply
     assert sum(n.bwd_pct for n in cycle.nodes) == pytest.approx(100.0)
     assert cycle.backward_wall_ms > 0 and cycle.backward_ms_per_step <= cycle.backward_wall_ms
-    assert "bwd mean ms" in cycle.to_markdown()
+    assert "bwd ms/call" in cycle.to_markdown()
 
     rows = list(csv.DictReader((cycle.directory / "fx_nodes.csv").read_text().splitlines()))
     assert {"bwd_mean_ms", "bwd_median_ms", "bwd_total_ms", "bwd_pct", "fwd_flops", "bwd_flops"} <= set(rows[0])
     events = read_events(tmp_path / "profiled" / "logs" / "version_0")
     tags = set(events.Tags()["scalars"])
-    assert {"fxprof/bwd_ms/total", "fxprof/bwd_ms/conv", "fxprof/bwd_ms/head"} <= tags
-    assert [e.step for e in events.Scalars("fxprof/bwd_ms/total")] == [3]
+    assert {"fxprof/backward_ms_per_step", "fxprof_nodes/conv/backward_ms_per_call",
+            "fxprof_nodes/head/backward_ms_per_call"} <= tags
+    assert [e.step for e in events.Scalars("fxprof/backward_ms_per_step")] == [3]
 
 
 def test_backward_timing_can_be_turned_off(tmp_path):

@@ -53,11 +53,12 @@ def test_validation_batches_get_their_own_schedule_and_directories(tmp_path):
         assert len(cycle.trace_paths) == 1 and (cycle.directory / "fx_nodes.csv").exists()
     fxprof = tmp_path / "logs" / "version_0" / "fxprof"
     assert sorted(p.name for p in fxprof.iterdir()) == [
-        "cycle_0000", "cycle_0001", "cycle_0002", "cycle_0003", "val_cycle_0000", "val_cycle_0001-p1", "val_cycle_0002",
+        "cycle_0000", "cycle_0001", "cycle_0002", "cycle_0003", "trend.png", "val_cycle_0000", "val_cycle_0001-p1",
+        "val_cycle_0002",
     ]
     log_dir = tmp_path / "logs" / "version_0"
-    assert scalar_steps(log_dir, "fxprof/val/fwd_ms/total") == [3, 7, 11]
-    assert scalar_steps(log_dir, "fxprof/fwd_ms/total") == [3, 7, 11, 15]
+    assert scalar_steps(log_dir, "fxprof_val/forward_ms_per_step") == [3, 7, 11]
+    assert scalar_steps(log_dir, "fxprof/forward_ms_per_step") == [3, 7, 11, 15]
     assert "forward" not in trainer.lightning_module.model.__dict__
 
 
@@ -77,7 +78,7 @@ def test_max_steps_inside_a_cycle_writes_the_partial_cycle(tmp_path):
     assert cycle.partial and cycle.steps == [2, 3]
     assert len(cycle.trace_paths) == 1 and (cycle.directory / "fx_nodes.csv").exists()
     assert "(partial)" in cycle.to_markdown()
-    assert scalar_steps(tmp_path / "logs" / "version_0", "fxprof/fwd_ms/total") == [3]
+    assert scalar_steps(tmp_path / "logs" / "version_0", "fxprof/forward_ms_per_step") == [3]
 
 
 def test_several_fits_validate_and_test_on_one_callback(tmp_path):
