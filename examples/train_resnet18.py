@@ -3,9 +3,11 @@
     python examples/train_resnet18.py                 # 75 steps, 5 cycles: under a minute on 2 CPU cores
     python examples/train_resnet18.py --max-steps 12  # a quick look
 
-Each cycle's slowest FX nodes are printed as it completes; at the end the script prints the
-`tensorboard --logdir ...` command that shows the scalars, the node tables (TEXT tab) and
-the traces (PYTORCH_PROFILER tab).
+The profiler prints one line per cycle as it completes and a summary at the end of fit. Each
+cycle directory holds the trace (open it in https://ui.perfetto.dev), the node and module
+tables (CSV), cycle.json and two pictures; `python -m fxprof_lightning report <dir>` summarises
+the run. TensorBoard shows the totals and tracked layers (SCALARS, CUSTOM SCALARS), the tables
+(TEXT) and the pictures (IMAGES).
 """
 
 from __future__ import annotations
@@ -38,19 +40,6 @@ class LitResNet(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
-class PrintEachCycle(pl.Callback):
-    """Prints the newest cycle's table when the profiler completes one."""
-
-    def __init__(self, profiler: FXProfilerCallback) -> None:
-        self.profiler = profiler
-        self.printed = 0
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        for report in self.profiler.cycles[self.printed :]:
-            print(f"\n{report.to_markdown(top_k=8)}\n")
-        self.printed = len(self.profiler.cycles)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-steps", type=int, default=75)
@@ -72,14 +61,15 @@ def main() -> None:
         max_steps=args.max_steps,
         accelerator="cpu",
         logger=logger,
-        callbacks=[profiler, PrintEachCycle(profiler)],
+        callbacks=[profiler],
         log_every_n_steps=5,
         enable_checkpointing=False,
         enable_model_summary=False,
-        enable_progress_bar=False,  # keeps the printed tables readable
+        enable_progress_bar=False,  # keeps the profiler's one line per cycle readable
     )
     trainer.fit(LitResNet(), DataLoader(data, batch_size=args.batch_size, num_workers=0))
-    print(f"\nPer-cycle CSV files and traces: {logger.log_dir}/fxprof/cycle_*/")
+    print(f"\nPer-cycle traces, tables and pictures: {logger.log_dir}/fxprof/cycle_*/")
+    print(f"Summary of the run:     python -m fxprof_lightning report {logger.log_dir}/fxprof")
     print(f"Open TensorBoard with:  tensorboard --logdir {logger.root_dir}")
 
 
