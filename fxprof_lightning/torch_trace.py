@@ -4,7 +4,8 @@ A fresh ``torch.profiler.profile`` is created for each cycle and lives only over
 cycle's warm-up and recorded steps, so nothing of the profiler runs between cycles. Its
 schedule numbers steps like the training run, so the trace's ``ProfilerStep#N`` ranges
 carry the same step numbers as the logged scalars. The trace file appears under its final
-name in one ``os.replace``: the plugin never sees a partial file.
+name in one ``os.replace``: the plugin never sees a partial file. kineto's routine log lines
+about starting and stopping the session are kept off the console (``quiet.quiet_kineto``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch.profiler import ProfilerAction
 
 from fxprof_lightning.node_timing import backward_durations
+from fxprof_lightning.quiet import quiet_kineto
 
 __all__ = ["CycleTrace", "check_profiler_kwargs"]
 
@@ -87,21 +89,24 @@ class CycleTrace:
             **(profiler_kwargs or {}),
         )
         first = min(actions)
-        if first > 0:
-            # Enter the cycle through step() so the profiler's step number is the training step.
-            self._profiler.step_num = first - 1
-            self._profiler.start()
-            self._profiler.step()
-        else:
-            self._profiler.start()
+        with quiet_kineto():
+            if first > 0:
+                # Enter the cycle through step() so the profiler's step number is the training step.
+                self._profiler.step_num = first - 1
+                self._profiler.start()
+                self._profiler.step()
+            else:
+                self._profiler.start()
 
     def step(self) -> None:
         """End the current step (after the cycle's last step this writes the trace)."""
-        self._profiler.step()
+        with quiet_kineto():
+            self._profiler.step()
 
     def stop(self) -> None:
         """Stop profiling; a cycle cut short is written with what it recorded."""
-        self._profiler.stop()
+        with quiet_kineto():
+            self._profiler.stop()
 
     def _write(self, profiler: torch.profiler.profile) -> None:
         events = profiler.profiler.kineto_results.events()
