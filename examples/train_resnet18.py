@@ -5,7 +5,7 @@
 
 The profiler prints one line per cycle as it completes and a summary at the end of fit. Each
 cycle directory holds the trace (open it in https://ui.perfetto.dev), the node and module
-tables (CSV), cycle.json and two pictures; `python -m fxprof_lightning report <dir>` summarises
+tables (CSV), cycle.jsonl and two pictures; `python -m fxprof_lightning report <dir>` summarises
 the run. TensorBoard shows the totals and tracked layers (SCALARS, CUSTOM SCALARS), the tables
 (TEXT) and the pictures (IMAGES).
 """

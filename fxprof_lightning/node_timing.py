@@ -46,6 +46,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from fxprof_lightning.quiet import quiet_kineto
+
 __all__ = ["BackwardEvents", "CudaClock", "NodeInfo", "NodeTimer", "autograd_nodes", "describe_target", "enter_range", "exit_range", "is_timed", "mark_untimed", "tensors_in"]
 
 # Node kinds that run code worth timing; placeholders, get_attr and output only move references.
@@ -181,8 +183,9 @@ class BackwardEvents:
         config = torch._C._profiler.ProfilerConfig(torch._C._profiler.ProfilerState.KINETO, False, False, False,
                                                    False, False, torch._C._profiler._ExperimentalConfig())
         activities = {torch._C._profiler.ProfilerActivity.CPU}
-        torch._C._autograd._prepare_profiler(config, activities)
-        torch._C._autograd._enable_profiler(config, activities, {torch._C._profiler.RecordScope.BACKWARD_FUNCTION})
+        with quiet_kineto():
+            torch._C._autograd._prepare_profiler(config, activities)
+            torch._C._autograd._enable_profiler(config, activities, {torch._C._profiler.RecordScope.BACKWARD_FUNCTION})
         self.running = True
         return True
 
@@ -194,7 +197,9 @@ class BackwardEvents:
         if torch.autograd.profiler._is_profiler_enabled or not torch._C._autograd._profiler_enabled():
             self.lost = True  # a torch.profiler started meanwhile: the session is its own, not ours to stop
             return []
-        return backward_durations(torch._C._autograd._disable_profiler().events())
+        with quiet_kineto():
+            results = torch._C._autograd._disable_profiler()
+        return backward_durations(results.events())
 
 
 def backward_durations(events: Any) -> list[tuple[int, int]]:

@@ -318,7 +318,7 @@ class CycleReport:
         return sum(n.bwd_total_ms for n in self.nodes) / max(len(self.steps), 1)
 
     def to_summary(self) -> dict[str, Any]:
-        """The cycle apart from its tables, as JSON-ready values (``cycle.json`` in the cycle's directory)."""
+        """The cycle apart from its tables, as JSON-ready values (``cycle.jsonl`` in the cycle's directory)."""
         return {
             "index": self.index, "stage": self.stage, "steps": self.steps, "partial": self.partial, "ranks": self.ranks,
             "forward_ms_per_step": self.forward_ms_per_step, "backward_ms_per_step": self.backward_ms_per_step,

@@ -168,8 +168,9 @@ def log_trend_to_summary_writer(writer: Any, profiler: Profiler) -> None:
 
 
 class CsvSink:
-    """``fx_nodes.csv``, ``fx_modules.csv``, ``cycle.json`` (and ``fsdp_ranges.csv``) in the cycle's directory,
-    written atomically. ``cycle.json`` holds the rest of the report (``CycleReport.to_summary``)."""
+    """``fx_nodes.csv``, ``fx_modules.csv``, ``cycle.jsonl`` (and ``fsdp_ranges.csv``) in the cycle's directory,
+    written atomically. ``cycle.jsonl`` holds the rest of the report (``CycleReport.to_summary``) as one JSON line:
+    not ``.json``, because HolisticTraceAnalysis reads every ``.json`` file of a directory as a trace."""
 
     def write_cycle(self, report: CycleReport, profiler: Profiler) -> None:
         write_atomically(report.directory / "fx_nodes.csv", report.to_csv(), profiler.name)
@@ -177,8 +178,8 @@ class CsvSink:
             write_atomically(report.directory / "fx_modules.csv", report.modules_to_csv(), profiler.name)
         if report.ranges:
             write_atomically(report.directory / "fsdp_ranges.csv", report.ranges_to_csv(), profiler.name)
-        summary = json.dumps(report.to_summary(), indent=1, default=str)
-        write_atomically(report.directory / "cycle.json", summary, profiler.name)
+        summary = json.dumps(report.to_summary(), default=str) + "\n"
+        write_atomically(report.directory / "cycle.jsonl", summary, profiler.name)
 
     def close(self, profiler: Profiler) -> None:
         pass

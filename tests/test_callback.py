@@ -85,8 +85,8 @@ def test_cycle_directories_hold_one_trace_and_the_csv(profiled_run):
     for cycle in callback.cycles:
         assert cycle.directory == fxprof / f"cycle_{cycle.index:04d}"
         assert sorted(p.name for p in cycle.directory.iterdir() if not TRACE_NAME.match(p.name)) == [
-            "cycle.json", "fx_modules.csv", "fx_nodes.csv", "module_tree.png", "slowest_layers.png"]
-        summary = json.loads((cycle.directory / "cycle.json").read_text())
+            "cycle.jsonl", "fx_modules.csv", "fx_nodes.csv", "module_tree.png", "slowest_layers.png"]
+        summary = json.loads((cycle.directory / "cycle.jsonl").read_text())
         assert (summary["index"], summary["steps"], summary["trace_files"]) == (cycle.index, cycle.steps,
                                                                                 [cycle.trace_paths[0].name])
         assert [p.parent for p in cycle.trace_paths] == [cycle.directory]
@@ -168,7 +168,7 @@ def test_torch_profiler_only_and_fx_only(tmp_path):
     (cycle,) = fx_only.cycles
     assert cycle.trace_paths == [] and {n.name for n in cycle.nodes} == SMALLNET_NODES
     assert sorted(p.name for p in cycle.directory.iterdir()) == [
-        "cycle.json", "fx_modules.csv", "fx_nodes.csv", "module_tree.png", "slowest_layers.png"]
+        "cycle.jsonl", "fx_modules.csv", "fx_nodes.csv", "module_tree.png", "slowest_layers.png"]
 
 
 def test_node_ranges_can_be_left_out_of_the_trace(tmp_path):
