@@ -19,6 +19,7 @@ LOW_PEAK = 30.0  # % of the roofline's attainable rate below which a large matmu
 BACKWARD_RATIO = 3.0  # backward this many times its forward is suspicious (2x is normal for matmuls)
 ELEMENTWISE_SHARE = 15.0  # % of the step's node time in one module's elementwise nodes
 SLOW_RANK_SHARE = 2 / 3  # the same rank slowest in this share of the cycles
+PER_RULE = 2  # findings of one rule kept, so that the few lines cover different problems
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,9 @@ def heavy_backward(nodes: list[NodeStats]) -> list[Advice]:
             continue
         found.append(Advice(_share(n, grand), (
             f"`{n.name}` ({n.target}) takes {n.bwd_mean_ms / n.mean_ms:.1f}x as long in backward as in forward "
-            f"({n.bwd_mean_ms:.3f} vs {n.mean_ms:.3f} ms per call, {_share(n, grand):.0f}% of node time): look for "
-            "gradients nobody needs (requires_grad on inputs or frozen weights), an op without a fused backward, or "
-            "a scatter/index backward; the trace's backward ops of this node show which.")))
+            f"({n.bwd_mean_ms:.3f} vs {n.mean_ms:.3f} ms per call, {_share(n, grand):.0f}% of node time; about 2x is "
+            "usual for a matmul or conv): look for gradients nobody needs (frozen weights, inputs with requires_grad) "
+            "or an op whose backward is slow on this device; the node's backward ops in the trace show which.")))
     return found
 
 
@@ -115,12 +116,13 @@ def regressed(regressions: list) -> list[Advice]:
 
 def advise(nodes: list[NodeStats], history: list[list[NodeStats]] = (), regressions: list = (), ranks: int = 1,
            top: int = 5) -> list[str]:
-    """The ``top`` findings of every rule, most at stake first.
+    """The ``top`` findings (at most ``PER_RULE`` of each rule), most at stake first.
 
     ``history`` holds the node tables of the cycles so far (this one last), ``regressions`` this
     cycle's regressions, ``ranks`` how many ranks were merged.
     """
-    found = [*regressed(list(regressions)), *low_peak(nodes), *heavy_backward(nodes), *elementwise_share(nodes),
-             *slow_rank(list(history), ranks)]
+    rules = (regressed(list(regressions)), low_peak(nodes), heavy_backward(nodes), elementwise_share(nodes),
+             slow_rank(list(history), ranks))
+    found = [a for items in rules for a in sorted(items, key=lambda a: a.weight, reverse=True)[:PER_RULE]]
     found.sort(key=lambda a: a.weight, reverse=True)
     return [a.text for a in found[:top]]

@@ -47,7 +47,7 @@ from fxprof_lightning.report import (
     summarize_nodes,
     summarize_ranges,
 )
-from fxprof_lightning.roofline import Peaks, device_peaks, with_roofline
+from fxprof_lightning.roofline import Peaks, device_peaks, raised_to, with_roofline
 from fxprof_lightning.schedule import ProfilerAction, Schedule
 from fxprof_lightning.sinks import ConsoleSink, CsvSink, PictureSink, Sink
 from fxprof_lightning.torch_trace import CycleTrace, check_profiler_kwargs
@@ -584,6 +584,9 @@ class Profiler:
         peaks = self._device_peaks()
         if peaks is not None:
             report.nodes = with_roofline(report.nodes, peaks)
+            if peaks.source != "given" and any(n.pct_of_peak is not None and n.pct_of_peak > 100 for n in report.nodes):
+                self.peaks = peaks = raised_to(peaks, report.nodes)  # a measured peak a node beat was too low
+                report.nodes = with_roofline(report.nodes, peaks)
         report.distortion = distortion(report.step_ms, stage.step_medians)
         if report.distortion:
             self.warn(f"{stage.name} cycle {report.index}'s numbers look distorted by other load: {report.distortion}. "

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["image_array", "module_icicle", "png_bytes", "slowest_layers", "trend"]
 
-WIDTH_IN, DPI = 10.0, 100
+WIDTH_IN, DPI = 7.0, 100  # 700 px: readable when TensorBoard shows it in a narrow card
 FORWARD, BACKWARD, GREY = "#4c72b0", "#dd8452", "#777777"
 
 

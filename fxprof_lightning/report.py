@@ -330,7 +330,7 @@ class CycleReport:
         }
 
     def to_markdown(self, top_k: int | None = None) -> str:
-        """The cycle as Markdown: header, trust line, node table (slowest first, ``top_k`` rows at most),
+        """The cycle as Markdown: header, node table (slowest first, ``top_k`` rows at most), trust line,
         regressions, advice and FSDP ranges."""
         shown = self.nodes if top_k is None else self.nodes[:top_k]
         steps = max(len(self.steps), 1)
@@ -342,11 +342,31 @@ class CycleReport:
         if self.backward_ms_per_step:
             header += f", backward {self.backward_ms_per_step:.3f} ms"
             if self.backward_wall_ms:
-                header += f" ({100 * self.backward_ms_per_step / self.backward_wall_ms:.0f}% of the measured backward)"
+                header += (f" (the nodes' backward times cover {100 * self.backward_ms_per_step / self.backward_wall_ms:.0f}% "
+                           "of the measured backward)")
         header += f" per step over {len(self.nodes)} nodes{over_ranks}"
         if self.capture is not None and self.capture.method != "symbolic_trace":
             header += f"; captured by {self.capture.describe()}"
-        lines = [header, ""]
+        grand = sum(n.total_ms + n.bwd_total_ms for n in self.nodes) or 1.0
+        lines = [
+            header,
+            "",
+            "| node | op | fwd ms/call | bwd ms/call | fwd+bwd ms/step | % of fwd+bwd | calls/step "
+            "| fwd GFLOP/s | % of peak | bound |" + (" slowest rank fwd ms/call | slowest rank |" if straggler else ""),
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|" + ("---:|---:|" if straggler else ""),
+        ]
+        for n in shown:
+            row = (
+                f"| {_md(n.name)} | {n.op.removeprefix('call_')} | {n.mean_ms:.3f} | {n.bwd_mean_ms:.3f} "
+                f"| {(n.total_ms + n.bwd_total_ms) / steps:.3f} | {100 * (n.total_ms + n.bwd_total_ms) / grand:.1f} "
+                f"| {n.calls / steps:g} | {_num(n.fwd_gflops_per_s, '.1f')} | {_num(n.pct_of_peak, '.0f')} | {n.bound} |"
+            )
+            if straggler:
+                row += f" {n.slowest_rank_ms:.3f} | {n.slowest_rank} |"
+            lines.append(row)
+        if len(shown) < len(self.nodes):
+            lines.append(f"\n{len(self.nodes) - len(shown)} faster nodes not shown (the CSV has every node, with its target).")
+        lines.append("")
         if self.step_ms:
             trust = f"Recorded steps took {statistics.median(self.step_ms):.1f} ms (median)"
             if len(self.step_ms) > 1:
@@ -357,35 +377,19 @@ class CycleReport:
             lines += [trust + ".", ""]
         if self.distortion:
             lines += [f"**These numbers look distorted by other load:** {self.distortion}.", ""]
-        grand = sum(n.total_ms + n.bwd_total_ms for n in self.nodes) or 1.0
-        lines += [
-            "| node | op | target | fwd ms/call | bwd ms/call | fwd+bwd ms/step | % of fwd+bwd | calls/step "
-            "| fwd GFLOP/s | % of peak | bound |" + (" slowest rank fwd ms/call | slowest rank |" if straggler else ""),
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|" + ("---:|---:|" if straggler else ""),
-        ]
-        for n in shown:
-            row = (
-                f"| {_md(n.name)} | {n.op} | {_md(n.target)} | {n.mean_ms:.3f} | {n.bwd_mean_ms:.3f} "
-                f"| {(n.total_ms + n.bwd_total_ms) / steps:.3f} | {100 * (n.total_ms + n.bwd_total_ms) / grand:.1f} "
-                f"| {n.calls / steps:g} | {_num(n.fwd_gflops_per_s, '.1f')} | {_num(n.pct_of_peak, '.0f')} | {n.bound} |"
-            )
-            if straggler:
-                row += f" {n.slowest_rank_ms:.3f} | {n.slowest_rank} |"
-            lines.append(row)
-        if len(shown) < len(self.nodes):
-            lines.append(f"\n{len(self.nodes) - len(shown)} faster nodes not shown.")
         if self.regressions:
-            lines += ["", "Regressions, slower than in the earlier cycles beyond the noise (median ms per call):", ""]
+            lines += ["Regressions, slower than in the earlier cycles beyond the noise (median ms per call):", ""]
             lines += [f"- {_md(r.node)} {r.direction}: {r.baseline_ms:.3f} -> {r.now_ms:.3f} ms ({r.ratio:.2f}x, "
                       f"noise {r.noise_ms:.3f} ms)" for r in self.regressions]
+            lines.append("")
         if self.advice:
-            lines += ["", "What to try:", "", *(f"- {text}" for text in self.advice)]
+            lines += ["What to try:", "", *(f"- {text}" for text in self.advice), ""]
         if self.ranges:
-            lines += ["", "FSDP ranges in the trace (ms per step, inside the nodes above):", "",
+            lines += ["FSDP ranges in the trace (ms per step, inside the nodes above):", "",
                       "| range | module | ms per step | calls per step |", "|---|---|---:|---:|"]
             lines += [f"| {_md(r.name)} | {_md(r.module or '(root)')} | {r.ms_per_step:.3f} | {r.calls_per_step:g} |"
                       for r in self.ranges]
-        return "\n".join(lines)
+        return "\n".join(lines).rstrip("\n")
 
     def modules_to_text(self, depth: int | None = None) -> str:
         """The module tree, indented like torchprof's, as a Markdown code block (ms per step)."""

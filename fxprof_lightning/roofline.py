@@ -29,7 +29,7 @@ import torch
 
 from fxprof_lightning.report import NodeStats
 
-__all__ = ["Peaks", "default_cache_path", "device_name", "device_peaks", "measure_peaks", "with_roofline"]
+__all__ = ["Peaks", "default_cache_path", "device_name", "device_peaks", "measure_peaks", "raised_to", "with_roofline"]
 
 SOURCES = ("measured", "cached", "given")
 _CACHE_FORMAT = 1
@@ -63,6 +63,20 @@ class Peaks:
     def ridge(self) -> float:
         """The intensity (FLOPs per byte) above which the roofline is flat: compute-bound from there on."""
         return self.gflops_per_s / self.gbytes_per_s
+
+
+def raised_to(peaks: Peaks, stats: list[NodeStats]) -> Peaks:
+    """``peaks`` raised to the best rates the nodes achieved: a measured peak that a node beat was measured low
+    (another process had the cores, or the micro-benchmark's sizes missed the device's best).
+
+    >>> from fxprof_lightning.report import NodeStats
+    >>> fast = NodeStats("mm", "call_function", "mm", "", 1, 1.0, 1.0, 1.0, 1.0, 1.0, 100.0, fwd_gflops_per_s=80.0)
+    >>> raised_to(Peaks(50.0, 10.0, source="measured"), [fast])
+    Peaks(gflops_per_s=80.0, gbytes_per_s=10.0, device='', source='measured')
+    """
+    flops = max([peaks.gflops_per_s, *(s.fwd_gflops_per_s for s in stats if s.fwd_gflops_per_s)])
+    bandwidth = max([peaks.gbytes_per_s, *(s.fwd_gbytes_per_s for s in stats if s.fwd_gbytes_per_s)])
+    return replace(peaks, gflops_per_s=flops, gbytes_per_s=bandwidth)
 
 
 def with_roofline(stats: list[NodeStats], peaks: Peaks) -> list[NodeStats]:

@@ -10,7 +10,7 @@ Tags are shared by every sink that logs scalars, text or pictures (``cycle_scala
 ``cycle_texts``): the run's totals in the ``fxprof`` group (``fxprof/forward_ms_per_step``,
 ``fxprof/backward_ms_per_step``, ``fxprof/regressions``, ``fxprof/step_spread``,
 ``fxprof/cpu_per_wall``), the tracked nodes in ``fxprof_nodes`` (``fxprof_nodes/<node>/forward_ms_per_call``,
-``.../backward_ms_per_call``), text ``fxprof/nodes`` (with the regressions and advice), ``fxprof/modules`` and
+``.../backward_ms_per_call``), text ``fxprof/layers`` (the node table, regressions and advice), ``fxprof/modules`` and
 pictures ``fxprof/slowest_layers``, ``fxprof/module_tree``, ``fxprof/trend``. Validation cycles
 use ``fxprof_val`` and ``fxprof_val_nodes``. The step is the cycle's last recorded step.
 """
@@ -85,7 +85,7 @@ def custom_scalars_layout(validation: bool = False) -> dict:
 def cycle_texts(report: CycleReport, top_k: int, module_depth: int) -> dict[str, str]:
     """The cycle's text entries: the node table (Markdown) and, when there is one, the module tree."""
     prefix = tag_prefix(report)
-    texts = {f"{prefix}/nodes": report.to_markdown(top_k)}
+    texts = {f"{prefix}/layers": report.to_markdown(top_k)}
     if report.modules:
         texts[f"{prefix}/modules"] = report.modules_to_text(module_depth)
     return texts

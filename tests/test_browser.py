@@ -10,7 +10,7 @@ the checks walk the shadow roots under each tab's dashboard element with JavaScr
 
 The checks, in the rendered pages:
 
-* TEXT: ``fxprof/nodes`` renders as one HTML ``<table>`` per cycle, with our header cells and
+* TEXT: ``fxprof/layers`` renders as one HTML ``<table>`` per cycle, with our header cells and
   exactly the rows of ``CycleReport.to_markdown`` (no raw Markdown left over); ``fxprof/modules``
   renders as one ``<pre>`` block per cycle holding the module tree;
 * IMAGES: ``fxprof/slowest_layers``, ``fxprof/module_tree`` and ``fxprof/trend`` are ``<img>``
@@ -21,7 +21,7 @@ The checks, in the rendered pages:
 
 Not judged here, only seen in the screenshots: with one point per cycle, TensorBoard's default "Ignore
 outliers in chart scaling" leaves two-point charts on a [0, 1] y range (they look empty until it is unticked),
-and the IMAGES cards show the 1000-pixel pictures 350 pixels wide until "Show actual image size" is ticked.
+and the IMAGES cards show the 700-pixel pictures 350 pixels wide until "Show actual image size" is ticked.
 
 Screenshots of the four tabs go to ``$FXPROF_SCREENSHOTS`` (default ``<tmp>/fxprof_browser``), to look at.
 Skipped without Chromium (``apt-get install -y --no-install-recommends chromium``) or without the
@@ -354,11 +354,11 @@ def test_text_tab_renders_the_node_table_and_the_module_tree(served: Served, pag
     def rendered():
         cards = {card["tag"].split("/")[1]: card for card in page.evaluate(TEXT_CARDS) or []
                  if card["run"] == served.run and card["tag"].startswith("fxprof/")}
-        nodes, modules = cards.get("nodes"), cards.get("modules")
+        nodes, modules = cards.get("layers"), cards.get("modules")
         done = nodes and modules and len(nodes["tables"]) == len(modules["pres"]) == len(served.cycles)
         return done and (nodes, modules)
 
-    nodes, modules = poll(rendered, "the TEXT tab showing fxprof/nodes and fxprof/modules", page.alive)
+    nodes, modules = poll(rendered, "the TEXT tab showing fxprof/layers and fxprof/modules", page.alive)
     page.screenshot("text")
 
     shown = [(table["header"], table["rows"]) for table in nodes["tables"]]

@@ -67,7 +67,7 @@ def test_cycles_report_recorded_steps_and_nodes(profiled_run):
         costs = [n.total_ms + n.bwd_total_ms for n in cycle.nodes]
         assert costs == sorted(costs, reverse=True)  # slowest forward + backward first
         markdown = cycle.to_markdown()
-        assert "| node | op | target | fwd ms/call | bwd ms/call | fwd+bwd ms/step | % of fwd+bwd | calls/step |" in markdown
+        assert "| node | op | fwd ms/call | bwd ms/call | fwd+bwd ms/step | % of fwd+bwd | calls/step |" in markdown
         assert all(f"`{name}`" in markdown for name in SMALLNET_NODES)
 
 
@@ -122,7 +122,7 @@ def test_scalars_and_text_reach_tensorboard(profiled_run):
         total = next(e.value for e in events.Scalars("fxprof/forward_ms_per_step") if e.step == cycle.steps[-1])
         assert total == pytest.approx(sum(n.total_ms for n in cycle.nodes) / 2, rel=1e-5)
 
-    texts = events.Tensors("fxprof/nodes/text_summary")  # add_text appends /text_summary
+    texts = events.Tensors("fxprof/layers/text_summary")  # add_text appends /text_summary
     assert [t.step for t in texts] == [5, 9]
     for text, cycle in zip(texts, callback.cycles, strict=True):
         markdown = tensor_util.make_ndarray(text.tensor_proto).item().decode()

@@ -104,7 +104,7 @@ def test_callback_from_yaml_profiles_the_fit(tmp_path):
     assert [e.step for e in tensorboard.Scalars("fxprof/forward_ms_per_step")] == [3]
     per_node = {t for t in tensorboard.Tags()["scalars"] if t.endswith("/forward_ms_per_call")}
     assert per_node == {f"fxprof_nodes/{n.name}/forward_ms_per_call" for n in cycle.nodes[:3]}  # top_k=3
-    (text,) = tensorboard.Tensors("fxprof/nodes/text_summary")
+    (text,) = tensorboard.Tensors("fxprof/layers/text_summary")
     assert tensor_util.make_ndarray(text.tensor_proto).item().decode() == cycle.to_markdown(3)
 
     # LightningCLI's saved config replays the callback as configured

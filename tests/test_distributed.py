@@ -228,14 +228,14 @@ def test_rank_zero_logs_each_cycle_once(ddp_run):
     per_node = {t for t in events.Tags()["scalars"] if t.endswith("/forward_ms_per_call")}
     assert per_node == {f"fxprof_nodes/{name}/forward_ms_per_call" for name, *_ in reports[0]["cycles"][0]["nodes"][:3]}
 
-    logged = texts(events, "fxprof/nodes/text_summary")
+    logged = texts(events, "fxprof/layers/text_summary")
     assert [step for step, _ in logged] == [3, 6]
     for (_, markdown), cycle in zip(logged, reports[0]["cycles"], strict=True):
         assert markdown == cycle["markdown"]
         lines = markdown.splitlines()
         assert "mean over 2 ranks" in lines[0]
         (header,) = [line for line in lines if line.startswith("| node |")]
-        assert header.startswith("| node | op | target | fwd ms/call | bwd ms/call |")
+        assert header.startswith("| node | op | fwd ms/call | bwd ms/call |")
         assert header.endswith("| slowest rank fwd ms/call | slowest rank |")
         assert markdown.count("\n| `") == 3  # top_k rows, each ending in the slowest rank
         assert all(re.search(r"\| [\d.]+ \| [01] \|$", line) for line in markdown.splitlines() if line.startswith("| `"))
@@ -283,7 +283,7 @@ def test_a_rank_that_cannot_trace_is_timed_by_module_hooks_and_gathered(tmp_path
     assert {r["name"]: int(r["slowest_rank"]) for r in rows} == slowest
     events = read_events(tmp_path / "logs" / "version_0")
     assert [e.step for e in events.Scalars("fxprof/forward_ms_per_step")] == [3]
-    ((step, markdown),) = texts(events, "fxprof/nodes/text_summary")
+    ((step, markdown),) = texts(events, "fxprof/layers/text_summary")
     assert step == 3 and "mean over 2 ranks" in markdown.splitlines()[0]
 
 
@@ -318,7 +318,7 @@ def test_a_rank_whose_profiling_fails_neither_hangs_nor_counts(tmp_path):
     assert sorted(TRACE_NAME.match(p.name).group(1) for p in directory.iterdir() if TRACE_NAME.match(p.name)) == ["0"]
     assert {r["slowest_rank"] for r in read_csv(directory / "fx_nodes.csv")} == {"0"}
     assert (tmp_path / "cwd1" / "fxprof").read_text() == "not a directory"
-    ((_, markdown),) = texts(read_events(tmp_path / "logs" / "version_0"), "fxprof/nodes/text_summary")
+    ((_, markdown),) = texts(read_events(tmp_path / "logs" / "version_0"), "fxprof/layers/text_summary")
     assert "mean over" not in markdown and "slowest rank" not in markdown
 
 

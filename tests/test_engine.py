@@ -165,7 +165,7 @@ def test_sinks_write_what_the_callback_writes(tmp_path):
     assert {"fxprof/forward_ms_per_step", "fxprof/backward_ms_per_step", "fxprof/regressions"} <= scalars
     assert len([t for t in scalars if t.endswith("/forward_ms_per_call")]) == 3  # top_k nodes
     assert [e.step for e in events.Scalars("fxprof/forward_ms_per_step")] == [2]
-    assert {"fxprof/nodes/text_summary", "fxprof/modules/text_summary"} <= set(events.Tags()["tensors"])
+    assert {"fxprof/layers/text_summary", "fxprof/modules/text_summary"} <= set(events.Tags()["tensors"])
     assert all((c.directory / "fx_nodes.csv").exists() for c in prof.cycles)
 
 

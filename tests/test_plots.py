@@ -89,7 +89,7 @@ def decoded(fig: Figure) -> np.ndarray:
     image = matplotlib.image.imread(io.BytesIO(data), format="png")
     width, height = fig.get_size_inches() * fig.dpi
     assert image.shape[:2] == (round(height), round(width)) and image.shape[2] in (3, 4)
-    assert width == 1000
+    assert width == 700
     return image
 
 
@@ -191,7 +191,7 @@ def test_trend_follows_the_last_cycles_slowest_nodes_leaving_gaps(nested):
 
 def test_image_array_is_rgb_for_tensorboard(mlp):
     array = image_array(slowest_layers(mlp.cycles[0]))
-    assert array.dtype == np.uint8 and array.ndim == 3 and array.shape[1:] == (1000, 3)
+    assert array.dtype == np.uint8 and array.ndim == 3 and array.shape[1:] == (700, 3)
     assert colours(array) > 50
     assert np.array_equal(array, (decoded(slowest_layers(mlp.cycles[0]))[..., :3] * 255).round().astype(np.uint8))
 
