@@ -573,6 +573,7 @@ class Profiler:
             self._safely("analysing a cycle", self._analyse, stage, report)
             for sink in self.sinks:
                 sink.write_cycle(report, self)
+            report.pictures.clear()  # written: a long run keeps no image bytes
         stage.cycles.append(report)
         self._forget_old_cycles(stage)
 
@@ -588,9 +589,6 @@ class Profiler:
                 self.peaks = peaks = raised_to(peaks, report.nodes)  # a measured peak a node beat was too low
                 report.nodes = with_roofline(report.nodes, peaks)
         report.distortion = distortion(report.step_ms, stage.step_medians)
-        if report.distortion:
-            self.warn(f"{stage.name} cycle {report.index}'s numbers look distorted by other load: {report.distortion}. "
-                      "It is left out of the regression baseline; compare it with other cycles before acting on it.")
         sound = not report.partial and report.distortion is None
         if sound:
             report.regressions = find_regressions(stage.baseline, report.nodes)

@@ -284,7 +284,8 @@ class CycleReport:
         distortion: why the cycle's numbers look distorted by other load (``trust.distortion``), or None.
         tracked: the nodes whose series the run logs as scalars: the same in every cycle of a run
             (the first cycle's ``top_k`` slowest), so the series have no gaps.
-        pictures: PNG images by tag (``fxprof/slowest_layers``...), rendered once for every sink that wants them.
+        pictures: PNG images by tag (``fxprof/slowest_layers``...), rendered once for every sink that wants them
+            and emptied when the sinks are done (the PNG files stay in ``directory``).
     """
 
     index: int

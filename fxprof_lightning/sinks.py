@@ -261,7 +261,7 @@ def cycle_line(report: CycleReport, name: str) -> str:
         more = f" and {len(report.regressions) - 1} more" if len(report.regressions) > 1 else ""
         line += f"; REGRESSION {worst.node} {worst.direction} {worst.ratio:.2f}x{more}"
     if report.distortion:
-        line += "; DISTORTED by other load"
+        line += f"; WARNING: distorted by other load ({report.distortion}), left out of the regression baseline"
     return line
 
 

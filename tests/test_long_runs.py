@@ -56,9 +56,10 @@ def test_retained_data_does_not_grow_over_2000_steps(tmp_path):
     assert len(profiler.cycles) == 3 and profiler.cycles[-1].index == 199  # 200 cycles ran, 3 kept
     sizes = {step: size for step, (size, _) in probe.retained.items()}
     assert all(samples == 0 for _, samples in probe.retained.values())  # no per-step samples kept between cycles
-    assert max(sizes.values()) - min(sizes.values()) <= 64, sizes  # same 3 reports whatever the cycle count
+    # same 3 reports whatever the cycle count (their advice and regressions vary by a few sentences)
+    assert max(sizes.values()) - min(sizes.values()) <= 4096, sizes
     assert probe.rss[2000] - probe.rss[500] < 64 * 2**20, probe.rss  # process memory flat (generous for allocator noise)
 
     fxprof = tmp_path / "logs" / "version_0" / "fxprof"
-    assert sorted(p.name for p in fxprof.iterdir()) == ["cycle_0197", "cycle_0198", "cycle_0199"]
+    assert sorted(p.name for p in fxprof.iterdir()) == ["cycle_0197", "cycle_0198", "cycle_0199", "trend.png"]
     assert [c.directory.name for c in profiler.cycles] == ["cycle_0197", "cycle_0198", "cycle_0199"]
