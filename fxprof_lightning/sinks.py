@@ -278,8 +278,19 @@ def summary(cycles: list[CycleReport], name: str, out_dir: Path, logdir: str | o
         for n in last.nodes[:5]:
             lines.append(f"  {n.name:<28} {n.op:<14} forward {n.mean_ms:9.3f} ({n.pct:4.1f} %)  "
                          f"backward {n.bwd_mean_ms:9.3f} ({n.bwd_pct:4.1f} %)")
+    regressed = [(c.index, r) for c in cycles for r in c.regressions]
+    if regressed:
+        lines.append(f"Regressions in {len({i for i, _ in regressed})} cycle(s): "
+                     + "; ".join(f"cycle {i} {r.node} {r.direction} {r.ratio:.2f}x" for i, r in regressed[:5])
+                     + (" ..." if len(regressed) > 5 else ""))
+    distorted = [c.index for c in cycles if c.distortion]
+    if distorted:
+        lines.append(f"Distorted by other load: cycle(s) {', '.join(map(str, distorted))}")
+    if last.advice:
+        lines.append(f"What to try (cycle {last.index}): {last.advice[0]}")
     if any(c.trace_paths for c in cycles):
-        lines.append(f"Traces: {last.directory}. View them with: tensorboard --logdir {logdir}")
+        lines.append(f"Traces: {last.directory} (open them in https://ui.perfetto.dev, or: tensorboard --logdir {logdir})")
+    lines.append(f"Run summary: python -m fxprof_lightning report {out_dir}")
     return "\n".join(lines)
 
 
