@@ -1,0 +1,451 @@
+"""``fxprof``: compare two profiled runs layer by layer, or summarize one, from the files they left.
+
+    fxprof compare RUN_A RUN_B       # per-layer forward/backward deltas of B against A, beyond-noise marks
+    fxprof report RUN                # cycles, trend of the slowest layers, regressions, advice
+    python -m fxprof_lightning ...   # the same
+
+A RUN is a cycle directory (it holds ``fx_nodes.csv``) or a directory holding cycle directories,
+up to 4 levels down (``lightning_logs/version_0``, ``.../fxprof``); see ``runs``. ``compare``
+takes every complete training cycle of A as the baseline and B's last complete training cycle
+(``--cycle N``: B's cycle N; ``--stage val``: validation cycles) and applies
+``regressions.compare``'s noise model.
+
+Exit status: 0 done, no regression beyond the noise; 1 regressions found (``compare``: a node of
+B slower than in A beyond the noise; ``report``: a cycle with a node slower than in the cycles
+before it); 2 usage error or nothing to read (no cycle directory, an unreadable file), with a
+message on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+
+from fxprof_lightning.regressions import (
+    DEFAULT_K,
+    DEFAULT_MIN_MS,
+    DEFAULT_MIN_RELATIVE,
+    DEFAULT_MIN_SHARE,
+    MIN_BASELINE,
+    Delta,
+    Regression,
+    compare,
+    find_regressions,
+    shared_factor,
+)
+from fxprof_lightning.report import CycleReport
+from fxprof_lightning.runs import RunError, find_cycles, load_cycle
+from fxprof_lightning.trust import distortion, step_spread
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_REGRESSION, EXIT_USAGE = 0, 1, 2
+WIDTH = 120
+NAME_WIDTH = 44
+TREND_LAYERS = 6
+BASELINE_CYCLES = 5  # as the engine: each cycle against the last 5 sound ones before it
+
+EPILOG = """\
+exit status:
+  0  done, no regression beyond the noise
+  1  regressions found (compare: a node of B slower than in A beyond the noise;
+     report: a cycle with a node slower than in the cycles before it)
+  2  usage error, or nothing to read (no cycle directory with fx_nodes.csv, an unreadable file)
+
+A RUN is a cycle directory (holding fx_nodes.csv) or a directory holding cycle directories
+(cycle_NNNN, val_cycle_NNNN), up to 4 levels down: lightning_logs/version_0, fxprof, ...
+"""
+
+
+class UsageError(Exception):
+    """Bad arguments for what was found on disk (exit status 2)."""
+
+
+# ------------------------------------------------------------------ the command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fxprof", description="Per-layer timings that fxprof_lightning wrote: compare two runs, summarize one.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", metavar="{compare,report}")
+    commands.required = True
+
+    cmp = commands.add_parser(
+        "compare", help="per-layer deltas of run B against run A", epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.fill("Per-layer forward and backward times of B against A (median ms per call), largest "
+                                  "change first. A's baseline: all its complete cycles of the stage; B: its last "
+                                  "complete cycle, or --cycle N.", 80))
+    cmp.add_argument("a", metavar="A", help="baseline run or cycle directory")
+    cmp.add_argument("b", metavar="B", help="run or cycle directory to compare with A")
+    cmp.add_argument("--cycle", type=int, metavar="N", help="use B's cycle N (default: its last complete cycle)")
+    shown = cmp.add_mutually_exclusive_group()
+    shown.add_argument("--top", type=int, default=20, metavar="N", help="show the N largest changes (default 20)")
+    shown.add_argument("--all", action="store_true", help="show every node and direction")
+    _common(cmp)
+
+    rep = commands.add_parser(
+        "report", help="a run's cycles, the trend of its slowest layers, regressions and advice", epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.fill("A run's cycles, the trend of its slowest layers, the regressions found when each "
+                                  "cycle is compared with the ones before it, and the advice stored with its last "
+                                  "cycle.", 80))
+    rep.add_argument("run", metavar="RUN", help="run directory (or one cycle directory)")
+    rep.add_argument("--last", type=int, default=20, metavar="N",
+                     help="show the last N cycles in the tables (default 20)")
+    rep.add_argument("--layers", type=int, default=TREND_LAYERS, metavar="N",
+                     help=f"trend of the N slowest layers of the last cycle (default {TREND_LAYERS})")
+    _common(rep)
+    return parser
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--stage", choices=("train", "val"), default="train",
+                        help="training or validation cycles (default train)")
+    parser.add_argument("--k", type=float, default=DEFAULT_K, metavar="K",
+                        help=f"a change must exceed K noise spreads (default {DEFAULT_K:g})")
+    parser.add_argument("--min-change", type=float, default=DEFAULT_MIN_RELATIVE, metavar="R",
+                        help=f"... and this share of the baseline (default {DEFAULT_MIN_RELATIVE:g})")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0, 1 or 2, see the module docstring)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help (0) or a usage error (2), already printed by argparse
+        return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    try:
+        for name in ("top", "last", "layers"):
+            if getattr(args, name, 1) < 1:
+                raise UsageError(f"--{name} must be at least 1, got {getattr(args, name)}")
+        if args.k < 0 or args.min_change < 0:
+            raise UsageError("--k and --min-change must not be negative")
+        options = {"k": args.k, "min_relative": args.min_change}
+        if args.command == "compare":
+            text, status = run_compare(Path(args.a), Path(args.b), args.stage, args.cycle,
+                                       None if args.all else args.top, options)
+        else:
+            text, status = run_report(Path(args.run), args.stage, args.last, args.layers, options)
+    except (RunError, UsageError) as error:
+        print(f"fxprof: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # fxprof report RUN | head: the reader left, and so do we, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return status
+
+
+# ------------------------------------------------------------------ loading
+
+
+def load_stage(path: Path, stage: str, role: str) -> tuple[list[CycleReport], bool, int]:
+    """The cycles of ``stage`` at ``path`` in order, whether ``path`` is itself one cycle directory, and how
+    many cycles of the other stage it holds."""
+    directories = find_cycles(path)
+    if not directories:
+        raise RunError(f"{role} {path}: no cycle directory found (a directory holding fx_nodes.csv, at most 4 "
+                       "levels below, as the CsvSink writes them: lightning_logs/version_0/fxprof/cycle_0000)")
+    if directories == [path]:
+        return [load_cycle(path)], True, 0
+    parents = sorted({d.parent for d in directories})
+    if len(parents) > 1:
+        listed = ", ".join(str(p) for p in parents[:4]) + (", ..." if len(parents) > 4 else "")
+        raise UsageError(f"{role} {path} holds the cycles of {len(parents)} runs ({listed}): name one of them")
+    cycles = [load_cycle(d) for d in directories]
+    chosen = [c for c in cycles if c.stage == stage]
+    if not chosen:
+        stages = sorted({c.stage for c in cycles})
+        raise RunError(f"{role} {path}: no {_stage_name(stage)} cycle (it has {' and '.join(stages)} cycles: "
+                       f"--stage {stages[0]})")
+    return chosen, False, len(cycles) - len(chosen)
+
+
+def _stage_name(stage: str) -> str:
+    return "validation" if stage == "val" else "training"
+
+
+def per_step(report: CycleReport) -> tuple[float, float] | None:
+    """Summed node forward and backward ms per recorded step (from the module tree's root without step numbers)."""
+    if report.steps:
+        return report.forward_ms_per_step, report.backward_ms_per_step
+    root = next((m for m in report.modules if m.path == ""), None)
+    return (root.total_fwd_ms, root.total_bwd_ms) if root is not None else None
+
+
+def median_step_ms(report: CycleReport) -> float | None:
+    return statistics.median(report.step_ms) if report.step_ms else None
+
+
+def describe(report: CycleReport) -> str:
+    """``training cycle 4 (steps 400-402, partial)`` and its directory."""
+    parts = []
+    if report.steps:
+        parts.append(f"steps {_steps(report)}")
+    if report.partial:
+        parts.append("partial")
+    inside = f" ({', '.join(parts)})" if parts else ""
+    return f"{_stage_name(report.stage)} cycle {report.index}{inside}"
+
+
+# ------------------------------------------------------------------ compare
+
+
+def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None,
+                options: dict) -> tuple[str, int]:
+    """The text of ``fxprof compare`` and its exit status."""
+    a_cycles, _, _ = load_stage(a, stage, "A:")
+    b_cycles, b_single, _ = load_stage(b, stage, "B:")
+    if cycle is not None and b_single:
+        raise UsageError(f"--cycle picks a cycle of a run, and B ({b}) is one cycle directory")
+    baseline = [c for c in a_cycles if not c.partial] or a_cycles
+    if cycle is not None:
+        matching = [c for c in b_cycles if c.index == cycle]
+        if not matching:
+            raise UsageError(f"B: {b} has no {_stage_name(stage)} cycle {cycle} (it has "
+                             f"{_index_list([c.index for c in b_cycles])})")
+        now = matching[-1]
+    else:
+        now = next((c for c in reversed(b_cycles) if not c.partial), b_cycles[-1])
+    deltas = compare([c.nodes for c in baseline], now.nodes, **options)
+    factor = shared_factor([c.nodes for c in baseline], now.nodes)
+    lines = [f"A: {a}",
+             "   " + (describe(baseline[0]) if len(baseline) == 1 else
+                      f"{len(baseline)} {_stage_name(baseline[0].stage)} cycles "
+                      f"({_index_list([c.index for c in baseline])}); baseline: the median of their per-call medians"),
+             f"B: {now.directory}", f"   {describe(now)}", ""]
+    lines += delta_table(deltas, top)
+    lines += ["", *totals_table(baseline, now)]
+    lines += ["", *legend(options, factor, len(baseline))]
+    only_a = {n.name for c in baseline for n in c.nodes} - {n.name for n in now.nodes}
+    only_b = {n.name for n in now.nodes} - {n.name for c in baseline for n in c.nodes}
+    if only_a or only_b:
+        lines.append(_wrap(f"Not compared: {_names(only_b)} only in B; {_names(only_a)} only in A."))
+    slower = [d for d in deltas if d.slower]
+    lines.append(f"{len(slower)} node direction(s) of B slower than A beyond the noise." if slower
+                 else "No node of B is slower than A beyond the noise.")
+    return "\n".join(lines), EXIT_REGRESSION if slower else EXIT_OK
+
+
+def delta_table(deltas: list[Delta], top: int | None) -> list[str]:
+    ordered = sorted(deltas, key=lambda d: abs(d.delta_ms), reverse=True)
+    shown = ordered if top is None else ordered[:top]
+    lines = [f"{'node':<{NAME_WIDTH}}  {'direction':<9}  {'A ms/call':>10}  {'B ms/call':>10}  {'delta ms':>10}  "
+             f"{'ratio':>7}  mark"]
+    for d in shown:
+        mark = ("SLOWER" if d.slower else "faster") if d.beyond_noise else ""
+        lines.append(f"{shorten(d.node, NAME_WIDTH):<{NAME_WIDTH}}  {d.direction:<9}  {_ms(d.baseline_ms):>10}  "
+                     f"{_ms(d.now_ms):>10}  {d.delta_ms:>+10.3f}  {_ratio(d.ratio):>7}  {mark}".rstrip())
+    hidden = ordered[len(shown):]
+    if hidden:
+        beyond = sum(1 for d in hidden if d.beyond_noise)
+        lines.append(f"... {len(hidden)} smaller change(s) not shown"
+                     + (f", {beyond} of them beyond the noise" if beyond else "") + " (--all shows them)")
+    if not deltas:
+        lines.append("(no node timed in both)")
+    return lines
+
+
+def totals_table(baseline: list[CycleReport], now: CycleReport) -> list[str]:
+    """Per-step totals: A's median over its cycles, B's cycle."""
+    rows = []
+    a_steps = [s for c in baseline if (s := per_step(c)) is not None]
+    b_step = per_step(now)
+    if a_steps and b_step is not None:
+        rows.append(("forward (nodes)", statistics.median(s[0] for s in a_steps), b_step[0]))
+        rows.append(("backward (nodes)", statistics.median(s[1] for s in a_steps), b_step[1]))
+    a_wall = [m for c in baseline if (m := median_step_ms(c)) is not None]
+    b_wall = median_step_ms(now)
+    if a_wall and b_wall is not None:
+        rows.append(("step (wall)", statistics.median(a_wall), b_wall))
+    if not rows:
+        return ["Per step: no totals (no step numbers or module tree in A or B)."]
+    lines = [f"{'per step':<{NAME_WIDTH}}  {'':<9}  {'A ms':>10}  {'B ms':>10}  {'delta ms':>10}  {'ratio':>7}"]
+    for name, a_ms, b_ms in rows:
+        ratio = b_ms / a_ms if a_ms > 0 else float("inf")
+        lines.append(f"{name:<{NAME_WIDTH}}  {'':<9}  {_ms(a_ms):>10}  {_ms(b_ms):>10}  {b_ms - a_ms:>+10.3f}  "
+                     f"{_ratio(ratio):>7}")
+    return lines
+
+
+def legend(options: dict, factor: float, baseline_cycles: int) -> list[str]:
+    k, floor = options.get("k", DEFAULT_K), options.get("min_relative", DEFAULT_MIN_RELATIVE)
+    spread = ("the spread of A's cycle medians and the spread within each cycle" if baseline_cycles >= 3
+              else "the spread within each cycle (A has fewer than 3 cycles: no cycle-to-cycle spread)")
+    text = (f"SLOWER / faster: beyond the noise, i.e. the median ms per call changed by more than {k:g} x the noise "
+            f"({spread}, robust: 1.4826 x MAD), more than {100 * floor:g}%, {DEFAULT_MIN_MS * 1000:g} us and "
+            f"{100 * DEFAULT_MIN_SHARE:g}% of B's node time, and the fastest call moved too. B's nodes ran "
+            f"{factor:.2f}x A's as a whole (median ratio)"
+            + ("; that shared change is discounted: it shows in the totals, not as a layer's."
+               if abs(factor - 1) > 0.005 else "."))
+    return textwrap.wrap(text, WIDTH)
+
+
+# ------------------------------------------------------------------ report
+
+
+def run_report(path: Path, stage: str, last: int, layers: int, options: dict) -> tuple[str, int]:
+    """The text of ``fxprof report`` and its exit status."""
+    cycles, _, others = load_stage(path, stage, "RUN:")
+    found = check_cycles(cycles, options)
+    title = f"{len(cycles)} {_stage_name(cycles[0].stage)} cycle(s)"
+    if others:
+        other = "val" if stage == "train" else "train"
+        title += f"; {others} {_stage_name(other)} cycle(s) too (--stage {other})"
+    lines = [f"Run: {path}", title, ""]
+    shown = cycles[-last:]
+    if len(shown) < len(cycles):
+        lines.append(f"(the last {len(shown)} cycles; {len(cycles) - len(shown)} earlier ones: --last {len(cycles)})")
+    lines += cycle_table(shown, found)
+    lines += ["", *trend_table(shown, layers)]
+    regressions = [(c, r) for c in cycles for r in found[id(c)][1]]
+    lines.append("")
+    if regressions:
+        lines.append("Regressions, each cycle against the sound cycles before it (median ms per call):")
+        for c, r in regressions:
+            lines.append(f"  cycle {c.index:<5} {shorten(r.node, NAME_WIDTH):<{NAME_WIDTH}} {r.direction:<9} "
+                         f"{_ms(r.baseline_ms):>9} -> {_ms(r.now_ms):<9} {_ratio(r.ratio):>7}  noise {_ms(r.noise_ms)}")
+    else:
+        lines.append(f"No regression beyond the noise in {len(cycles)} cycle(s) (each against the sound cycles "
+                     "before it).")
+    lines += legend_report(options)
+    advice = cycles[-1].advice
+    if advice:
+        lines += ["", f"Advice stored with cycle {cycles[-1].index}:"]
+        for item in advice:
+            lines += textwrap.wrap(str(item), WIDTH, initial_indent="  - ", subsequent_indent="    ")
+    return "\n".join(lines), EXIT_REGRESSION if regressions else EXIT_OK
+
+
+def check_cycles(cycles: list[CycleReport], options: dict) -> dict[int, tuple[str | None, list[Regression]]]:
+    """For each cycle (by id): why it was not checked (None if it was) and its regressions.
+
+    As the engine does: a cycle is checked against the last 5 sound cycles before it (once there are 3),
+    and is sound (checked, then part of the baseline) when complete and not distorted by other load
+    (``trust.distortion`` on its step times).
+    """
+    found: dict[int, tuple[str | None, list[Regression]]] = {}
+    baseline: list[list] = []
+    medians: list[float] = []
+    for cycle in cycles:
+        why = "partial" if cycle.partial else ("distorted" if distortion(cycle.step_ms, medians) else None)
+        if why is not None:
+            found[id(cycle)] = (why, [])
+            continue
+        if len(baseline) < MIN_BASELINE:
+            found[id(cycle)] = (f"baseline: {len(baseline)} of {MIN_BASELINE} earlier cycles", [])
+        else:
+            found[id(cycle)] = (None, find_regressions(baseline, cycle.nodes, BASELINE_CYCLES, **options))
+        baseline.append(cycle.nodes)
+        if cycle.step_ms:
+            medians.append(statistics.median(cycle.step_ms))
+    return found
+
+
+def cycle_table(cycles: list[CycleReport], found: dict) -> list[str]:
+    lines = [f"{'cycle':>7}  {'steps':<13}  {'fwd ms/step':>11}  {'bwd ms/step':>11}  {'step ms':>9}  {'spread':>6}  "
+             f"{'regressions':>11}  note"]
+    for c in cycles:
+        totals = per_step(c)
+        steps = _steps(c)
+        step = median_step_ms(c)
+        spread = step_spread(c.step_ms) if c.step_ms else None
+        why, regressions = found[id(c)]
+        name = c.directory.name if c.directory is not None else str(c.index)
+        index = str(c.index) if name.endswith(f"{c.index:04d}") else name.removeprefix("val_").removeprefix("cycle_")
+        forward, backward = (_ms(totals[0]), _ms(totals[1])) if totals else ("?", "?")
+        lines.append(
+            f"{index:>7}  {steps:<13}  {forward:>11}  {backward:>11}  {_ms(step) if step is not None else '':>9}  "
+            f"{f'{100 * spread:.0f}%' if spread is not None else '':>6}  "
+            f"{len(regressions) if why is None else '-':>11}  {why or ''}".rstrip())
+    return lines
+
+
+def trend_table(cycles: list[CycleReport], layers: int) -> list[str]:
+    """ms per call (forward + backward medians) of the slowest nodes of the last cycle, in every cycle."""
+    top = cycles[-1].nodes[:layers]
+    if not top:
+        return ["(the last cycle timed no node)"]
+    column = 10
+    lines = [f"Trend of the {len(top)} slowest layers of cycle {cycles[-1].index}, ms per call "
+             "(forward + backward medians):"]
+    lines += [f"  [{i + 1}] {shorten(n.name, 60)}" + (f"  ({n.op} {shorten(n.target, 40)})" if n.target else "")
+              for i, n in enumerate(top)]
+    lines.append(f"{'cycle':>7}" + "".join(f"{f'[{i + 1}]':>{column + 2}}" for i in range(len(top))))
+    for c in cycles:
+        by_name = {n.name: n for n in c.nodes}
+        cells = [_ms(by_name[n.name].median_ms + by_name[n.name].bwd_median_ms) if n.name in by_name else "-"
+                 for n in top]
+        lines.append(f"{c.index:>7}" + "".join(f"{cell:>{column + 2}}" for cell in cells))
+    return lines
+
+
+def legend_report(options: dict) -> list[str]:
+    k, floor = options.get("k", DEFAULT_K), options.get("min_relative", DEFAULT_MIN_RELATIVE)
+    return textwrap.wrap(
+        f"A regression: a node whose median ms per call rose by more than {k:g} x the noise (robust spread of the "
+        f"last {BASELINE_CYCLES} sound cycles' medians and within each cycle), more than {100 * floor:g}%, "
+        f"{DEFAULT_MIN_MS * 1000:g} us and {100 * DEFAULT_MIN_SHARE:g}% of the cycle's node time, its fastest call "
+        "too, beyond the cycle's shared slowdown; checked once "
+        f"{MIN_BASELINE} sound cycles came before. Partial cycles and those distorted by other load (step spread "
+        "> 50% or 2x jump) are not checked.", WIDTH)
+
+
+# ------------------------------------------------------------------ formatting
+
+
+def shorten(text: str, width: int) -> str:
+    """``text`` cut in the middle to at most ``width`` characters.
+
+    >>> shorten("layers.10.attention.self.query", 20)
+    'layers.10...lf.query'
+    """
+    if len(text) <= width:
+        return text
+    keep = width - 3
+    return text[: (keep + 1) // 2] + "..." + text[len(text) - keep // 2:]
+
+
+def _steps(report: CycleReport) -> str:
+    if not report.steps:
+        return "?"
+    return f"{report.steps[0]}-{report.steps[-1]}" if len(report.steps) > 1 else str(report.steps[0])
+
+
+def _ms(value: float) -> str:
+    return f"{value:.3f}" if abs(value) < 1000 else f"{value:.0f}"
+
+
+def _ratio(value: float) -> str:
+    return f"{value:.2f}x" if value != float("inf") else "new"
+
+
+def _index_list(indexes: list[int]) -> str:
+    if not indexes:
+        return "none"
+    if indexes == list(range(indexes[0], indexes[-1] + 1)) and len(indexes) > 2:
+        return f"{indexes[0]}-{indexes[-1]}"
+    return ", ".join(str(i) for i in indexes[:10]) + (", ..." if len(indexes) > 10 else "")
+
+
+def _names(names: set[str]) -> str:
+    if not names:
+        return "none"
+    ordered = sorted(names)
+    return ", ".join(ordered[:5]) + (f" and {len(ordered) - 5} more" if len(ordered) > 5 else "")
+
+
+def _wrap(text: str) -> str:
+    return "\n".join(textwrap.wrap(text, WIDTH))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

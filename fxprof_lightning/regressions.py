@@ -1,0 +1,239 @@
+"""Per-layer regressions: which nodes got slower than in earlier cycles, beyond the timing noise.
+
+Pure functions over node tables (``report.NodeStats`` lists, one per cycle); nothing here reads
+files or knows the engine. ``compare`` gives every node's change, slower or faster, and says
+whether it is beyond the noise; ``find_regressions`` keeps the slower ones.
+
+Noise model. Each node is compared per direction (forward, backward) on its per-call median
+(``median_ms``, ``bwd_median_ms``). The baseline value is the median, over the baseline cycles,
+of each cycle's per-call median. Its spread (``noise_ms``, a robust standard deviation) combines,
+in quadrature, the cycle-to-cycle spread, 1.4826 x the median absolute deviation (MAD) of those
+cycle medians (from 3 baseline cycles on; with fewer it counts 0), and the within-cycle spreads,
+1.4826 x the MAD of the per-call samples (``mad_ms``, ``bwd_mad_ms``): the median of the baseline
+cycles' and the one of the cycle under test. A change is beyond the noise when it exceeds ``k``
+spreads, ``min_relative`` of the baseline (timers on a busy machine drift together by several
+percent), ``min_ms`` (timing resolution) and, counted over all its calls, ``min_share`` of the
+cycle's summed node time (forward and backward): a change too small to matter to the step is not
+flagged, and the smallest nodes are the noisiest. Two guards against load from other processes,
+which delays some calls by whole scheduler time slices or slows every node at once:
+
+* ``check_fastest``: the cycle's fastest call (``min_ms``, ``bwd_min_ms``) must pass the same test
+  against the baseline cycles' fastest calls. Work that a layer really added slows every call;
+  a busy machine slows some, so a median moved by two delayed calls of three is not flagged.
+* ``discount_shared``: when the cycle's nodes ran slower as a whole (the median of now/baseline
+  over every node and direction compared, from 5 of them), the baselines are scaled by that
+  factor before the tests (and by a factor below 1 for "faster"). A slowdown shared by most
+  nodes (load, clocks, thread count) is then no layer's regression: it shows in the totals.
+
+``find_regressions`` flags nothing before it has ``min_baseline`` (3) earlier cycles. The defaults
+(``k=4``, ``min_relative=0.15``, ``min_ms=0.002``, ``min_share=0.005``, both guards on) were chosen
+with ``benchmarks/bench_regressions.py`` (numbers in benchmarks/README.md). A node or direction
+timed on one side only (new, removed, no backward) gets no delta and is no regression.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fxprof_lightning.report import NodeStats
+
+__all__ = ["DEFAULT_K", "DEFAULT_MIN_MS", "DEFAULT_MIN_RELATIVE", "DEFAULT_MIN_SHARE", "MIN_BASELINE", "Delta",
+           "Regression", "compare", "find_regressions", "shared_factor"]
+
+MAD_TO_SIGMA = 1.4826  # MAD x this estimates the standard deviation of normal samples
+DEFAULT_K = 4.0
+DEFAULT_MIN_RELATIVE = 0.15
+DEFAULT_MIN_MS = 0.002
+DEFAULT_MIN_SHARE = 0.005
+MIN_BASELINE = 3  # find_regressions: earlier cycles needed before any flag (the cycle-to-cycle spread needs 3)
+SHARED_FROM = 5  # compared (node, direction) pairs needed to estimate a shared slowdown
+DIRECTIONS = ("forward", "backward")
+
+
+@dataclass(frozen=True)
+class Regression:
+    """A node slower than in the baseline cycles beyond the noise (per-call medians, ms).
+
+    ``ratio`` is ``now_ms / baseline_ms``; ``noise_ms`` the spread of the noise model (a robust
+    standard deviation; beyond the noise means more than ``k`` times it).
+    """
+
+    node: str
+    direction: str  # "forward" or "backward"
+    baseline_ms: float
+    now_ms: float
+    ratio: float
+    noise_ms: float
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One node's change in one direction, slower or faster; ``beyond_noise`` as for a ``Regression``."""
+
+    node: str
+    direction: str
+    baseline_ms: float
+    now_ms: float
+    ratio: float
+    noise_ms: float
+    beyond_noise: bool
+
+    @property
+    def delta_ms(self) -> float:
+        return self.now_ms - self.baseline_ms
+
+    @property
+    def slower(self) -> bool:
+        """Slower beyond the noise: a regression."""
+        return self.beyond_noise and self.now_ms > self.baseline_ms
+
+    def regression(self) -> Regression:
+        return Regression(self.node, self.direction, self.baseline_ms, self.now_ms, self.ratio, self.noise_ms)
+
+
+@dataclass(frozen=True)
+class _Side:
+    """One statistic of one node and direction: baseline, now and spread (ms per call)."""
+
+    baseline: float
+    now: float
+    noise: float
+
+    def beyond(self, factor: float, k: float, min_relative: float, min_ms: float) -> bool:
+        base = self.baseline * factor
+        change = abs(self.now - base)
+        return change > k * self.noise and change > min_relative * base and change > min_ms
+
+
+def _samples(stats: NodeStats, direction: str) -> tuple[float, float, float] | None:
+    """(per-call median, fastest call, within-cycle spread) of one direction, or None when it did not run."""
+    if direction == "forward":
+        return (stats.median_ms, stats.min_ms, MAD_TO_SIGMA * stats.mad_ms) if stats.calls > 0 else None
+    return (stats.bwd_median_ms, stats.bwd_min_ms, MAD_TO_SIGMA * stats.bwd_mad_ms) if stats.bwd_calls > 0 else None
+
+
+def _calls(stats: NodeStats, direction: str) -> int:
+    return stats.calls if direction == "forward" else stats.bwd_calls
+
+
+def _side(earlier: list[float], now: float, within: float) -> _Side:
+    base = statistics.median(earlier)
+    cycle_to_cycle = MAD_TO_SIGMA * statistics.median(abs(v - base) for v in earlier) if len(earlier) >= 3 else 0.0
+    return _Side(base, now, math.sqrt(cycle_to_cycle**2 + within**2))
+
+
+Pair = tuple[NodeStats, str, _Side, _Side]  # the node's stats now, direction, median side, fastest-call side
+
+
+def _pairs(baseline: Sequence[Sequence[NodeStats]], now: Sequence[NodeStats]) -> list[Pair]:
+    """A ``Pair`` for every node and direction timed on both sides."""
+    by_name = [{s.name: s for s in table} for table in baseline]
+    pairs = []
+    for stats in now:
+        for direction in DIRECTIONS:
+            current = _samples(stats, direction)
+            if current is None:
+                continue
+            earlier = [sample for table in by_name if stats.name in table
+                       and (sample := _samples(table[stats.name], direction)) is not None]
+            if not earlier:
+                continue
+            within = math.hypot(statistics.median(w for _, _, w in earlier), current[2])
+            pairs.append((stats, direction, _side([m for m, _, _ in earlier], current[0], within),
+                          _side([f for _, f, _ in earlier], current[1], within)))
+    return pairs
+
+
+def shared_factor(baseline: Sequence[Sequence[NodeStats]], now: Sequence[NodeStats]) -> float:
+    """How much slower ``now``'s nodes ran as a whole: the median now/baseline ratio (1.0 below 5 pairs)."""
+    return _factor(_pairs(baseline, now))
+
+
+def _factor(pairs: list[Pair]) -> float:
+    ratios = [median.now / median.baseline for _, _, median, _ in pairs if median.baseline > 0]
+    return statistics.median(ratios) if len(ratios) >= SHARED_FROM else 1.0
+
+
+def compare(
+    baseline: Sequence[Sequence[NodeStats]],
+    now: Sequence[NodeStats],
+    *,
+    k: float = DEFAULT_K,
+    min_relative: float = DEFAULT_MIN_RELATIVE,
+    min_ms: float = DEFAULT_MIN_MS,
+    min_share: float = DEFAULT_MIN_SHARE,
+    check_fastest: bool = True,
+    discount_shared: bool = True,
+) -> list[Delta]:
+    """Every node and direction timed in ``now`` and in at least one baseline table, in ``now``'s order.
+
+    Args:
+        baseline: one or more earlier cycles' node tables.
+        now: the node table under test.
+        k: how many spreads (robust standard deviations) a change must exceed.
+        min_relative: the smallest relative change (of the baseline) that counts.
+        min_ms: the smallest absolute change (ms per call) that counts.
+        min_share: the smallest cost of the change, as a share of ``now``'s summed node time (forward and
+            backward, all calls), that counts.
+        check_fastest: the fastest call must have moved beyond the noise too.
+        discount_shared: measure changes against baselines scaled by the cycle's shared slowdown.
+
+    ``Delta.baseline_ms``, ``now_ms`` and ``ratio`` are the plain medians, unscaled. See the module
+    docstring for the noise model.
+
+    Example:
+        >>> from fxprof_lightning.report import NodeStats
+        >>> def table(ms):
+        ...     return [NodeStats("fc", "call_module", "fc", "fc", 3, ms, ms, ms, ms, 3 * ms, 100.0)]
+        >>> compare([table(1.0), table(1.01), table(0.99)], table(1.5))[0].beyond_noise
+        True
+    """
+    pairs = _pairs(baseline, now)
+    factor = _factor(pairs) if discount_shared else 1.0
+    up, down = max(factor, 1.0), min(factor, 1.0)  # slower than a shared slowdown, faster than a shared speedup
+    node_time = sum(s.total_ms + s.bwd_total_ms for s in now)
+    deltas = []
+    for stats, direction, median, fastest in pairs:
+        name = stats.name
+        slower = median.now > median.baseline * up
+        scale = up if slower else down
+        cost = abs(median.now - median.baseline * scale) * _calls(stats, direction)
+        beyond = ((slower or median.now < median.baseline * down) and cost > min_share * node_time
+                  and median.beyond(scale, k, min_relative, min_ms))
+        if beyond and check_fastest:  # the fastest call moved too, the same way
+            same_way = (fastest.now > fastest.baseline * scale) == slower
+            beyond = same_way and fastest.beyond(scale, k, min_relative, min_ms)
+        ratio = median.now / median.baseline if median.baseline > 0 else (math.inf if median.now > 0 else 1.0)
+        deltas.append(Delta(name, direction, median.baseline, median.now, ratio, median.noise, beyond))
+    return deltas
+
+
+def find_regressions(
+    history: Sequence[Sequence[NodeStats]],
+    now: Sequence[NodeStats],
+    baseline_cycles: int = 5,
+    *,
+    min_baseline: int = MIN_BASELINE,
+    k: float = DEFAULT_K,
+    min_relative: float = DEFAULT_MIN_RELATIVE,
+    min_ms: float = DEFAULT_MIN_MS,
+    min_share: float = DEFAULT_MIN_SHARE,
+    check_fastest: bool = True,
+    discount_shared: bool = True,
+) -> list[Regression]:
+    """Nodes of ``now`` slower than in the last ``baseline_cycles`` tables of ``history`` beyond the noise.
+
+    Largest ratio first. With fewer than ``min_baseline`` tables in ``history`` (an empty one
+    included) there are none: the cycle-to-cycle noise is not known yet. The other keyword
+    arguments are ``compare``'s.
+    """
+    if baseline_cycles < 1 or min_baseline < 1:
+        raise ValueError(f"baseline_cycles and min_baseline must be >= 1, got {baseline_cycles!r}, {min_baseline!r}")
+    if len(history) < min_baseline:
+        return []
+    deltas = compare(history[-baseline_cycles:], now, k=k, min_relative=min_relative, min_ms=min_ms,
+                     min_share=min_share, check_fastest=check_fastest, discount_shared=discount_shared)
+    return sorted((d.regression() for d in deltas if d.slower), key=lambda r: r.ratio, reverse=True)

@@ -1,0 +1,344 @@
+"""``runs`` and the ``fxprof`` command line (``compare``, ``report``) on directories the real engine wrote."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SmallNet, image_loader
+from torch.nn import functional as F
+
+from fxprof_lightning import CsvSink, Profiler
+from fxprof_lightning.cli import main, shorten
+from fxprof_lightning.regressions import Regression
+from fxprof_lightning.report import ModuleStats, NodeStats
+from fxprof_lightning.runs import RunError, find_cycles, load_cycle, load_run
+
+SUMMARY = "cycle.jsonl"
+TIMES = ("mean_ms", "median_ms", "min_ms", "max_ms", "total_ms")
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    """A real run: 4 training cycles of 3 recorded steps and one validation cycle, as a Lightning run nests them."""
+    root = tmp_path_factory.mktemp("run") / "lightning_logs" / "version_0" / "fxprof"
+    torch.manual_seed(0)
+    model = SmallNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    with Profiler(model, wait=0, warmup=1, active=3, repeat=4, dirpath=root, torch_profiler=False,
+                  profile_validation=True, sinks=[CsvSink()]) as prof:
+        for x, y in image_loader(samples=4 * 16):
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            prof.step()
+            if prof.step_num == 6:
+                model.eval()
+                with torch.no_grad(), prof.validation():
+                    for vx, _ in image_loader(samples=16, seed=1):
+                        model(vx)
+                        prof.step()
+                model.train()
+    assert len(prof.cycles) == 4 and len(prof.val_cycles) == 1
+    return root, prof
+
+
+def copy_cycle(source: Path, target: Path, index: int, slower: dict[str, float] | None = None) -> Path:
+    """``source`` copied to ``target`` as cycle ``index`` of a steady run (steady step times, calls within 2 % of
+    their median); forward times of the nodes in ``slower`` scaled."""
+    shutil.copytree(source, target)
+    summary = json.loads((target / SUMMARY).read_text())
+    summary.update(index=index, steps=[10 * index + i for i in range(3)], step_ms=[10.0, 10.0, 10.0], regressions=[])
+    (target / SUMMARY).write_text(json.dumps(summary) + "\n")
+    edit_nodes(target / "fx_nodes.csv", None, {"mad_ms": lambda row: 0.02 * float(row["median_ms"]),
+                                               "bwd_mad_ms": lambda row: 0.02 * float(row["bwd_median_ms"])})
+    for name, factor in (slower or {}).items():
+        edit_nodes(target / "fx_nodes.csv", name,
+                   {column: lambda row, c=column, f=factor: f * float(row[c]) for column in TIMES})
+    return target
+
+
+def edit_nodes(path: Path, node: str | None, edits: dict[str, Callable[[dict], object]]) -> None:
+    """Rewrite cells of ``node``'s row (of every row: None) in an ``fx_nodes.csv``: column -> value from the row."""
+    rows = list(csv.DictReader(io.StringIO(path.read_text())))
+    for row in rows:
+        if node is None or row["name"] == node:
+            row.update({column: str(edit(row)) for column, edit in edits.items()})
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    path.write_text(out.getvalue())
+
+
+def rows_of(out: str) -> list[list[str]]:
+    """The delta table's rows (node, direction, ...)."""
+    return [line.split() for line in out.splitlines() if len(line.split()) > 1 and line.split()[1] in
+            ("forward", "backward")]
+
+
+def slowest(nodes: list[NodeStats]) -> str:
+    return max(nodes, key=lambda n: n.median_ms).name
+
+
+@pytest.fixture
+def steady_and_slow(profiled, tmp_path):
+    """Two runs of 5 identical cycles (copies of a real one); in ``slow`` the last has one node 3x slower."""
+    _, prof = profiled
+    source = prof.cycles[0].directory
+    node = slowest(prof.cycles[0].nodes)
+    for name in ("steady", "slow"):
+        for i in range(5):
+            slower = {node: 3.0} if name == "slow" and i == 4 else None
+            copy_cycle(source, tmp_path / name / f"cycle_{i:04d}", i, slower)
+    return tmp_path / "steady", tmp_path / "slow", node
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def marks(out: str) -> list[str]:
+    """The marks of the delta table's rows."""
+    return [row[-1] for row in rows_of(out) if row[-1] in ("SLOWER", "faster")]
+
+
+def assert_narrow(text: str) -> None:
+    """No line wider than 120 columns, but those naming a path (as long as it is)."""
+    assert max(len(line) for line in text.splitlines() if "/" not in line) <= 120
+
+
+# ------------------------------------------------------------------ runs
+
+
+def test_load_cycle_gives_back_what_the_engine_reported(profiled):
+    _, prof = profiled
+    for report in [*prof.cycles, *prof.val_cycles]:
+        loaded = load_cycle(report.directory)
+        assert [n.name for n in loaded.nodes] == [n.name for n in report.nodes]
+        for record_type, ours, theirs in ((NodeStats, loaded.nodes, report.nodes),
+                                          (ModuleStats, loaded.modules, report.modules)):
+            for a, b in zip(ours, theirs, strict=True):
+                for f in fields(record_type):
+                    got, expected = getattr(a, f.name), getattr(b, f.name)
+                    if isinstance(expected, float):
+                        assert got == pytest.approx(expected, abs=1e-6), f.name  # the CSV keeps 6 decimals
+                    else:
+                        assert got == expected and type(got) is type(expected), f.name
+        assert (loaded.index, loaded.stage, loaded.steps, loaded.partial, loaded.ranks) == \
+               (report.index, report.stage, report.steps, report.partial, report.ranks)
+        assert loaded.step_ms == report.step_ms and loaded.step_cpu_ms == report.step_cpu_ms
+        assert loaded.advice == report.advice and loaded.directory == report.directory
+        assert loaded.regressions == report.regressions
+        assert all(isinstance(r, Regression) for r in loaded.regressions)
+        assert loaded.forward_ms_per_step == pytest.approx(report.forward_ms_per_step, abs=1e-5)
+    assert load_cycle(prof.val_cycles[0].directory).stage == "val"
+
+
+def test_load_cycle_without_a_summary_takes_index_and_stage_from_the_name(profiled, tmp_path):
+    _, prof = profiled
+    for name, index, stage in (("cycle_0007-p1", 7, "train"), ("val_cycle_0012-r2", 12, "val")):
+        target = tmp_path / name
+        shutil.copytree(prof.cycles[0].directory, target)
+        (target / SUMMARY).unlink()
+        loaded = load_cycle(target)
+        assert (loaded.index, loaded.stage, loaded.steps, loaded.regressions) == (index, stage, [], [])
+        root = next(m for m in loaded.modules if m.path == "")
+        assert root.total_fwd_ms == pytest.approx(prof.cycles[0].forward_ms_per_step, abs=1e-5)
+
+
+def test_find_cycles_searches_a_few_levels_down_and_sorts(profiled, tmp_path):
+    root, prof = profiled
+    expected = [c.directory for c in prof.cycles] + [c.directory for c in prof.val_cycles]
+    assert [d.name for d in expected] == ["cycle_0000", "cycle_0001", "cycle_0002", "cycle_0003", "val_cycle_0000"]
+    for start in (root, root.parent, root.parent.parent, root.parent.parent.parent):  # fxprof ... its parent's parent
+        assert find_cycles(start) == expected
+    assert find_cycles(expected[1]) == [expected[1]]
+    assert [r.index for r in load_run(root, stage="train")] == [0, 1, 2, 3]
+    assert [r.stage for r in load_run(root, stage="val")] == ["val"]
+
+    for name in ("cycle_0010", "cycle_0002-r1", "val_cycle_0000", "cycle_0002-p1", "cycle_0002", ".hidden/cycle_0000"):
+        shutil.copytree(expected[0], tmp_path / "run" / name)
+    names = [d.name for d in find_cycles(tmp_path / "run")]
+    assert names == ["cycle_0002", "cycle_0002-r1", "cycle_0002-p1", "cycle_0010", "val_cycle_0000"]
+    shutil.copytree(expected[0], tmp_path / "deep" / "a" / "b" / "c" / "d" / "cycle_0000")
+    assert find_cycles(tmp_path / "deep") == []  # 5 levels down
+    assert find_cycles(tmp_path / "deep" / "a") != []
+
+
+def test_what_cannot_be_read_raises_run_error_naming_the_file(profiled, tmp_path):
+    _, prof = profiled
+    with pytest.raises(RunError, match="no such directory"):
+        find_cycles(tmp_path / "missing")
+    with pytest.raises(RunError, match=r"no fx_nodes\.csv"):
+        load_cycle(tmp_path)
+    bad = tmp_path / "cycle_0000"
+    shutil.copytree(prof.cycles[0].directory, bad)
+    text = (bad / "fx_nodes.csv").read_text().splitlines()
+    header = text[0].split(",")
+    row = text[1].split(",")
+    row[header.index("median_ms")] = "fast"
+    (bad / "fx_nodes.csv").write_text("\n".join([text[0], ",".join(row), *text[2:]]) + "\n")
+    with pytest.raises(RunError, match=r"fx_nodes.csv, line 2, column median_ms"):
+        load_cycle(bad)
+    (bad / "fx_nodes.csv").write_text("name,op\nfc,call_module\n")
+    with pytest.raises(RunError, match="not a NodeStats table"):
+        load_cycle(bad)
+    shutil.copy(prof.cycles[0].directory / "fx_nodes.csv", bad / "fx_nodes.csv")
+    (bad / SUMMARY).write_text("{not json\n")
+    with pytest.raises(RunError, match="not readable as JSON"):
+        load_cycle(bad)
+    (bad / SUMMARY).write_text(json.dumps({"index": 0, "steps": "1-3"}) + "\n")
+    with pytest.raises(RunError, match="steps is '1-3'"):
+        load_cycle(bad)
+
+
+# ------------------------------------------------------------------ fxprof compare
+
+
+def test_compare_identical_runs_finds_nothing(capsys, steady_and_slow):
+    steady, _, _ = steady_and_slow
+    status, out, err = run_cli(capsys, "compare", str(steady), str(steady))
+    assert status == 0 and err == ""
+    assert "A: " in out and "5 training cycles (0-4)" in out and "training cycle 4 (steps 40-42)" in out
+    assert marks(out) == [] and "No node of B is slower than A beyond the noise." in out
+    assert "forward (nodes)" in out and "backward (nodes)" in out and "step (wall)" in out
+    assert_narrow(out)
+
+
+def test_compare_flags_a_node_made_slower(capsys, steady_and_slow):
+    steady, slow, node = steady_and_slow
+    status, out, _ = run_cli(capsys, "compare", str(steady), str(slow))
+    assert status == 1
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("node"))
+    assert lines[header].split() == ["node", "direction", "A", "ms/call", "B", "ms/call", "delta", "ms", "ratio",
+                                     "mark"]
+    first = lines[header + 1].split()  # the largest change comes first
+    assert first[:2] == [node, "forward"] and first[-2:] == ["3.00x", "SLOWER"]
+    assert "1 node direction(s) of B slower than A beyond the noise." in out
+    assert "SLOWER / faster: beyond the noise" in out
+    assert_narrow(out)
+    # the other way round it is faster, which is no regression
+    status, out, _ = run_cli(capsys, "compare", str(slow / "cycle_0004"), str(steady / "cycle_0004"))
+    assert status == 0 and marks(out) == ["faster"]
+
+
+def test_compare_cycle_directories_and_choices(capsys, steady_and_slow, profiled):
+    steady, slow, _ = steady_and_slow
+    status, out, _ = run_cli(capsys, "compare", str(steady / "cycle_0000"), str(slow / "cycle_0004"))
+    assert status == 1 and "fewer than 3 cycles" in out
+    status, out, _ = run_cli(capsys, "compare", str(steady), str(slow), "--cycle", "2")
+    assert status == 0 and "training cycle 2 (steps 20-22)" in out
+    status, out, _ = run_cli(capsys, "compare", str(steady), str(slow), "--top", "2")
+    assert "smaller change(s) not shown" in out and len(rows_of(out)) == 2
+    status, out, _ = run_cli(capsys, "compare", str(steady), str(slow), "--all")
+    assert "not shown" not in out
+    root, _ = profiled
+    status, out, _ = run_cli(capsys, "compare", str(root), str(root), "--stage", "val")
+    assert status == 0 and "validation cycle 0" in out
+    assert rows_of(out) and all(row[1] == "forward" for row in rows_of(out))  # no backward in validation
+
+
+def test_compare_real_runs(capsys, profiled):
+    root, prof = profiled
+    status, out, _ = run_cli(capsys, "compare", str(root), str(root.parent.parent))
+    assert status == (1 if "SLOWER" in marks(out) else 0)
+    assert "4 training cycles (0-3)" in out and f"B: {prof.cycles[-1].directory}" in out
+    assert_narrow(out)
+
+
+# ------------------------------------------------------------------ fxprof report
+
+
+def test_report_of_a_real_run(capsys, profiled):
+    root, prof = profiled
+    status, out, err = run_cli(capsys, "report", str(root))
+    assert err == ""
+    assert out.startswith(f"Run: {root}\n4 training cycle(s); 1 validation cycle(s) too (--stage val)\n")
+    table = out.splitlines()
+    header = next(i for i, line in enumerate(table) if line.lstrip().startswith("cycle  steps"))
+    assert [line.split()[:2] for line in table[header + 1: header + 5]] == [["0", "1-3"], ["1", "5-7"], ["2", "9-11"],
+                                                                          ["3", "13-15"]]
+    assert "Trend of the 6 slowest layers of cycle 3" in out and f"[1] {prof.cycles[-1].nodes[0].name}" in out
+    assert status == (1 if "Regressions, each cycle" in out else 0)
+    if prof.cycles[-1].advice:
+        assert "Advice stored with cycle 3:" in out
+    assert_narrow(out)
+    status, out, _ = run_cli(capsys, "report", str(root), "--stage", "val", "--last", "1", "--layers", "2")
+    assert "1 validation cycle(s); 4 training cycle(s) too (--stage train)" in out and "[3]" not in out
+
+
+def test_report_finds_the_regression_of_a_slower_cycle(capsys, steady_and_slow):
+    steady, slow, node = steady_and_slow
+    status, out, _ = run_cli(capsys, "report", str(steady))
+    assert status == 0 and "No regression beyond the noise in 5 cycle(s)" in out
+    status, out, _ = run_cli(capsys, "report", str(slow))
+    assert status == 1
+    (line,) = [line for line in out.splitlines() if line.startswith("  cycle 4")]
+    assert line.split()[2:4] == [node, "forward"] and "3.00x" in line
+    (row,) = [line for line in out.splitlines() if line.split()[:2] == ["4", "40-42"]]
+    assert row.split()[-1] == "1"  # one regression in the cycles table
+
+
+def test_report_without_summaries(capsys, steady_and_slow):
+    steady, _, _ = steady_and_slow
+    for summary in steady.glob(f"*/{SUMMARY}"):
+        summary.unlink()
+    status, out, _ = run_cli(capsys, "report", str(steady))
+    assert status == 0 and "?" in out  # no step numbers; the totals come from the module tree
+    assert "Advice" not in out
+
+
+# ------------------------------------------------------------------ exit status 2
+
+
+def test_bad_input_exits_2_with_a_message(capsys, tmp_path, steady_and_slow, profiled):
+    steady, slow, _ = steady_and_slow
+    (tmp_path / "empty").mkdir()
+    cases = [
+        (["report", str(tmp_path / "missing")], "no such directory"),
+        (["report", str(tmp_path / "empty")], "no cycle directory found"),
+        (["compare", str(steady), str(tmp_path / "empty")], "B: "),
+        (["report", str(steady.parent)], "holds the cycles of 2 runs"),
+        (["compare", str(steady), str(slow), "--cycle", "9"], "has no training cycle 9"),
+        (["compare", str(steady), str(slow / "cycle_0004"), "--cycle", "1"], "--cycle picks a cycle of a run"),
+        (["compare", str(steady), str(slow), "--top", "0"], "--top must be at least 1"),
+        (["report", str(steady), "--stage", "val"], "no validation cycle"),
+        ([], "the following arguments are required"),
+        (["compare", str(steady)], "the following arguments are required"),
+        (["frobnicate"], "invalid choice"),
+    ]
+    for argv, message in cases:
+        status, _, err = run_cli(capsys, *argv)
+        assert status == 2 and message in err and "Traceback" not in err, argv
+    edit_nodes(slow / "cycle_0004" / "fx_nodes.csv", slowest(load_cycle(slow / "cycle_0003").nodes),
+               {"calls": lambda row: "many"})
+    status, _, err = run_cli(capsys, "compare", str(steady), str(slow))
+    assert status == 2 and "fx_nodes.csv, line" in err and "column calls" in err
+
+
+def test_help_names_the_exit_status():
+    result = subprocess.run([sys.executable, "-m", "fxprof_lightning", "--help"], capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 0
+    assert "compare" in result.stdout and "report" in result.stdout
+    assert "exit status:" in result.stdout and "1  regressions found" in result.stdout
+
+
+def test_shorten_cuts_long_names_in_the_middle():
+    name = "model.layers.11.self_attn.rotary_emb.inv_freq_expanded_float"
+    short = shorten(name, 30)
+    assert len(short) == 30 and short.startswith("model.layers.1") and short.endswith("d_float") and "..." in short
+    assert shorten("fc", 30) == "fc"

@@ -1,0 +1,197 @@
+"""``regressions``: the noise model on synthetic node tables, against a reference computed by hand."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from fxprof_lightning.regressions import Delta, Regression, compare, find_regressions, shared_factor
+from fxprof_lightning.report import NodeStats
+
+
+def node(name: str, ms: float, mad: float = 0.0, bwd: float | None = None, bwd_mad: float = 0.0,
+         fastest: float | None = None, calls: int = 3) -> NodeStats:
+    """A node whose calls took ``ms`` (median) and, unless given, 0.98 x ``ms`` at the fastest."""
+    low = fastest if fastest is not None else 0.98 * ms
+    return NodeStats(
+        name=name, op="call_module", target=name, module_path=name, calls=calls, mean_ms=ms, median_ms=ms,
+        min_ms=low, max_ms=1.05 * ms, total_ms=calls * ms, pct=0.0, mad_ms=mad,
+        bwd_calls=calls if bwd is not None else 0, bwd_mean_ms=bwd or 0.0, bwd_median_ms=bwd or 0.0,
+        bwd_min_ms=0.98 * (bwd or 0.0), bwd_max_ms=1.05 * (bwd or 0.0), bwd_total_ms=calls * (bwd or 0.0),
+        bwd_mad_ms=bwd_mad,
+    )
+
+
+def steady_tables(cycles: int, seed: int = 0, noise: float = 0.03, nodes: int = 12) -> list[list[NodeStats]]:
+    """``cycles`` tables of ``nodes`` nodes (0.05 to 2 ms forward, twice that backward; n9 is 10 % of the node
+    time) whose medians scatter by ``noise`` (relative sd)."""
+    rng = random.Random(seed)
+    base = [0.05 * 1.4**i for i in range(nodes)]
+    tables = []
+    for _ in range(cycles):
+        table = []
+        for i, ms in enumerate(base):
+            fwd, bwd = ms * (1 + rng.gauss(0, noise)), 2 * ms * (1 + rng.gauss(0, noise))
+            table.append(node(f"n{i}", fwd, mad=noise * ms / 2, bwd=bwd, bwd_mad=noise * ms))
+        tables.append(table)
+    return tables
+
+
+def with_node(table: list[NodeStats], changed: NodeStats) -> list[NodeStats]:
+    return [changed if n.name == changed.name else n for n in table]
+
+
+@pytest.mark.parametrize("noise", [0.03, 0.2])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_steady_run_raises_no_flag(seed, noise):
+    tables = steady_tables(40, seed=seed, noise=noise)
+    flagged = [(i, r) for i in range(len(tables)) for r in find_regressions(tables[:i], tables[i])]
+    assert flagged == []
+
+
+def test_thirty_percent_slower_with_a_small_spread_is_flagged():
+    history = steady_tables(6, noise=0.01)
+    before = history[-1][9]
+    now = with_node(history[-1], node("n9", 1.3 * before.median_ms, mad=before.mad_ms, bwd=before.bwd_median_ms,
+                                      bwd_mad=before.bwd_mad_ms))
+    (regression,) = find_regressions(history[:-1], now)
+    assert isinstance(regression, Regression)
+    assert (regression.node, regression.direction) == ("n9", "forward")
+    assert regression.ratio == pytest.approx(1.3, rel=0.05)
+    assert regression.now_ms == pytest.approx(1.3 * before.median_ms)
+    assert 0 < regression.noise_ms < 0.3 * regression.baseline_ms / 4
+
+
+def test_backward_is_checked_on_its_own():
+    history = steady_tables(6, noise=0.01)
+    before = history[-1][7]
+    now = with_node(history[-1], node("n7", before.median_ms, mad=before.mad_ms, bwd=1.5 * before.bwd_median_ms,
+                                      bwd_mad=before.bwd_mad_ms))
+    assert [(r.node, r.direction) for r in find_regressions(history[:-1], now)] == [("n7", "backward")]
+
+
+def test_thirty_percent_within_a_huge_spread_is_not_flagged():
+    cycle_to_cycle = steady_tables(6, noise=0.01)
+    for i, factor in enumerate([0.6, 1.4, 1.0, 0.7, 1.3]):  # n5's cycle medians scatter by +-40 %
+        ms = cycle_to_cycle[i][5].median_ms * factor
+        cycle_to_cycle[i] = with_node(cycle_to_cycle[i], node("n5", ms, bwd=cycle_to_cycle[i][5].bwd_median_ms))
+    base = cycle_to_cycle[2][5]
+    slower = node("n5", 1.3 * base.median_ms, bwd=base.bwd_median_ms)
+    assert find_regressions(cycle_to_cycle[:5], with_node(cycle_to_cycle[5], slower)) == []
+
+    within = steady_tables(6, noise=0.01)
+    base = within[-1][5]
+    noisy = node("n5", 1.3 * base.median_ms, mad=0.3 * base.median_ms, bwd=base.bwd_median_ms)  # calls +-40 %
+    assert find_regressions(within[:-1], with_node(within[-1], noisy)) == []
+
+
+def test_faster_is_a_delta_beyond_the_noise_not_a_regression():
+    history = steady_tables(6, noise=0.01)
+    base = history[-1][5]
+    now = with_node(history[-1], node("n5", 0.6 * base.median_ms, mad=base.mad_ms, bwd=base.bwd_median_ms,
+                                      bwd_mad=base.bwd_mad_ms))
+    assert find_regressions(history[:-1], now) == []
+    delta = next(d for d in compare(history[:-1], now) if (d.node, d.direction) == ("n5", "forward"))
+    assert isinstance(delta, Delta) and delta.beyond_noise and not delta.slower
+    assert delta.delta_ms == pytest.approx(-0.4 * delta.baseline_ms, rel=0.1)
+
+
+def test_new_and_absent_nodes_are_not_compared():
+    history = steady_tables(6, noise=0.01)
+    now = [*history[-1][1:], node("brand_new", 50.0, bwd=80.0)]  # n0 is gone, brand_new is new and slow
+    assert find_regressions(history[:-1], now) == []
+    names = {d.node for d in compare(history[:-1], now)}
+    assert "brand_new" not in names and "n0" not in names and "n1" in names
+
+
+def test_a_direction_that_did_not_run_on_one_side_is_not_compared():
+    history = [[node("fc", 1.0, bwd=2.0)] for _ in range(4)]
+    assert [d.direction for d in compare(history, [node("fc", 1.0)])] == ["forward"]
+    assert [d.direction for d in compare([[node("fc", 1.0)]] * 4, [node("fc", 1.0, bwd=5.0)])] == ["forward"]
+
+
+def test_too_short_a_history_flags_nothing():
+    slow = [node("fc", 10.0, bwd=20.0)]
+    fast = [node("fc", 1.0, bwd=2.0)]
+    assert find_regressions([], slow) == []
+    assert find_regressions([fast, fast], slow) == []  # fewer than min_baseline=3: the noise is not known yet
+    assert len(find_regressions([fast, fast], slow, min_baseline=1)) == 2
+    assert len(find_regressions([fast] * 3, slow)) == 2
+
+
+def test_only_the_last_baseline_cycles_count():
+    old, recent = [node("fc", 2.0)], [node("fc", 1.0)]
+    now = [node("fc", 1.5)]
+    assert find_regressions([old] * 10 + [recent] * 5, now)  # 1.0 -> 1.5 against the last 5
+    assert not find_regressions([recent] * 5 + [old] * 5, now)
+
+
+def test_regressions_come_largest_ratio_first():
+    history = steady_tables(6, noise=0.01)
+    now = history[-1]
+    for name, factor in (("n7", 1.4), ("n8", 2.0), ("n9", 1.6)):
+        base = next(n for n in now if n.name == name)
+        now = with_node(now, node(name, factor * base.median_ms, mad=base.mad_ms, bwd=base.bwd_median_ms,
+                                  bwd_mad=base.bwd_mad_ms))
+    assert [r.node for r in find_regressions(history[:-1], now)] == ["n8", "n9", "n7"]
+
+
+def test_a_median_moved_by_delayed_calls_is_not_flagged_when_the_fastest_call_did_not_move():
+    history = [[node("fc", 1.0, mad=0.01)] for _ in range(5)]
+    delayed = [node("fc", 1.5, mad=0.01, fastest=0.98)]  # two calls of three delayed, the third as fast as ever
+    assert find_regressions(history, delayed) == []
+    assert len(find_regressions(history, delayed, check_fastest=False)) == 1
+
+
+def test_a_slowdown_shared_by_most_nodes_is_discounted():
+    history = steady_tables(6, noise=0.01)
+    everything = [node(n.name, 1.3 * n.median_ms, mad=n.mad_ms, bwd=1.3 * n.bwd_median_ms, bwd_mad=n.bwd_mad_ms)
+                  for n in history[-1]]
+    assert shared_factor(history[:-1], everything) == pytest.approx(1.3, rel=0.03)
+    assert find_regressions(history[:-1], everything) == []
+    flagged = find_regressions(history[:-1], everything, discount_shared=False)
+    assert {r.node for r in flagged} >= {"n9", "n10", "n11"} and {r.direction for r in flagged} == {"forward",
+                                                                                                     "backward"}
+    # slower than before, but less than the rest: not beyond the noise either way
+    lagging = with_node(everything, node("n9", 1.05 * history[-1][9].median_ms, mad=history[-1][9].mad_ms,
+                                         bwd=1.3 * history[-1][9].bwd_median_ms, bwd_mad=history[-1][9].bwd_mad_ms))
+    delta = next(d for d in compare(history[:-1], lagging) if (d.node, d.direction) == ("n9", "forward"))
+    assert delta.ratio > 1 and not delta.beyond_noise
+    # one node slower than the shared slowdown is still flagged
+    one = with_node(everything, node("n6", 2.0 * history[-1][6].median_ms, mad=history[-1][6].mad_ms,
+                                     bwd=1.3 * history[-1][6].bwd_median_ms, bwd_mad=history[-1][6].bwd_mad_ms))
+    assert [(r.node, r.direction) for r in find_regressions(history[:-1], one)] == [("n6", "forward")]
+
+
+def test_changes_below_the_floors_are_within_the_noise():
+    history = [[node("tiny", 0.001), node("small", 0.01), node("big", 10.0)] for _ in range(5)]
+    assert find_regressions(history, [node("tiny", 0.0025), node("small", 0.01), node("big", 10.0)],
+                            min_share=0) == []  # +150 % but 1.5 us
+    assert find_regressions(history, [node("tiny", 0.001), node("small", 0.01), node("big", 11.0)]) == []  # +10 %
+    assert len(find_regressions(history, [node("tiny", 0.001), node("small", 0.01), node("big", 11.0)],
+                                min_relative=0.05)) == 1
+    # +100 %, 10 us a call, but 0.1 % of the node time: not worth a flag
+    slower_small = [node("tiny", 0.001), node("small", 0.02), node("big", 10.0)]
+    assert find_regressions(history, slower_small) == []
+    assert [r.node for r in find_regressions(history, slower_small, min_share=0)] == ["small"]
+
+
+def test_noise_matches_a_reference_computed_by_hand():
+    baseline = [[node("fc", ms, mad=0.01)] for ms in (1.0, 1.1, 0.9)]
+    now = [node("fc", 1.05, mad=0.02)]
+    (delta,) = compare(baseline, now)
+    cycle_to_cycle = 1.4826 * 0.1  # MAD of (1.0, 1.1, 0.9) around 1.0
+    expected = math.sqrt(cycle_to_cycle**2 + (1.4826 * 0.01) ** 2 + (1.4826 * 0.02) ** 2)
+    assert delta.baseline_ms == pytest.approx(1.0)
+    assert delta.noise_ms == pytest.approx(expected)
+    assert delta.ratio == pytest.approx(1.05) and not delta.beyond_noise
+    # with 2 baseline cycles there is no cycle-to-cycle term
+    (delta,) = compare(baseline[:2], now)
+    assert delta.noise_ms == pytest.approx(math.hypot(1.4826 * 0.01, 1.4826 * 0.02))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="baseline_cycles"):
+        find_regressions([[node("fc", 1.0)]] * 3, [node("fc", 1.0)], baseline_cycles=0)
