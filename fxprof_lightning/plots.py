@@ -62,7 +62,7 @@ def slowest_layers(report: CycleReport, top: int = 15) -> Figure:
     """Horizontal bars of the ``top`` slowest nodes of ``report``: forward and backward ms per step, stacked."""
     shown = report.nodes[:top]
     fig = _figure(1.3 + 0.42 * max(len(shown), 2))
-    title = f"{_cycle_title(report)}: slowest layers, ms per step (forward {report.forward_ms_per_step:.3g}"
+    title = f"{_cycle_title(report)}: slowest layers\nms per step (forward {report.forward_ms_per_step:.3g}"
     title += f", backward {report.backward_ms_per_step:.3g})" if report.backward_ms_per_step else ")"
     if not shown:
         fig.suptitle(title)
@@ -133,7 +133,7 @@ def module_icicle(report: CycleReport, depth: int | None = 3) -> Figure:
     ax = fig.add_subplot()
     root = report.modules[0] if report.modules[0].path == "" else None
     total = width[""] or 1.0
-    ax.set_title(f"{_cycle_title(report)}: module tree, forward + backward ms per step (total {width['']:.3g})",
+    ax.set_title(f"{_cycle_title(report)}: module tree\nforward + backward ms per step (total {width['']:.3g})",
                  fontsize=11, loc="left")
     from matplotlib import colormaps
     palette = list(colormaps["tab20"].colors)
@@ -182,7 +182,7 @@ def trend(cycles: list[CycleReport], top: int = 8, stage: str = "train") -> Figu
     total_ax.plot(steps, [c.forward_ms_per_step + c.backward_ms_per_step for c in shown], "o-", color="black",
                   linewidth=2.5, label="all nodes")
     total_ax.set_ylabel("all nodes,\nms per step")
-    total_ax.set_title(f"{what} {shown[0].index}-{shown[-1].index}: forward + backward ms per step of the slowest "
+    total_ax.set_title(f"{what} {shown[0].index}-{shown[-1].index}: forward + backward ms per step\nof the slowest "
                        f"layers of cycle {shown[-1].index}", fontsize=11, loc="left")
     for node in shown[-1].nodes[:top]:
         ys = []
