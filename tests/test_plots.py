@@ -102,7 +102,7 @@ def test_slowest_layers_stacks_forward_and_backward_of_the_slowest_nodes(mlp):
     fig = slowest_layers(cycle, top=4)
     assert colours(decoded(fig)) > 50  # bars, anti-aliased text: not a blank canvas
     (ax,) = fig.axes
-    assert ax.get_title(loc="left").startswith(f"Cycle 1, steps {cycle.steps[0]}-{cycle.steps[-1]}: slowest layers, ms per step")
+    assert ax.get_title(loc="left").startswith(f"Cycle 1, steps {cycle.steps[0]}-{cycle.steps[-1]}: slowest layers\nms per step")
     assert [t.get_text() for t in ax.get_yticklabels()] == [n.name for n in cycle.nodes[:4]]
     forward, backward = ax.containers
     steps = len(cycle.steps)
