@@ -253,6 +253,11 @@ class LoggerSink:
             logger.save()
 
     def close(self, profiler: Profiler) -> None:
+        from fxprof_lightning.trackers import log_trend
+
+        trend = profiler.cycles[-1].directory / "trend.png" if profiler.cycles else None
         for logger in self.loggers:
             if isinstance(logger, TensorBoardLogger):
                 log_trend_to_summary_writer(logger.experiment, profiler)
+            elif trend is not None and trend.is_file():
+                log_trend(logger, trend, profiler.cycles[-1], profiler)

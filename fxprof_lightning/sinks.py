@@ -204,7 +204,8 @@ class TensorBoardSink:
 
 
 class PictureSink:
-    """``slowest_layers.png`` and ``module_tree.png`` in each cycle's directory, ``trend.png`` in ``dirpath`` at the end."""
+    """``slowest_layers.png`` and ``module_tree.png`` in each cycle's directory; at the end ``trend.png`` in the last
+    cycle's (a directory of this run: a later run in the same ``dirpath`` leaves it alone)."""
 
     def write_cycle(self, report: CycleReport, profiler: Profiler) -> None:
         for tag, png in cycle_pictures(report, profiler).items():
@@ -213,7 +214,7 @@ class PictureSink:
     def close(self, profiler: Profiler) -> None:
         png = trend_picture(profiler)
         if png is not None:
-            _write_bytes(profiler.dirpath / "trend.png", png, profiler.name)
+            _write_bytes(profiler.cycles[-1].directory / "trend.png", png, profiler.name)
 
 
 class ConsoleSink:

@@ -7,7 +7,7 @@ logger after the scalars (rank 0 only). It looks at the logger's type:
   ``cycle.json``, pictures) in ``<log_dir>/fxprof/<cycle>/``; nothing when the cycle's directory is
   already inside ``log_dir`` (the callback's default ``dirpath`` is ``<trainer.log_dir>/fxprof``).
 - ``MLFlowLogger``: the node and module tables as MLflow tables (``log_table``:
-  ``fxprof/<cycle>/nodes.json``, ``modules.json``), the Markdown texts (``nodes.md``,
+  ``fxprof/<cycle>/nodes.json``, ``modules.json``), the Markdown texts (``layers.md``,
   ``modules.md``) and the cycle's files (``log_artifacts``), all under the run's ``fxprof/<cycle>/``.
 - ``WandbLogger``: the tables as ``wandb.Table`` under ``fxprof/nodes`` and ``fxprof/modules``
   (validation: the validation prefix of ``sinks.tag_prefix``) at the cycle's last step, and the
@@ -38,7 +38,7 @@ from fxprof_lightning.sinks import cycle_texts, tag_prefix
 if TYPE_CHECKING:
     from fxprof_lightning.engine import Profiler
 
-__all__ = ["log_cycle_files", "module_table", "node_table"]
+__all__ = ["log_cycle_files", "log_trend", "module_table", "node_table"]
 
 # What already failed, per logger: each kind of failure is reported once.
 _reported: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
@@ -76,6 +76,27 @@ def log_cycle_files(logger: Any, report: CycleReport, profiler: Profiler) -> Non
             send()
         except Exception as error:  # a tracker's failure must never break training
             _report_once(logger, profiler, what, report, error)
+
+
+def log_trend(logger: Any, path: Path, report: CycleReport, profiler: Profiler) -> None:
+    """Send the end-of-run ``trend.png`` (in ``report``'s directory, the run's last cycle) to a tracker logger."""
+    from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, WandbLogger
+
+    def send() -> None:
+        if isinstance(logger, CSVLogger):
+            if not path.resolve().is_relative_to(Path(logger.log_dir).resolve()):
+                target = Path(logger.log_dir) / "fxprof" / _cycle_name(report)
+                target.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, target / path.name)
+        elif isinstance(logger, MLFlowLogger):
+            logger.experiment.log_artifact(logger.run_id, str(path), f"fxprof/{_cycle_name(report)}")
+        elif isinstance(logger, WandbLogger):
+            logger.log_image(key=f"{tag_prefix(report)}/trend", images=[str(path)], step=report.steps[-1])
+
+    try:
+        send()
+    except Exception as error:  # a tracker's failure must never break training
+        _report_once(logger, profiler, "trend picture", report, error)
 
 
 def _report_once(logger: Any, profiler: Profiler, what: str, report: CycleReport, error: Exception) -> None:

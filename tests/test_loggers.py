@@ -110,7 +110,7 @@ def test_mlflow_logger_gets_tables_texts_and_files(tmp_path):
     for cycle in callback.cycles:
         base = f"fxprof/{cycle.directory.name}"
         listed = {Path(a.path).name for a in client.list_artifacts(logger.run_id, base)}
-        assert {"nodes.json", "modules.json", "nodes.md", "modules.md", "fx_nodes.csv", "fx_modules.csv"} <= listed
+        assert {"nodes.json", "modules.json", "layers.md", "modules.md", "fx_nodes.csv", "fx_modules.csv"} <= listed
         assert {p.name for p in cycle.directory.iterdir()} <= listed  # the cycle's files: traces, CSVs...
         assert sum(bool(TRACE_NAME.match(n)) for n in listed) == 1
 
@@ -121,7 +121,7 @@ def test_mlflow_logger_gets_tables_texts_and_files(tmp_path):
         table = client.load_table(run.info.experiment_id, f"{base}/modules.json", run_ids=[logger.run_id])
         assert list(table["path"]) == [m.path for m in cycle.modules]  # MLflow reads it back as a table
 
-        markdown = download(f"{base}/nodes.md").read_text()
+        markdown = download(f"{base}/layers.md").read_text()
         assert all(f"`{name}`" in markdown for name in SMALLNET_NODES)
 
     tables = json.loads(run.data.tags["mlflow.loggedArtifacts"])  # what the UI lists as tables
@@ -136,9 +136,10 @@ def test_a_failing_tracker_warns_once_and_training_goes_on(tmp_path):
     with pytest.warns(UserWarning) as record:
         fit(tmp_path, logger, callback)
     ours = [str(w.message) for w in record if "MLFlowLogger could not log" in str(w.message)]
-    assert len(ours) == 3, ours  # tables, texts, files: once each, not again in the second cycle
-    assert all(m.startswith("FXProfilerCallback: MLFlowLogger could not log the ") and " of cycle_0000 (" in m
-               for m in ours)
+    # tables, texts, files: once each, not again in the second cycle; the trend picture at the end of fit
+    assert len(ours) == 4, ours
+    assert all(m.startswith("FXProfilerCallback: MLFlowLogger could not log the ") for m in ours)
+    assert sum(" of cycle_0000 (" in m for m in ours) == 3 and "trend picture of cycle_0001 (" in ours[-1]
     assert len(callback.cycles) == 2  # and both cycles are reported
     assert (callback.cycles[1].directory / "fx_nodes.csv").is_file()
 
@@ -234,7 +235,8 @@ def test_wandb_logger_gets_tables_and_an_artifact_per_cycle(tmp_path, monkeypatc
     for cycle in cycles:
         artifact = by_alias[cycle.directory.name]
         files = {c.path: Path(c.local_path) for c in artifact.manifest.contents}
-        assert set(files) == {p.name for p in cycle.directory.iterdir()}  # the cycle's files
+        # the cycle's files (trend.png comes to the last cycle at the end of fit, and goes to W&B as an image)
+        assert set(files) == {p.name for p in cycle.directory.iterdir() if p.name != "trend.png"}
         assert sum(bool(TRACE_NAME.match(n)) for n in files) == 1
         assert [r["name"] for r in read_csv(files["fx_nodes.csv"])] == [n.name for n in cycle.nodes]  # staged copy
         metadata = json.loads(artifact.metadata)

@@ -61,5 +61,5 @@ def test_retained_data_does_not_grow_over_2000_steps(tmp_path):
     assert probe.rss[2000] - probe.rss[500] < 64 * 2**20, probe.rss  # process memory flat (generous for allocator noise)
 
     fxprof = tmp_path / "logs" / "version_0" / "fxprof"
-    assert sorted(p.name for p in fxprof.iterdir()) == ["cycle_0197", "cycle_0198", "cycle_0199", "trend.png"]
+    assert sorted(p.name for p in fxprof.iterdir()) == ["cycle_0197", "cycle_0198", "cycle_0199"]
     assert [c.directory.name for c in profiler.cycles] == ["cycle_0197", "cycle_0198", "cycle_0199"]
