@@ -123,7 +123,8 @@ class Profiler:
         profile_validation: also profile the steps inside ``with profiler.validation():``.
         module_depth: deepest level of the module tree in the modules text (root = 0).
         backward_timing: time each node's backward too.
-        node_ranges: with ``torch_profiler``, a ``record_function`` range per node in the trace.
+        node_ranges: with ``torch_profiler``, a range per node call in the trace (on CPU written into the
+            exported trace from the node timestamps; on CUDA and under module hooks a ``record_function``).
         ranks: global ranks that write traces (None: all). The others still time nodes and take
             part in the gather.
         peaks: the device's peak GFLOP/s and GB/s for the roofline columns (``roofline.Peaks``); None
@@ -523,7 +524,10 @@ class Profiler:
             self.warn(f"torch.fx could not trace {type(self.target).__name__} whole, so it is timed by "
                       f"{how.describe()} in this cycle, which starts at its first call; later cycles are traced on "
                       "that call")
-        return _OpenCycle(index, directory, trace, timer, how, self.target.training)
+        cycle = _OpenCycle(index, directory, trace, timer, how, self.target.training)
+        if trace is not None:
+            trace.node_ranges = functools.partial(_node_ranges, cycle)
+        return cycle
 
     def _close_cycle(self, stage: _Stage, gather: bool) -> None:
         cycle, stage.open = stage.open, None
@@ -692,11 +696,14 @@ class Profiler:
                 self._observers[training] = observe_first_call(module, training, functools.partial(self._observed, training))
             return self._hook_timer(module), how
         device = next(module.parameters(), torch.empty(0)).device.type
+        # On CPU the node ranges are written into the trace after it is exported (``add_node_ranges``), from
+        # the node timestamps; on CUDA (device clocks) each node opens a record_function range as it runs.
+        ranges = {"annotate": self._ranges and device == "cuda", "trace_ranges": self._ranges and device != "cuda"}
         if how.on_example:
-            timer = GuardedNodeTimer(how.graph_module, annotate=self._ranges, backward=self.backward_timing,
-                                     device=device, on_mismatch=functools.partial(self._warn_mismatch, module, training))
+            timer = GuardedNodeTimer(how.graph_module, backward=self.backward_timing, device=device,
+                                     on_mismatch=functools.partial(self._warn_mismatch, module, training), **ranges)
         elif how.graph_module is not None:
-            timer = NodeTimer(how.graph_module, annotate=self._ranges, backward=self.backward_timing, device=device)
+            timer = NodeTimer(how.graph_module, backward=self.backward_timing, device=device, **ranges)
         else:
             timer = self._hook_timer(module)
         if how.method != "symbolic_trace":
@@ -791,6 +798,14 @@ def _broadcast(value: Any) -> Any:
     box = [value]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _node_ranges(cycle: _OpenCycle) -> tuple[list[tuple[int, int, int]], list[tuple[str, int, int]]] | None:
+    """The anchors and node calls to write into the cycle's trace, when its timer keeps them (``trace_ranges``)."""
+    timer = cycle.timer
+    if not isinstance(timer, NodeTimer) or not timer._trace_ranges:
+        return None
+    return list(timer.anchors), timer.range_spans()
 
 
 def _samples(timer: NodeTimer | ModuleHookTimer) -> int:

@@ -48,7 +48,7 @@ from torch import fx, nn
 
 from fxprof_lightning.quiet import quiet_kineto
 
-__all__ = ["BackwardEvents", "CudaClock", "NodeInfo", "NodeTimer", "autograd_nodes", "describe_target", "enter_range", "exit_range", "is_timed", "mark_untimed", "tensors_in"]
+__all__ = ["ANCHOR", "BackwardEvents", "CudaClock", "NodeInfo", "NodeTimer", "autograd_nodes", "describe_target", "enter_range", "exit_range", "is_timed", "mark_untimed", "tensors_in"]
 
 # Node kinds that run code worth timing; placeholders, get_attr and output only move references.
 TIMED_OPS = ("call_module", "call_function", "call_method")
@@ -67,6 +67,10 @@ def is_timed(node: fx.Node) -> bool:
     """Whether a node runs the model's code (and gets a row, a clock and FLOPs)."""
     return node.op in TIMED_OPS and not node.meta.get(UNTIMED)
 
+# Name prefix of the anchor ranges ``NodeTimer(trace_ranges=True)`` opens at the start and end of each forward call;
+# numbered in threes, unique in the process (two timers' anchors may land in one trace).
+ANCHOR = "fxprof_anchor#"
+_anchor_numbers = itertools.count(step=3)
 sequence_nr_now = torch.autograd._get_sequence_nr
 BACKWARD_SCOPE = int(torch._C._profiler.RecordScope.BACKWARD_FUNCTION)
 queue_engine_callback = torch.autograd.Variable._execution_engine.queue_callback
@@ -229,7 +233,11 @@ class NodeTimer:
 
     Args:
         traced: the ``GraphModule`` from ``symbolic_trace`` (or the capture ladder).
-        annotate: wrap each node in a ``record_function`` range named after it.
+        annotate: wrap each node in a ``record_function`` range named after it (about 9 us per node
+            and call under torch.profiler).
+        trace_ranges: on CPU, keep each node call's start (``range_spans``) and put one anchor range per
+            forward call into a running profiler (``anchors``), so that ``torch_trace.add_node_ranges``
+            can write the node ranges into the exported trace afterwards, at no cost per node at run time.
         backward: time the autograd nodes each node creates.
         device: ``"cuda"`` for device time from CUDA events, anything else for host time.
 
@@ -244,9 +252,12 @@ class NodeTimer:
         >>> timer.nodes[0].name, timer.fwd[0], timer.bwd_ns(0)
     """
 
-    def __init__(self, traced: fx.GraphModule, annotate: bool = False, backward: bool = True, device: str = "cpu") -> None:
+    def __init__(self, traced: fx.GraphModule, annotate: bool = False, backward: bool = True, device: str = "cpu",
+                 trace_ranges: bool = False) -> None:
         self.nodes: list[NodeInfo] = []
         self.fwd: list[list[Any]] = []  # the lists live as long as the timer: the generated code holds them
+        self.starts: list[list[int]] = []  # with trace_ranges: the perf_counter_ns start of each sample in fwd
+        self.anchors: list[tuple[int, int, int]] = []  # with trace_ranges: (number, ns before, ns after) per anchor range
         self.bwd: list[list[int]] = []  # per node: the backward ns of each call whose backward ran
         self.mem_delta: list[list[int]] = []
         self.mem_peak: list[list[int]] = []
@@ -265,6 +276,7 @@ class NodeTimer:
         self._in_pass = False  # an engine callback will mark the end of the running backward pass
         self._first_of_call = False  # no node of the running forward call has created autograd nodes yet
         self._traced, self._annotate = traced, annotate
+        self._trace_ranges = trace_ranges and not self._cuda
         self.graph_module = self._instrument(traced, annotate, hooked=self._cuda)
         self._hooked_graph_module = self.graph_module if self._cuda else None  # built when first needed
         self._saved_forward: dict[int, Any] = {}
@@ -272,8 +284,9 @@ class NodeTimer:
 
     def reset(self) -> None:
         """Forget every sample recorded so far."""
-        for samples in (*self.fwd, *self.mem_delta, *self.mem_peak):
+        for samples in (*self.fwd, *self.starts, *self.mem_delta, *self.mem_peak):
             samples.clear()
+        self.anchors.clear()
         for entries in (self._firsts, self._ends, self._owners, self._totals):
             entries.clear()
         self.bwd = [[] for _ in self.nodes]
@@ -303,6 +316,11 @@ class NodeTimer:
         for owner, total in zip(self._owners, totals, strict=True):
             if total:
                 self.bwd[owner].append(total)
+
+    def range_spans(self) -> list[tuple[str, int, int]]:
+        """``(node name, start perf_counter_ns, duration ns)`` of every node call since ``reset`` (``trace_ranges``)."""
+        return [(info.name, start, duration) for info, starts, durations in zip(self.nodes, self.starts, self.fwd, strict=True)
+                for start, duration in zip(starts, durations, strict=False)]
 
     def resolve(self) -> None:
         """Turn backward marks into durations and, on CUDA, event pairs into nanoseconds."""
@@ -367,14 +385,52 @@ class NodeTimer:
         if self.forward_inputs is None:
             self.forward_inputs = args
 
+    def _anchor(self) -> None:
+        """At the start and the end of each forward call, with ``trace_ranges`` and a profiler running: three
+        empty ranges named ``fxprof_anchor#N``, each between two clock reads, which tie ``perf_counter_ns`` to
+        the profiler's clock (``torch_trace.add_node_ranges``).
+
+        torch's ``_RecordFunctionFast`` opens and closes one in about 1 us (``record_function``: 3-7 us), so
+        the two reads bound the range's place on the profiler's clock to about 1 us."""
+        if not torch._C._autograd._profiler_enabled():
+            return
+        number = next(_anchor_numbers)
+        first, second, third = (_fast_range(f"{ANCHOR}{n}") for n in (number, number + 1, number + 2))
+        # Three in a row: the first often meets cold caches (a wide window), the later ones rarely do.
+        before = time.perf_counter_ns()
+        with first:
+            pass
+        middle = time.perf_counter_ns()
+        with second:
+            pass
+        last = time.perf_counter_ns()
+        with third:
+            pass
+        self.anchors += ((number, before, middle), (number + 1, middle, last), (number + 2, last, time.perf_counter_ns()))
+
     def _cpu_record(self) -> Any:
         """``record(index, start, sequence_nr, output)`` for CPU, with everything it touches bound locally.
 
         It returns the sequence number after the node, which is the next node's first (nodes that are
         not timed create no autograd nodes), so the generated code reads it once per node.
         """
-        fwd, firsts, ends, owners = self.fwd, self._firsts, self._ends, self._owners
+        fwd, firsts, ends, owners, starts = self.fwd, self._firsts, self._ends, self._owners, self.starts
         clock, backward = time.perf_counter_ns, self._backward
+
+        if self._trace_ranges:  # the same, keeping the start too
+            def record_with_start(index: int, start: int, sequence_nr: int, output: Any) -> int | None:
+                fwd[index].append(clock() - start)
+                starts[index].append(start)
+                if not backward:
+                    return None
+                end = sequence_nr_now()
+                if end != sequence_nr:
+                    firsts.append(sequence_nr)
+                    ends.append(end)
+                    owners.append(index)
+                return end
+
+            return record_with_start
 
         def record(index: int, start: int, sequence_nr: int, output: Any) -> int | None:
             fwd[index].append(clock() - start)
@@ -440,6 +496,8 @@ class NodeTimer:
         placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
         sequence_nr: Any = None  # the sequence number after the last timed node, if there was one
         for node in traced.graph.nodes:
+            if node.op == "output" and index >= 0 and self._trace_ranges and not hooked:
+                graph.call_function(self._anchor)
             if node.op != "placeholder" and placeholders and all(n in copies for n in placeholders):
                 graph.call_function(self._inputs, tuple(copies[n] for n in placeholders))  # once all inputs exist
                 placeholders = []
@@ -452,8 +510,10 @@ class NodeTimer:
             index += 1
             if first_build:
                 self.nodes.append(node_info(node))
-                for samples in (self.fwd, self.mem_delta, self.mem_peak):
+                for samples in (self.fwd, self.starts, self.mem_delta, self.mem_peak):
                     samples.append([])
+            if index == 0 and self._trace_ranges and not hooked:
+                graph.call_function(self._anchor)
             if annotate:
                 annotation = graph.call_function(enter_range, (node.name,))
             if self._cuda:
@@ -517,6 +577,12 @@ def autograd_nodes(roots: list[Any], first: int, end: int) -> Iterator[Any]:
 def _cuda_allocated_and_reset_peak() -> int:
     torch.cuda.reset_peak_memory_stats()
     return torch.cuda.memory_allocated()
+
+
+def _fast_range(name: str) -> Any:
+    """A context manager that makes a profiler range: torch's lean one where it exists."""
+    fast = getattr(torch._C._profiler, "_RecordFunctionFast", None)
+    return fast(name) if fast is not None else torch.profiler.record_function(name)
 
 
 def enter_range(name: str) -> torch.profiler.record_function:

@@ -10,19 +10,24 @@ about starting and stopping the session are kept off the console (``quiet.quiet_
 
 from __future__ import annotations
 
+import bisect
+import gzip
 import inspect
+import json
 import os
+import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerAction
 
-from fxprof_lightning.node_timing import backward_durations
+from fxprof_lightning.node_timing import ANCHOR, backward_durations
 from fxprof_lightning.quiet import quiet_kineto
 
-__all__ = ["CycleTrace", "check_profiler_kwargs"]
+__all__ = ["CycleTrace", "add_node_ranges", "check_profiler_kwargs"]
 
 OWNED_KWARGS = ("schedule", "on_trace_ready")
 # Ranges that torch's FSDP2 opens around its work, named after the module: "FSDP::all_gather (blocks.0)".
@@ -79,6 +84,8 @@ class CycleTrace:
         self.errors: list[str] = []
         self.backward_events: list[tuple[int, int]] = []  # (sequence number, ns) per autograd node run (NodeTimer.add_backward)
         self.ranges: dict[str, list[int]] = {}  # ns of each run of a communication range (FSDP::all_gather (blocks.0), ...)
+        # Set by the engine: the node calls and anchors to write into the trace (NodeTimer.range_spans, .anchors).
+        self.node_ranges: Callable[[], tuple[list[tuple[int, int, int]], list[tuple[str, int, int]]] | None] | None = None
         self._collect_backward = backward_events
         self._directory = directory
         self._worker = worker
@@ -121,6 +128,7 @@ class CycleTrace:
         partial = self._directory / f".{self._worker}.{stamp}.partial{'.json.gz' if self._suffix.endswith('.gz') else '.json'}"
         try:
             profiler.export_chrome_trace(str(partial))
+            self._add_node_ranges(partial)
             os.replace(partial, final)
         except Exception as error:  # a trace that cannot be written must not stop training
             for leftover in self._directory.glob(f"{partial.name}*"):  # the exporter may add its own .tmp
@@ -128,3 +136,112 @@ class CycleTrace:
             self.errors.append(f"could not write the trace {final}: {type(error).__name__}: {error}")
             return
         self.paths.append(final)
+
+    def _add_node_ranges(self, path: Path) -> None:
+        recorded = self.node_ranges() if self.node_ranges is not None else None
+        if not recorded or not recorded[1]:
+            return
+        try:
+            add_node_ranges(path, *recorded)
+        except Exception as error:  # the trace stays as exported, without node ranges
+            self.errors.append(f"could not write the node ranges into the trace {path.name}: {type(error).__name__}: {error}")
+
+
+def add_node_ranges(path: Path, anchors: list[tuple[int, int, int]], spans: list[tuple[str, int, int]]) -> int:
+    """Write a ``user_annotation`` range per node call into an exported Chrome trace; the number written.
+
+    ``spans`` are ``(name, start, duration)`` in ``time.perf_counter_ns`` nanoseconds (``NodeTimer.range_spans``).
+    The trace's clock is another one (kineto's, in microseconds from ``baseTimeNanoseconds``), so the two are
+    tied by the anchor ranges (``NodeTimer.anchors``: ``(number, ns before, ns after)`` around an empty
+    ``record_function("fxprof_anchor#number")``): the anchor's start and end in the trace both lie between the
+    two clock reads, which bounds the offset between the clocks; the bounds of all anchors are intersected
+    (their midpoint is taken when clock drift makes them disjoint). Each range goes on the thread (``pid``,
+    ``tid`` as the trace names them) of the last anchor before it. The anchors themselves are removed. The
+    file is rewritten through a temporary file and ``os.replace``.
+
+    The offset is known to about a microsecond, and the first op of a node can start less than that after
+    the node's clock read: a range edge that would cut through one of the thread's events is moved to that
+    event's edge (``_Thread.nest``), so that ranges nest as the trace format requires.
+    """
+    zipped = path.name.endswith(".gz")
+    data = path.read_bytes()
+    document = json.loads(gzip.decompress(data) if zipped else data)
+    events = document["traceEvents"]
+    found: dict[int, dict[str, Any]] = {}
+    kept = []
+    for event in events:
+        name = event.get("name")
+        if isinstance(name, str) and name.startswith(ANCHOR) and event.get("ph") == "X":
+            found[int(name[len(ANCHOR):])] = event
+        else:
+            kept.append(event)
+    matched = sorted((before, after, found[number]) for number, before, after in anchors if number in found)
+    if not matched:
+        raise ValueError("none of the anchor ranges is in the trace")
+    low = max(round((e["ts"] + e["dur"]) * 1e3) - after for before, after, e in matched)
+    high = min(round(e["ts"] * 1e3) - before for before, after, e in matched)
+    if low <= high:
+        offset = (low + high) // 2
+    else:
+        offset = round(statistics.median(round((e["ts"] + e["dur"] / 2) * 1e3) - (before + after) / 2 for before, after, e in matched))
+    befores = [before for before, _, _ in matched]
+    threads: dict[tuple[Any, Any], _Thread] = {}
+    added = []
+    for name, start, duration in spans:
+        anchor = matched[max(bisect.bisect_right(befores, start) - 1, 0)][2]
+        where = anchor["pid"], anchor["tid"]
+        if where not in threads:
+            threads[where] = _Thread([e for e in kept if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) == where])
+        begin, end = threads[where].nest(start + offset, start + offset + duration, slack=max(high - low, 0) + NEST_SLACK_NS)
+        added.append({"ph": "X", "cat": "user_annotation", "name": name, "pid": anchor["pid"], "tid": anchor["tid"],
+                      "ts": round(begin / 1e3, 3), "dur": round((end - begin) / 1e3, 3)})
+    document["traceEvents"] = kept + added
+    temporary = path.with_name(path.name + ".ranges")
+    data = json.dumps(document).encode()  # dumps, not dump: json.dump to a file encodes in Python, 10x slower
+    try:
+        temporary.write_bytes(gzip.compress(data, compresslevel=6) if zipped else data)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return len(added)
+
+
+# How far from a range's edge (beyond the uncertainty of the clock offset) an event's edge may be moved across.
+NEST_SLACK_NS = 2_000
+
+
+class _Thread:
+    """A thread's complete events in the trace, to fit node ranges between them (integer ns)."""
+
+    def __init__(self, events: list[dict[str, Any]]) -> None:
+        spans = sorted((round(e["ts"] * 1e3), round((e["ts"] + e.get("dur", 0)) * 1e3)) for e in events)
+        self.starts = [a for a, _ in spans]
+        self.by_start = spans
+        self.by_end = sorted(spans, key=lambda span: span[1])
+        self.ends = [b for _, b in self.by_end]
+
+    def _near(self, at: int, slack: int) -> list[tuple[int, int]]:
+        """Events with an edge within ``slack`` of ``at``."""
+        low, high = at - slack, at + slack
+        near = self.by_start[bisect.bisect_left(self.starts, low):bisect.bisect_right(self.starts, high)]
+        return near + self.by_end[bisect.bisect_left(self.ends, low):bisect.bisect_right(self.ends, high)]
+
+    def nest(self, begin: int, end: int, slack: int) -> tuple[int, int]:
+        """``begin, end`` moved so that no event near an edge overlaps the range partly: an event mostly inside
+        the range is taken in, one mostly outside is left out."""
+        for _ in range(8):
+            moved = False
+            for a, b in self._near(begin, slack) + self._near(end, slack):
+                if not (a < begin < b < end or begin < a < end < b):
+                    continue  # inside, outside or around the range
+                inside = min(b, end) - max(a, begin)
+                if 2 * inside >= b - a:
+                    begin, end = min(begin, a), max(end, b)
+                elif a < begin:
+                    begin = b
+                else:
+                    end = a
+                moved = True
+            if not moved or begin >= end:
+                break
+        return begin, max(begin, end)

@@ -682,13 +682,13 @@ class GuardedNodeTimer(NodeTimer):
 
     Args:
         traced: the graph from ``trace_on_example``.
-        annotate, backward, device: as for ``NodeTimer``.
+        annotate, backward, device, trace_ranges: as for ``NodeTimer``.
         on_mismatch: called once, with the reason, when a call does not fit the graph.
     """
 
     def __init__(self, traced: fx.GraphModule, annotate: bool = False, backward: bool = True, device: str = "cpu",
-                 on_mismatch: Callable[[str], None] | None = None) -> None:
-        super().__init__(traced, annotate=annotate, backward=backward, device=device)
+                 on_mismatch: Callable[[str], None] | None = None, trace_ranges: bool = False) -> None:
+        super().__init__(traced, annotate=annotate, backward=backward, device=device, trace_ranges=trace_ranges)
         self.mismatch: str | None = None
         self._on_mismatch = on_mismatch
         # NumPy's state costs ~30 us to save: only for a graph that draws host random numbers.

@@ -11,7 +11,9 @@ default). Then:
   as many in all as the report counts calls;
 * HTA reads the cycle's directory as its trace directory (``TraceAnalysis(trace_dir=...)``, what an
   HTA user types), so nothing else in that directory may look like a trace to it;
-* the file is the Chrome trace JSON that Perfetto UI and chrome://tracing open.
+* the file is the Chrome trace JSON that Perfetto UI and chrome://tracing open;
+* the node ranges, written into the exported trace from the node timestamps (``add_node_ranges``), hold
+  their nodes' ops and nest with every event of their thread; the anchors that aligned them are gone.
 
 Perfetto's own Python trace processor (PyPI ``perfetto``) downloads its ``trace_processor_shell``
 binary on first use, which cannot work offline, so Perfetto is checked by the JSON format it reads.
@@ -125,3 +127,28 @@ def test_trace_is_chrome_trace_json_for_perfetto(trained: Trained) -> None:
     for step in trained.cycle.steps:
         assert ("user_annotation", f"ProfilerStep#{step}") in names
     assert {("user_annotation", n) for n in SMALLNET_NODES} <= names
+
+
+# Ops that only one SmallNet node runs in a training step, and that node.
+OPS_OF_NODES = {"aten::conv2d": "conv", "aten::batch_norm": "bn", "aten::relu": "relu", "aten::mean": "mean",
+                "aten::dropout": "drop", "aten::linear": "head"}
+
+
+def test_node_ranges_hold_their_ops_and_nest(trained: Trained) -> None:
+    """The ranges are placed on the profiler's clock by anchors: each node's ops lie inside its range, and no
+    range cuts through another event of its thread (Perfetto and the plugin need properly nested slices)."""
+    events = [e for e in json.loads(gzip.decompress(trained.trace.read_bytes()))["traceEvents"] if e.get("ph") == "X"]
+    assert not [e for e in events if e["name"].startswith("fxprof_anchor")]
+    ranges = [e for e in events if e.get("cat") == "user_annotation" and e["name"] in SMALLNET_NODES]
+    assert len({(e["pid"], e["tid"]) for e in ranges}) == 1  # the thread the forward ran on
+    thread = [e for e in events if (e["pid"], e["tid"]) == (ranges[0]["pid"], ranges[0]["tid"]) and e not in ranges]
+    for node_range in ranges:
+        begin, end = node_range["ts"], node_range["ts"] + node_range["dur"]
+        cut = [e["name"] for e in thread if e["ts"] < begin < e["ts"] + e["dur"] < end or begin < e["ts"] < end < e["ts"] + e["dur"]]
+        assert not cut, f"{node_range['name']} cuts through {cut}"
+    for op, node in OPS_OF_NODES.items():
+        runs = [e for e in thread if e["name"] == op]
+        assert len(runs) == len(trained.cycle.steps), op
+        holders = [r for r in ranges if r["name"] == node]
+        for run in runs:
+            assert any(r["ts"] <= run["ts"] and run["ts"] + run["dur"] <= r["ts"] + r["dur"] for r in holders), (op, node)
