@@ -570,7 +570,8 @@ def profiled_overhead(work: Workload, rounds: Rounds, warmup: int) -> dict[str, 
 
 
 def write_ranges_ms(work: Workload, timer: NodeTimer) -> float:
-    """Milliseconds ``add_node_ranges`` takes to write one profiled step's node ranges into its exported trace."""
+    """Milliseconds ``add_node_ranges`` takes to write one profiled step's node ranges (forward and backward)
+    into its exported trace."""
     from fxprof_lightning.torch_trace import add_node_ranges
 
     timer.reset()
@@ -582,7 +583,7 @@ def write_ranges_ms(work: Workload, timer: NodeTimer) -> float:
         path = os.path.join(directory, "step.pt.trace.json.gz")
         prof.export_chrome_trace(path)
         began = time.perf_counter()
-        add_node_ranges(pathlib.Path(path), list(timer.anchors), timer.range_spans())
+        add_node_ranges(pathlib.Path(path), list(timer.anchors), timer.range_spans(), timer.backward_calls())
         return (time.perf_counter() - began) * 1e3
 
 

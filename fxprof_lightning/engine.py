@@ -800,12 +800,13 @@ def _broadcast(value: Any) -> Any:
     return box[0]
 
 
-def _node_ranges(cycle: _OpenCycle) -> tuple[list[tuple[int, int, int]], list[tuple[str, int, int]]] | None:
-    """The anchors and node calls to write into the cycle's trace, when its timer keeps them (``trace_ranges``)."""
+def _node_ranges(cycle: _OpenCycle) -> tuple[list[tuple[int, int, int]], list[tuple[str, int, int]], list[tuple[str, int, int]]] | None:
+    """The anchors, node calls and their autograd sequence ranges to write into the cycle's trace, when its
+    timer keeps them (``trace_ranges``)."""
     timer = cycle.timer
     if not isinstance(timer, NodeTimer) or not timer._trace_ranges:
         return None
-    return list(timer.anchors), timer.range_spans()
+    return list(timer.anchors), timer.range_spans(), timer.backward_calls() if timer.uses_backward_events else []
 
 
 def _samples(timer: NodeTimer | ModuleHookTimer) -> int:

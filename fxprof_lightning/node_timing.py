@@ -322,6 +322,11 @@ class NodeTimer:
         return [(info.name, start, duration) for info, starts, durations in zip(self.nodes, self.starts, self.fwd, strict=True)
                 for start, duration in zip(starts, durations, strict=False)]
 
+    def backward_calls(self) -> list[tuple[str, int, int]]:
+        """``(node name, first, end)``: the autograd sequence numbers ``[first, end)`` each node call created,
+        in the order of the calls (CPU, since ``reset``)."""
+        return [(self.nodes[owner].name, first, end) for owner, first, end in zip(self._owners, self._firsts, self._ends, strict=True)]
+
     def resolve(self) -> None:
         """Turn backward marks into durations and, on CUDA, event pairs into nanoseconds."""
         marks, self._marks = self._marks, []

@@ -85,7 +85,7 @@ class CycleTrace:
         self.backward_events: list[tuple[int, int]] = []  # (sequence number, ns) per autograd node run (NodeTimer.add_backward)
         self.ranges: dict[str, list[int]] = {}  # ns of each run of a communication range (FSDP::all_gather (blocks.0), ...)
         # Set by the engine: the node calls and anchors to write into the trace (NodeTimer.range_spans, .anchors).
-        self.node_ranges: Callable[[], tuple[list[tuple[int, int, int]], list[tuple[str, int, int]]] | None] | None = None
+        self.node_ranges: Callable[[], tuple[list[Any], list[Any], list[Any]] | None] | None = None
         self._collect_backward = backward_events
         self._directory = directory
         self._worker = worker
@@ -147,8 +147,15 @@ class CycleTrace:
             self.errors.append(f"could not write the node ranges into the trace {path.name}: {type(error).__name__}: {error}")
 
 
-def add_node_ranges(path: Path, anchors: list[tuple[int, int, int]], spans: list[tuple[str, int, int]]) -> int:
+def add_node_ranges(path: Path, anchors: list[tuple[int, int, int]], spans: list[tuple[str, int, int]],
+                    backward_calls: list[tuple[str, int, int]] = ()) -> int:
     """Write a ``user_annotation`` range per node call into an exported Chrome trace; the number written.
+
+    With ``backward_calls`` (``NodeTimer.backward_calls``: node name and the autograd sequence numbers
+    ``[first, end)`` of each call), also a range ``"<node> backward"`` per call whose autograd nodes ran, from
+    the first to the last of the trace's ``autograd::engine::evaluate_function`` events with those sequence
+    numbers (the profiler's own clock: no alignment needed). One that would overlap another such range
+    (a graph run backward twice, ``retain_graph``) or cut through an event is left out.
 
     ``spans`` are ``(name, start, duration)`` in ``time.perf_counter_ns`` nanoseconds (``NodeTimer.range_spans``).
     The trace's clock is another one (kineto's, in microseconds from ``baseTimeNanoseconds``), so the two are
@@ -195,6 +202,7 @@ def add_node_ranges(path: Path, anchors: list[tuple[int, int, int]], spans: list
         begin, end = threads[where].nest(start + offset, start + offset + duration, slack=max(high - low, 0) + NEST_SLACK_NS)
         added.append({"ph": "X", "cat": "user_annotation", "name": name, "pid": anchor["pid"], "tid": anchor["tid"],
                       "ts": round(begin / 1e3, 3), "dur": round((end - begin) / 1e3, 3)})
+    added += _backward_ranges(kept, backward_calls)
     document["traceEvents"] = kept + added
     temporary = path.with_name(path.name + ".ranges")
     data = json.dumps(document).encode()  # dumps, not dump: json.dump to a file encodes in Python, 10x slower
@@ -226,6 +234,14 @@ class _Thread:
         near = self.by_start[bisect.bisect_left(self.starts, low):bisect.bisect_right(self.starts, high)]
         return near + self.by_end[bisect.bisect_left(self.ends, low):bisect.bisect_right(self.ends, high)]
 
+    def cuts(self, begin: int, end: int) -> bool:
+        """Whether the range would overlap one of the events partly."""
+        inside = self.by_start[bisect.bisect_left(self.starts, begin):bisect.bisect_right(self.starts, end)]
+        if any(begin < a < end < b for a, b in inside):
+            return True
+        ending = self.by_end[bisect.bisect_left(self.ends, begin):bisect.bisect_right(self.ends, end)]
+        return any(a < begin < b < end for a, b in ending)
+
     def nest(self, begin: int, end: int, slack: int) -> tuple[int, int]:
         """``begin, end`` moved so that no event near an edge overlaps the range partly: an event mostly inside
         the range is taken in, one mostly outside is left out."""
@@ -245,3 +261,45 @@ class _Thread:
             if not moved or begin >= end:
                 break
         return begin, max(begin, end)
+
+
+EVALUATE = "autograd::engine::evaluate_function: "
+
+
+def _backward_ranges(events: list[dict[str, Any]], calls: list[tuple[str, int, int]]) -> list[dict[str, Any]]:
+    """A ``"<node> backward"`` range per node call, around the autograd node events it created (see ``add_node_ranges``)."""
+    if not calls:
+        return []
+    firsts = [first for _, first, _ in calls]
+    spans: dict[int, list[Any]] = {}  # call -> [begin ns, end ns, pid, tid]
+    for event in events:
+        name = event.get("name")
+        if event.get("ph") != "X" or not isinstance(name, str) or not name.startswith(EVALUATE):
+            continue
+        sequence_nr = (event.get("args") or {}).get("Sequence number")
+        if not isinstance(sequence_nr, int) or sequence_nr < 0:
+            continue
+        i = bisect.bisect_right(firsts, sequence_nr) - 1
+        if i < 0 or sequence_nr >= calls[i][2]:
+            continue
+        begin, end = event["ts"], event["ts"] + event["dur"]  # the trace's own numbers: edges equal to its events'
+        span = spans.get(i)
+        if span is None:
+            spans[i] = [begin, end, event["pid"], event["tid"]]
+        elif (span[2], span[3]) == (event["pid"], event["tid"]):
+            span[0], span[1] = min(span[0], begin), max(span[1], end)
+    threads: dict[tuple[Any, Any], _Thread] = {}
+    placed: list[tuple[float, float, int]] = sorted((begin, end, i) for i, (begin, end, _, _) in spans.items())
+    added, last_end = [], None
+    for begin, end, i in placed:
+        if last_end is not None and begin < last_end:
+            continue  # overlaps the previous one (a graph run backward twice)
+        pid, tid = spans[i][2], spans[i][3]
+        if (pid, tid) not in threads:
+            threads[pid, tid] = _Thread([e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) == (pid, tid)])
+        if threads[pid, tid].cuts(round(begin * 1e3), round(end * 1e3)):
+            continue
+        last_end = end
+        added.append({"ph": "X", "cat": "user_annotation", "name": f"{calls[i][0]} backward", "pid": pid, "tid": tid,
+                      "ts": begin, "dur": round(end - begin, 3)})
+    return added

@@ -13,7 +13,8 @@ default). Then:
   HTA user types), so nothing else in that directory may look like a trace to it;
 * the file is the Chrome trace JSON that Perfetto UI and chrome://tracing open;
 * the node ranges, written into the exported trace from the node timestamps (``add_node_ranges``), hold
-  their nodes' ops and nest with every event of their thread; the anchors that aligned them are gone.
+  their nodes' ops and nest with every event of their thread; the anchors that aligned them are gone;
+  each node call also has a ``"<node> backward"`` range around its autograd node events.
 
 Perfetto's own Python trace processor (PyPI ``perfetto``) downloads its ``trace_processor_shell``
 binary on first use, which cannot work offline, so Perfetto is checked by the JSON format it reads.
@@ -145,6 +146,14 @@ def test_node_ranges_hold_their_ops_and_nest(trained: Trained) -> None:
     for node_range in ranges:
         begin, end = node_range["ts"], node_range["ts"] + node_range["dur"]
         cut = [e["name"] for e in thread if e["ts"] < begin < e["ts"] + e["dur"] < end or begin < e["ts"] < end < e["ts"] + e["dur"]]
+        assert not cut, f"{node_range['name']} cuts through {cut}"
+    # Backward: one range per node call, around the autograd node events of its sequence numbers.
+    backward = [e for e in events if e.get("cat") == "user_annotation" and e["name"].endswith(" backward")]
+    assert sorted(e["name"] for e in backward) == sorted(f"{n} backward" for n in SMALLNET_NODES for _ in trained.cycle.steps)
+    for node_range in backward:
+        begin, end = node_range["ts"], node_range["ts"] + node_range["dur"]
+        same = [e for e in events if (e["pid"], e["tid"]) == (node_range["pid"], node_range["tid"]) and e is not node_range]
+        cut = [e["name"] for e in same if e["ts"] < begin < e["ts"] + e["dur"] < end or begin < e["ts"] < end < e["ts"] + e["dur"]]
         assert not cut, f"{node_range['name']} cuts through {cut}"
     for op, node in OPS_OF_NODES.items():
         runs = [e for e in thread if e["name"] == op]
