@@ -804,7 +804,7 @@ def _node_ranges(cycle: _OpenCycle) -> tuple[list[tuple[int, int, int]], list[tu
     """The anchors, node calls and their autograd sequence ranges to write into the cycle's trace, when its
     timer keeps them (``trace_ranges``)."""
     timer = cycle.timer
-    if not isinstance(timer, NodeTimer) or not timer._trace_ranges:
+    if not isinstance(timer, NodeTimer) or not timer.trace_ranges:
         return None
     return list(timer.anchors), timer.range_spans(), timer.backward_calls() if timer.uses_backward_events else []
 

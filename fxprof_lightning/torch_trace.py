@@ -84,7 +84,7 @@ class CycleTrace:
         self.errors: list[str] = []
         self.backward_events: list[tuple[int, int]] = []  # (sequence number, ns) per autograd node run (NodeTimer.add_backward)
         self.ranges: dict[str, list[int]] = {}  # ns of each run of a communication range (FSDP::all_gather (blocks.0), ...)
-        # Set by the engine: the node calls and anchors to write into the trace (NodeTimer.range_spans, .anchors).
+        # Set by the engine: what add_node_ranges writes into the trace (NodeTimer.anchors, .range_spans, .backward_calls).
         self.node_ranges: Callable[[], tuple[list[Any], list[Any], list[Any]] | None] | None = None
         self._collect_backward = backward_events
         self._directory = directory
@@ -159,10 +159,10 @@ def add_node_ranges(path: Path, anchors: list[tuple[int, int, int]], spans: list
 
     ``spans`` are ``(name, start, duration)`` in ``time.perf_counter_ns`` nanoseconds (``NodeTimer.range_spans``).
     The trace's clock is another one (kineto's, in microseconds from ``baseTimeNanoseconds``), so the two are
-    tied by the anchor ranges (``NodeTimer.anchors``: ``(number, ns before, ns after)`` around an empty
-    ``record_function("fxprof_anchor#number")``): the anchor's start and end in the trace both lie between the
-    two clock reads, which bounds the offset between the clocks; the bounds of all anchors are intersected
-    (their midpoint is taken when clock drift makes them disjoint). Each range goes on the thread (``pid``,
+    tied by the anchor ranges (``NodeTimer.anchors``: ``(number, ns before, ns after)`` around an empty range
+    ``fxprof_anchor#number``): the anchor's start and end in the trace both lie between the two clock reads,
+    which bounds the offset between the clocks; the bounds of all anchors are intersected (the median of
+    their midpoints is taken when a clock step makes them disjoint). Each range goes on the thread (``pid``,
     ``tid`` as the trace names them) of the last anchor before it. The anchors themselves are removed. The
     file is rewritten through a temporary file and ``os.replace``.
 
