@@ -69,7 +69,6 @@ import pathlib
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -84,12 +83,12 @@ import lightning
 import lightning.pytorch as pl
 import torch
 import torchvision
+from run_info import contention, cpu_stall_us, package_state
 from torch import fx, nn
 from torch.nn import functional as F
 from torch.profiler import ProfilerActivity
 from torch.utils.data import DataLoader, TensorDataset
 
-import fxprof_lightning
 from fxprof_lightning import FXProfilerCallback, node_timing
 from fxprof_lightning.node_timing import NodeTimer
 
@@ -762,35 +761,13 @@ def agreement(ours: dict[str, float], reference: dict[str, float]) -> Agreement:
 # ------------------------------------------------------------------ report
 
 
-def cpu_stall_us() -> int | None:
-    """Linux pressure stall information: total us during which some runnable task waited for a CPU."""
-    try:
-        with open("/proc/pressure/cpu") as pressure:
-            some = pressure.readline().split()
-        return int(some[-1].removeprefix("total="))
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def contention_note(stall_start: int | None, wall_start: float) -> str:
     """How much of the run's wall time some task (ours or not) waited for a CPU: the noise level."""
-    stall_end = cpu_stall_us()
-    if stall_start is None or stall_end is None:
+    share = contention(stall_start, wall_start)
+    if share is None:
         return "CPU contention during the run: unknown (no /proc/pressure/cpu)"
-    share = (stall_end - stall_start) / 1e6 / (time.perf_counter() - wall_start)
     return (f"CPU contention during the run: some task waited for a CPU {100 * share:.0f} % of the time "
             "(/proc/pressure/cpu; near 0 on an idle machine, results above ~30 % are noisy)")
-
-
-def package_state() -> str:
-    """fxprof_lightning's version and the git commit it was measured at (+dirty: uncommitted edits)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(fxprof_lightning.__file__)))
-    try:
-        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=root, capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
-    return f"fxprof_lightning {fxprof_lightning.__version__} (git {commit})"
 
 
 def header(quick: bool) -> str:

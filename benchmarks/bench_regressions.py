@@ -36,7 +36,6 @@ import datetime
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,10 +43,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from run_info import contention, cpu_stall_us, package_state
 from torch import nn
 from torch.nn import functional as F
 
-import fxprof_lightning
 from fxprof_lightning import Profiler
 from fxprof_lightning.regressions import (
     DEFAULT_K,
@@ -239,33 +238,6 @@ def measured_ratio(run: Run) -> str:
 
 
 # ------------------------------------------------------------------ report
-
-
-def cpu_stall_us() -> int | None:
-    """Linux pressure stall information: total us during which some runnable task waited for a CPU."""
-    try:
-        with open("/proc/pressure/cpu") as pressure:
-            some = pressure.readline().split()
-        return int(some[-1].removeprefix("total="))
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def contention(stall_start: int | None, wall_start: float) -> float | None:
-    stall_end = cpu_stall_us()
-    if stall_start is None or stall_end is None:
-        return None
-    return (stall_end - stall_start) / 1e6 / (time.perf_counter() - wall_start)
-
-
-def package_state() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(fxprof_lightning.__file__)))
-    try:
-        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=root, capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
-    return f"fxprof_lightning {fxprof_lightning.__version__} (git {commit})"
 
 
 def header(quick: bool) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fxprof_lightning.node_timing import NodeInfo
+from fxprof_lightning.trust import cpu_per_wall, step_spread
 
 __all__ = ["CycleReport", "ModuleStats", "NodeStats", "RangeStats", "merge_ranks", "summarize_modules", "summarize_nodes",
            "summarize_ranges"]
@@ -370,11 +371,11 @@ class CycleReport:
         lines.append("")
         if self.step_ms:
             trust = f"Recorded steps took {statistics.median(self.step_ms):.1f} ms (median)"
-            if len(self.step_ms) > 1:
-                spread = (max(self.step_ms) - min(self.step_ms)) / max(statistics.median(self.step_ms), 1e-9)
+            spread, cpu = step_spread(self.step_ms), cpu_per_wall(self.step_ms, self.step_cpu_ms)
+            if spread is not None:
                 trust += f", spread {100 * spread:.0f}%"
-            if self.step_cpu_ms and sum(self.step_ms) > 0:
-                trust += f", {sum(self.step_cpu_ms) / sum(self.step_ms):.2f} CPU s per wall s"
+            if cpu is not None:
+                trust += f", {cpu:.2f} CPU s per wall s"
             lines += [trust + ".", ""]
         if self.distortion:
             lines += [f"**These numbers look distorted by other load:** {self.distortion}.", ""]

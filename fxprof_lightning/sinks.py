@@ -209,12 +209,12 @@ class PictureSink:
 
     def write_cycle(self, report: CycleReport, profiler: Profiler) -> None:
         for tag, png in cycle_pictures(report, profiler).items():
-            _write_bytes(report.directory / f"{tag.rsplit('/', 1)[1]}.png", png, profiler.name)
+            write_atomically(report.directory / f"{tag.rsplit('/', 1)[1]}.png", png, profiler.name)
 
     def close(self, profiler: Profiler) -> None:
         png = trend_picture(profiler)
         if png is not None:
-            _write_bytes(profiler.cycles[-1].directory / "trend.png", png, profiler.name)
+            write_atomically(profiler.cycles[-1].directory / "trend.png", png, profiler.name)
 
 
 class ConsoleSink:
@@ -293,10 +293,6 @@ def summary(cycles: list[CycleReport], name: str, out_dir: Path, logdir: str | o
         lines.append(f"Traces: {last.directory} (open them in https://ui.perfetto.dev, or: tensorboard --logdir {logdir})")
     lines.append(f"Run summary: python -m fxprof_lightning report {out_dir}")
     return "\n".join(lines)
-
-
-def _write_bytes(path: Path, data: bytes, name: str) -> None:
-    write_atomically(path, data, name)
 
 
 def write_atomically(path: Path, data: str | bytes, name: str = "fxprof") -> None:

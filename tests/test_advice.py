@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from fxprof_lightning.advice import advise, elementwise_share, heavy_backward, low_peak, regressed, slow_rank
+from fxprof_lightning.regressions import Regression
 from fxprof_lightning.report import NodeStats
 from fxprof_lightning.trust import cpu_per_wall, distortion, step_spread
 
@@ -52,18 +51,8 @@ def test_slow_rank_needs_the_same_rank_in_most_cycles():
     assert slow_rank(alternating, ranks=2) == []
 
 
-@dataclass(frozen=True)
-class FakeRegression:  # the fields regressions.Regression has
-    node: str
-    direction: str
-    baseline_ms: float
-    now_ms: float
-    ratio: float
-    noise_ms: float
-
-
 def test_regressed_and_advise_order_by_what_is_at_stake():
-    regression = FakeRegression("fc1", "forward", 1.0, 1.3, 1.3, 0.02)
+    regression = Regression("fc1", "forward", 1.0, 1.3, 1.3, 0.02)
     assert "`fc1` forward got 1.30x slower" in regressed([regression])[0].text
     nodes = [node("emb", 1.0, 5.0)]  # 100% of node time, 5x backward
     texts = advise(nodes, history=[nodes], regressions=[regression])
