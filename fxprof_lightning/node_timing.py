@@ -3,7 +3,9 @@
 ``NodeTimer`` builds an instrumented copy of a traced graph in which every node is
 bracketed by a clock read (and, optionally, a ``torch.profiler.record_function`` range named
 after the node), and lets ``GraphModule`` generate the Python code for it: no
-``torch.fx.Interpreter`` dispatch in timed steps. ``install``/``uninstall`` swap that code in
+``torch.fx.Interpreter`` dispatch in timed steps. On CPU the generated code only appends the
+clock reads and autograd sequence numbers to two flat lists (``stamps.append(perf_counter_ns())``:
+no Python function of ours runs per node); they become per-node samples after the call. ``install``/``uninstall`` swap that code in
 as the module's ``forward`` and put the module's own forward back.
 
 Backward: the autograd sequence number is read before and after each node, so the autograd
@@ -38,6 +40,7 @@ import bisect
 import copy
 import functools
 import itertools
+import operator
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -256,8 +259,13 @@ class NodeTimer:
     def __init__(self, traced: fx.GraphModule, annotate: bool = False, backward: bool = True, device: str = "cpu",
                  trace_ranges: bool = False) -> None:
         self.nodes: list[NodeInfo] = []
-        self.fwd: list[list[Any]] = []  # the lists live as long as the timer: the generated code holds them
-        self.starts: list[list[int]] = []  # with trace_ranges: the perf_counter_ns start of each sample in fwd
+        self._fwd: list[list[Any]] = []  # per node, one duration per call (``fwd``)
+        self._starts: list[list[int]] = []  # CPU: the perf_counter_ns start of each sample in fwd
+        # CPU: what the generated code logs, turned into samples by ``_fold``: two clock reads per timed node,
+        # the sequence number before the first timed node and after each, and where each call's entries begin.
+        self._stamps: list[int] = []
+        self._sequence_nrs: list[int] = []
+        self._calls: list[tuple[int, int]] = []
         self.anchors: list[tuple[int, int, int]] = []  # with trace_ranges: (number, ns before, ns after) per anchor range
         self.bwd: list[list[int]] = []  # per node: the backward ns of each call whose backward ran
         self.mem_delta: list[list[int]] = []
@@ -285,9 +293,10 @@ class NodeTimer:
 
     def reset(self) -> None:
         """Forget every sample recorded so far."""
-        for samples in (*self.fwd, *self.starts, *self.mem_delta, *self.mem_peak):
+        for samples in (*self._fwd, *self._starts, *self.mem_delta, *self.mem_peak):
             samples.clear()
-        self.anchors.clear()
+        for entries in (self._stamps, self._sequence_nrs, self._calls, self.anchors):
+            entries.clear()
         for entries in (self._firsts, self._ends, self._owners, self._totals):
             entries.clear()
         self.bwd = [[] for _ in self.nodes]
@@ -295,6 +304,33 @@ class NodeTimer:
         self.forward_inputs = None
         self._marks = []
         self._in_pass = False
+
+    @property
+    def fwd(self) -> list[list[Any]]:
+        """Per node, the forward duration of each call since ``reset`` (CUDA: event pairs until ``resolve``)."""
+        self._fold()
+        return self._fwd
+
+    def _fold(self) -> None:
+        """Turn what the generated code logged (``_stamps``, ``_sequence_nrs``) into per-node samples.
+
+        A call cut short by an exception counts the nodes that finished."""
+        if not self._calls:
+            return
+        stamps, sequence_nrs = self._stamps, self._sequence_nrs
+        bounds = [*self._calls, (len(stamps), len(sequence_nrs))]
+        for (stamp, sequence), (stamp_end, sequence_end) in itertools.pairwise(bounds):
+            for index in range(min(len(self.nodes), (stamp_end - stamp) // 2)):
+                start = stamps[stamp + 2 * index]
+                self._fwd[index].append(stamps[stamp + 2 * index + 1] - start)
+                self._starts[index].append(start)
+            for index, (first, end) in enumerate(itertools.pairwise(sequence_nrs[sequence:sequence_end])):
+                if first != end:  # the node created autograd nodes
+                    self._firsts.append(first)
+                    self._ends.append(end)
+                    self._owners.append(index)
+        for entries in (stamps, sequence_nrs, self._calls):
+            entries.clear()
 
     @property
     def trace_ranges(self) -> bool:
@@ -312,6 +348,7 @@ class NodeTimer:
         Durations add up over calls of ``add_backward``: give each event once. A forward call whose
         graph ran backward twice (``retain_graph``) gets one sample, the sum of both.
         """
+        self._fold()
         firsts, ends, totals = self._firsts, self._ends, self._totals
         totals.extend([0] * (len(firsts) - len(totals)))
         for sequence_nr, duration in events:
@@ -325,16 +362,19 @@ class NodeTimer:
 
     def range_spans(self) -> list[tuple[str, int, int]]:
         """``(node name, start perf_counter_ns, duration ns)`` of every node call since ``reset`` (``trace_ranges``)."""
-        return [(info.name, start, duration) for info, starts, durations in zip(self.nodes, self.starts, self.fwd, strict=True)
+        self._fold()
+        return [(info.name, start, duration) for info, starts, durations in zip(self.nodes, self._starts, self._fwd, strict=True)
                 for start, duration in zip(starts, durations, strict=False)]
 
     def backward_calls(self) -> list[tuple[str, int, int]]:
         """``(node name, first, end)``: the autograd sequence numbers ``[first, end)`` each node call created,
         in the order of the calls (CPU, since ``reset``)."""
+        self._fold()
         return [(self.nodes[owner].name, first, end) for owner, first, end in zip(self._owners, self._firsts, self._ends, strict=True)]
 
     def resolve(self) -> None:
         """Turn backward marks into durations and, on CUDA, event pairs into nanoseconds."""
+        self._fold()
         marks, self._marks = self._marks, []
         for (durations, start), (_, end) in itertools.pairwise(marks):
             if durations is not None:
@@ -342,7 +382,7 @@ class NodeTimer:
         if marks and marks[-1][0] is not None:  # a backward pass still running: keep its open mark
             self._marks = [marks[-1]]
         if self._cuda:
-            for samples in self.fwd:
+            for samples in self._fwd:
                 samples[:] = [CudaClock.resolve(s) for s in samples]
 
     def bwd_ns(self, index: int) -> list[int]:
@@ -391,8 +431,13 @@ class NodeTimer:
         pre-forward hook; the graph module's copies would be the sharded ones)."""
         return getattr(self._root, name)
 
-    def _inputs(self, *args: Any) -> None:
+    def _begin_call(self) -> tuple[list[int], list[int]]:
+        """At the start of each call, before its first node: note where its log entries begin; the two logs."""
         self._first_of_call = True
+        self._calls.append((len(self._stamps), len(self._sequence_nrs)))
+        return self._stamps, self._sequence_nrs
+
+    def _inputs(self, *args: Any) -> None:
         if self.forward_inputs is None:
             self.forward_inputs = args
 
@@ -419,45 +464,8 @@ class NodeTimer:
             pass
         self.anchors += ((number, before, middle), (number + 1, middle, last), (number + 2, last, time.perf_counter_ns()))
 
-    def _cpu_record(self) -> Any:
-        """``record(index, start, sequence_nr, output)`` for CPU, with everything it touches bound locally.
-
-        It returns the sequence number after the node, which is the next node's first (nodes that are
-        not timed create no autograd nodes), so the generated code reads it once per node.
-        """
-        fwd, firsts, ends, owners, starts = self.fwd, self._firsts, self._ends, self._owners, self.starts
-        clock, backward = time.perf_counter_ns, self._backward
-
-        if self._trace_ranges:  # the same, keeping the start too
-            def record_with_start(index: int, start: int, sequence_nr: int, output: Any) -> int | None:
-                fwd[index].append(clock() - start)
-                starts[index].append(start)
-                if not backward:
-                    return None
-                end = sequence_nr_now()
-                if end != sequence_nr:
-                    firsts.append(sequence_nr)
-                    ends.append(end)
-                    owners.append(index)
-                return end
-
-            return record_with_start
-
-        def record(index: int, start: int, sequence_nr: int, output: Any) -> int | None:
-            fwd[index].append(clock() - start)
-            if not backward:
-                return None
-            end = sequence_nr_now()
-            if end != sequence_nr:
-                firsts.append(sequence_nr)
-                ends.append(end)
-                owners.append(index)
-            return end
-
-        return record
-
     def _hooked_record(self, index: int, start: Any, sequence_nr: int, output: Any) -> int:
-        self.fwd[index].append(self._clock.stop(start))
+        self._fwd[index].append(self._clock.stop(start))
         end = sequence_nr_now()
         if self._backward and sequence_nr != end:
             self._mark_backward(index, sequence_nr, end, output)
@@ -497,18 +505,30 @@ class NodeTimer:
         self.mem_peak[index].append(torch.cuda.max_memory_allocated() - allocated_before)
 
     def _instrument(self, traced: fx.GraphModule, annotate: bool, hooked: bool) -> fx.GraphModule:
-        """The instrumented graph; ``hooked``: backward timed by hooks (``_hooked_record``), else by events."""
+        """The instrumented graph; ``hooked``: backward timed by hooks (``_hooked_record``), else by events.
+
+        Unhooked (CPU), each timed node becomes, in the generated code::
+
+            stamps.append(perf_counter_ns()); out = node(...); stamps.append(perf_counter_ns())
+            sequence_nrs.append(_get_sequence_nr())   # with backward timing
+
+        (the two lists are those ``_begin_call`` returns at the start of the call), and ``_fold`` makes samples of them.
+        """
         graph = fx.Graph()
         copies: dict[fx.Node, fx.Node] = {}
-        record = self._hooked_record if hooked else self._cpu_record()
         first_build = not self.nodes
         index = -1
         graph.set_codegen(copy.deepcopy(traced.graph._codegen))  # keep how inputs are passed (e.g. pytree codegen)
         placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-        sequence_nr: Any = None  # the sequence number after the last timed node, if there was one
+        logs: Any = None  # (stamps, sequence_nrs) of the running call
+        sequence_nr: Any = None  # hooked: the sequence number after the last timed node, if there was one
+        lean = not hooked
         for node in traced.graph.nodes:
-            if node.op == "output" and index >= 0 and self._trace_ranges and not hooked:
+            if node.op == "output" and index >= 0 and self._trace_ranges and lean:
                 graph.call_function(self._anchor)
+            if node.op != "placeholder" and logs is None:
+                logs = graph.call_function(self._begin_call)
+                stamps, sequence_nrs = (graph.call_function(operator.getitem, (logs, i)) for i in (0, 1))
             if node.op != "placeholder" and placeholders and all(n in copies for n in placeholders):
                 graph.call_function(self._inputs, tuple(copies[n] for n in placeholders))  # once all inputs exist
                 placeholders = []
@@ -521,21 +541,30 @@ class NodeTimer:
             index += 1
             if first_build:
                 self.nodes.append(node_info(node))
-                for samples in (self.fwd, self.starts, self.mem_delta, self.mem_peak):
+                for samples in (self._fwd, self._starts, self.mem_delta, self.mem_peak):
                     samples.append([])
-            if index == 0 and self._trace_ranges and not hooked:
+            if index == 0 and self._trace_ranges and lean:
                 graph.call_function(self._anchor)
             if annotate:
                 annotation = graph.call_function(enter_range, (node.name,))
-            if self._cuda:
-                allocated = graph.call_function(_cuda_allocated_and_reset_peak)
-            if sequence_nr is None:
-                sequence_nr = graph.call_function(sequence_nr_now) if self._backward else -1
-            start = graph.call_function(self._clock.start)
-            copies[node] = copied = _copy_node(graph, node, copies, traced)
-            sequence_nr = graph.call_function(record, (index, start, sequence_nr, copied))
-            if self._cuda:
-                graph.call_function(self._record_cuda_memory, (index, allocated))
+            if lean:
+                if index == 0 and self._backward:
+                    graph.call_method("append", (sequence_nrs, graph.call_function(sequence_nr_now)))
+                graph.call_method("append", (stamps, graph.call_function(time.perf_counter_ns)))
+                copies[node] = _copy_node(graph, node, copies, traced)
+                graph.call_method("append", (stamps, graph.call_function(time.perf_counter_ns)))
+                if self._backward:
+                    graph.call_method("append", (sequence_nrs, graph.call_function(sequence_nr_now)))
+            else:
+                if self._cuda:
+                    allocated = graph.call_function(_cuda_allocated_and_reset_peak)
+                if sequence_nr is None:
+                    sequence_nr = graph.call_function(sequence_nr_now) if self._backward else -1
+                start = graph.call_function(self._clock.start)
+                copies[node] = copied = _copy_node(graph, node, copies, traced)
+                sequence_nr = graph.call_function(self._hooked_record, (index, start, sequence_nr, copied))
+                if self._cuda:
+                    graph.call_function(self._record_cuda_memory, (index, allocated))
             if annotate:
                 graph.call_function(exit_range, (annotation,))
         if first_build:

@@ -227,3 +227,30 @@ def test_backward_events_given_in_parts_add_up_as_given_at_once(make_timer):
 def test_torch_functions_read_as_torch_functions():
     traced = torch.fx.symbolic_trace(lambda x: torch.relu(torch.matmul(x, x)).flatten())
     assert [describe_target(n) for n in traced.graph.nodes if n.op == "call_function"] == ["torch.matmul", "torch.relu"]
+
+
+def test_a_call_cut_short_keeps_the_nodes_that_finished():
+    class Failing(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = torch.nn.Linear(4, 4)
+            self.second = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.second(torch.relu(self.first(x)))
+
+    model = Failing()
+    timer = NodeTimer(trace_module(model))
+    timer.install(model)
+    x = torch.randn(2, 4)
+    model(x)
+    with pytest.raises(RuntimeError):
+        model(torch.randn(2, 5))  # the first linear fails: nothing of this call finished
+    model(x).sum().backward()
+    timer.uninstall(model)
+    assert [len(s) for s in timer.fwd] == [2, 2, 2]
+    calls = timer.backward_calls()  # the two complete calls, each node creating its autograd nodes once
+    assert [name for name, _, _ in calls] == ["first", "relu", "second"] * 2
+    assert all(first < end for _, first, end in calls)
+    for call in (calls[:3], calls[3:]):  # within a call, each node's autograd nodes follow the previous node's
+        assert [end for _, _, end in call[:-1]] == [first for _, first, _ in call[1:]]
