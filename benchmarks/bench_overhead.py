@@ -201,13 +201,11 @@ def mlp_workload() -> Workload:
     return Workload("MLP-199", ResidualMLP(), torch.randn(32, 64), torch.randint(0, 10, (32,)))
 
 
-def train_step(forward: Callable[[torch.Tensor], torch.Tensor], work: Workload, settle: Callable[[], Any] = lambda: None) -> int:
-    """One forward + loss + backward through ``forward``, then ``settle()`` (the timer's bookkeeping after the
-    step); its wall time in ns (zero_grad untimed)."""
+def train_step(forward: Callable[[torch.Tensor], torch.Tensor], work: Workload) -> int:
+    """One forward + loss + backward through ``forward``; its wall time in ns (zero_grad untimed)."""
     work.model.zero_grad(set_to_none=True)
     start = time.perf_counter_ns()
     F.cross_entropy(forward(work.x), work.y).backward()
-    settle()
     return time.perf_counter_ns() - start
 
 
@@ -427,7 +425,7 @@ class Variant:
     forward: Callable[[torch.Tensor], torch.Tensor]
     enter: Callable[[], None] = _nothing
     exit: Callable[[], None] = _nothing
-    settle: Callable[[], Any] = _nothing  # timed, right after backward
+    after_ns: list[int] = field(default_factory=list)  # per step: the timer's work after it (making samples), untimed
 
 
 def swap_forward(name: str, module: nn.Module, forward: Callable) -> Variant:
@@ -447,8 +445,9 @@ def timer_variant(name: str, model: nn.Module, timer: NodeTimer) -> Variant:
 
     Where the package times backward from profiler events (``BackwardEvents``), they are recorded
     over the step too, started and stopped outside the timed part, as the callback does once a cycle.
-    Reading ``timer.fwd`` is timed with the step: where the generated code only logs clock reads, that
-    is when they become samples (the callback reads it at the next step's start).
+    Where the generated code only logs clock reads, they become samples when ``timer.fwd`` is first read:
+    the callback reads it once, after the cycle; here it is read after each step, outside the timed part,
+    and its time is kept in ``after_ns``.
     """
     events = node_timing.BackwardEvents() if hasattr(node_timing, "BackwardEvents") else None
 
@@ -460,10 +459,14 @@ def timer_variant(name: str, model: nn.Module, timer: NodeTimer) -> Variant:
 
     def exit_() -> None:
         timer.uninstall(model)
+        start = time.perf_counter_ns()
+        timer.fwd  # noqa: B018 (makes the samples)
+        variant.after_ns.append(time.perf_counter_ns() - start)
         if events is not None:
             timer.add_backward(events.stop())
 
-    return Variant(name, model, enter, exit_, settle=lambda: timer.fwd)
+    variant = Variant(name, model, enter, exit_)
+    return variant
 
 
 def events_variant(model: nn.Module) -> Variant:
@@ -504,13 +507,13 @@ def run_interleaved(variants: list[Variant], work: Workload, rounds: Rounds, war
     for variant in variants:
         for _ in range(warmup):
             variant.enter()
-            train_step(variant.forward, work, variant.settle)
+            train_step(variant.forward, work)
             variant.exit()
     times: dict[str, list[int]] = {v.name: [] for v in variants}
     for r in rounds:
         for variant in shuffled(variants, r):
             variant.enter()
-            times[variant.name].append(train_step(variant.forward, work, variant.settle))
+            times[variant.name].append(train_step(variant.forward, work))
             variant.exit()
     return times
 
@@ -523,6 +526,7 @@ class StepResult:
     ratios: dict[str, list[float]]  # variant -> per-round ratio to eager
     per_node_us: dict[str, list[float]]  # variant -> per-round (variant - eager) / nodes
     probe_us: list[float]  # per-round (NodeTimer - untimed GraphModule) / nodes
+    samples_us: list[float]  # per step: NodeTimer's work making samples after it (untimed), / nodes
 
 
 def step_overhead(work: Workload, rounds: Rounds, warmup: int) -> StepResult:
@@ -539,7 +543,8 @@ def step_overhead(work: Workload, rounds: Rounds, warmup: int) -> StepResult:
                 ratios[name] = paired(t, run["eager"], lambda a, b: a / b)
                 per_node[name] = paired(t, run["eager"], lambda a, b: (a - b) / 1e3 / nodes)
     probe = paired(times["NodeTimer"], times["untimed GraphModule"], lambda a, b: (a - b) / 1e3 / nodes)
-    return StepResult(work.name, nodes, median(times["eager"]) / 1e6, ratios, per_node, probe)
+    after = [ns / 1e3 / nodes for ns in next(v for v in variants if v.name == "NodeTimer").after_ns]
+    return StepResult(work.name, nodes, median(times["eager"]) / 1e6, ratios, per_node, probe, after)
 
 
 def profiled_overhead(work: Workload, rounds: Rounds, warmup: int) -> dict[str, list[float]]:
@@ -567,7 +572,7 @@ def profiled_overhead(work: Workload, rounds: Rounds, warmup: int) -> dict[str, 
         with torch.profiler.profile(activities=[ProfilerActivity.CPU]):
             for variant in shuffled(variants, r):
                 variant.enter()
-                times[variant.name] = train_step(variant.forward, work, variant.settle)
+                times[variant.name] = train_step(variant.forward, work)
                 variant.exit()
         return times
 
@@ -842,6 +847,9 @@ def report_steps(table: Table, result: StepResult, goal: float | None) -> None:
     if "NodeTimer backward=False" in ratios:
         table.note(f"NodeTimer(backward=False) / eager {estimate(ratios['NodeTimer backward=False'])}, "
                    f"{estimate(per_node['NodeTimer backward=False'], 2, ' us/node')}")
+    if any(result.samples_us):
+        table.note(f"making samples of the logged clock reads, after the steps (the callback: once per cycle, after it): "
+                   f"{median(result.samples_us):.2f} us/node per step")
     if "eager + BackwardEvents" in ratios:
         table.note(f"eager with the backward recorder alone (profiler callbacks on every autograd node, torch's C++): "
                    f"{estimate(per_node['eager + BackwardEvents'], 2, ' us/node')}")

@@ -810,8 +810,9 @@ def _node_ranges(cycle: _OpenCycle) -> tuple[list[tuple[int, int, int]], list[tu
 
 
 def _samples(timer: NodeTimer | ModuleHookTimer) -> int:
-    """How many forward samples a timer holds (grows when the module runs)."""
-    return sum(len(samples) for samples in timer.fwd)
+    """A count that grows when the module runs: a NodeTimer's forward calls (its samples are made only when read,
+    after the cycle), a ModuleHookTimer's forward samples."""
+    return timer.calls if isinstance(timer, NodeTimer) else sum(len(samples) for samples in timer.fwd)
 
 
 def _stopped_fitting(timer: Any) -> bool:

@@ -37,6 +37,7 @@ random numbers are unchanged.
 from __future__ import annotations
 
 import bisect
+import collections
 import copy
 import functools
 import itertools
@@ -266,6 +267,7 @@ class NodeTimer:
         self._stamps: list[int] = []
         self._sequence_nrs: list[int] = []
         self._calls: list[tuple[int, int]] = []
+        self._folded_calls = 0
         self.anchors: list[tuple[int, int, int]] = []  # with trace_ranges: (number, ns before, ns after) per anchor range
         self.bwd: list[list[int]] = []  # per node: the backward ns of each call whose backward ran
         self.mem_delta: list[list[int]] = []
@@ -297,6 +299,7 @@ class NodeTimer:
             samples.clear()
         for entries in (self._stamps, self._sequence_nrs, self._calls, self.anchors):
             entries.clear()
+        self._folded_calls = 0
         for entries in (self._firsts, self._ends, self._owners, self._totals):
             entries.clear()
         self.bwd = [[] for _ in self.nodes]
@@ -320,17 +323,23 @@ class NodeTimer:
         stamps, sequence_nrs = self._stamps, self._sequence_nrs
         bounds = [*self._calls, (len(stamps), len(sequence_nrs))]
         for (stamp, sequence), (stamp_end, sequence_end) in itertools.pairwise(bounds):
-            for index in range(min(len(self.nodes), (stamp_end - stamp) // 2)):
-                start = stamps[stamp + 2 * index]
-                self._fwd[index].append(stamps[stamp + 2 * index + 1] - start)
-                self._starts[index].append(start)
-            for index, (first, end) in enumerate(itertools.pairwise(sequence_nrs[sequence:sequence_end])):
-                if first != end:  # the node created autograd nodes
-                    self._firsts.append(first)
-                    self._ends.append(end)
-                    self._owners.append(index)
+            starts, ends = stamps[stamp:stamp_end:2], stamps[stamp + 1:stamp_end:2]  # node i: starts[i], ends[i]
+            _append_each(self._fwd, map(operator.sub, ends, starts))  # zip-like: the nodes that finished
+            _append_each(self._starts, starts[:len(ends)])
+            created = [(index, first, end) for index, (first, end) in enumerate(itertools.pairwise(sequence_nrs[sequence:sequence_end]))
+                       if first != end]  # the nodes that created autograd nodes
+            for index, first, end in created:
+                self._owners.append(index)
+                self._firsts.append(first)
+                self._ends.append(end)
+        self._folded_calls += len(self._calls)
         for entries in (stamps, sequence_nrs, self._calls):
             entries.clear()
+
+    @property
+    def calls(self) -> int:
+        """Forward calls of the instrumented graph since ``reset`` (cheap: nothing is folded)."""
+        return self._folded_calls + len(self._calls)
 
     @property
     def trace_ranges(self) -> bool:
@@ -612,6 +621,11 @@ def autograd_nodes(roots: list[Any], first: int, end: int) -> Iterator[Any]:
             if next_fn is not None and next_fn not in seen and first <= next_fn._sequence_nr() < end:
                 seen.add(next_fn)
                 pending.append(next_fn)
+
+
+def _append_each(lists: list[list[Any]], values: Iterator[Any]) -> None:
+    """``lists[i].append(value i)`` for each value (no more than there are lists), looped in C."""
+    collections.deque(map(list.append, lists, values), maxlen=0)
 
 
 def _cuda_allocated_and_reset_peak() -> int:
