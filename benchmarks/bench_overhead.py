@@ -443,13 +443,14 @@ def swap_forward(name: str, module: nn.Module, forward: Callable) -> Variant:
 def timer_variant(name: str, model: nn.Module, timer: NodeTimer) -> Variant:
     """Steps with ``timer`` installed, as the callback does it; samples are dropped before each step.
 
-    Where the package times backward from profiler events (``BackwardEvents``), they are recorded
-    over the step too, started and stopped outside the timed part, as the callback does once a cycle.
+    Where the timer takes backward times from profiler events (``BackwardEvents``), they are recorded
+    over the step too (not for ``backward=False``: before 2026-11-23 they were, which put their cost on that variant), started and stopped outside the timed part, as the callback does once a cycle.
     Where the generated code only logs clock reads, they become samples when ``timer.fwd`` is first read:
     the callback reads it once, after the cycle; here it is read after each step, outside the timed part,
     and its time is kept in ``after_ns``.
     """
-    events = node_timing.BackwardEvents() if hasattr(node_timing, "BackwardEvents") else None
+    times_backward_from_events = getattr(timer, "uses_backward_events", hasattr(node_timing, "BackwardEvents"))
+    events = node_timing.BackwardEvents() if times_backward_from_events else None
 
     def enter() -> None:
         timer.reset()

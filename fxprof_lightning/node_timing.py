@@ -268,6 +268,7 @@ class NodeTimer:
         self._sequence_nrs: list[int] = []
         self._calls: list[tuple[int, int]] = []
         self._folded_calls = 0
+        self._called: list[nn.Module] = []  # the modules the generated code calls (``_begin_call``)
         self.anchors: list[tuple[int, int, int]] = []  # with trace_ranges: (number, ns before, ns after) per anchor range
         self.bwd: list[list[int]] = []  # per node: the backward ns of each call whose backward ran
         self.mem_delta: list[list[int]] = []
@@ -440,11 +441,13 @@ class NodeTimer:
         pre-forward hook; the graph module's copies would be the sharded ones)."""
         return getattr(self._root, name)
 
-    def _begin_call(self) -> tuple[list[int], list[int]]:
-        """At the start of each call, before its first node: note where its log entries begin; the two logs."""
+    def _begin_call(self) -> tuple[list[int], list[int], list[nn.Module], Any]:
+        """At the start of each call, before its first node: note where its log entries begin; the two logs,
+        the modules the graph calls, and ``torch._C._autograd`` (a local there: its ``_get_sequence_nr`` is
+        then one attribute away)."""
         self._first_of_call = True
         self._calls.append((len(self._stamps), len(self._sequence_nrs)))
-        return self._stamps, self._sequence_nrs
+        return self._stamps, self._sequence_nrs, self._called, torch._C._autograd
 
     def _inputs(self, *args: Any) -> None:
         if self.forward_inputs is None:
@@ -529,7 +532,8 @@ class NodeTimer:
         index = -1
         graph.set_codegen(copy.deepcopy(traced.graph._codegen))  # keep how inputs are passed (e.g. pytree codegen)
         placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-        logs: Any = None  # (stamps, sequence_nrs) of the running call
+        logs: Any = None  # (stamps, sequence_nrs, modules, autograd) of the running call
+        called: list[nn.Module] = []  # the modules the graph calls, in order (``_callee``)
         sequence_nr: Any = None  # hooked: the sequence number after the last timed node, if there was one
         lean = not hooked
         for node in traced.graph.nodes:
@@ -537,7 +541,7 @@ class NodeTimer:
                 graph.call_function(self._anchor)
             if node.op != "placeholder" and logs is None:
                 logs = graph.call_function(self._begin_call)
-                stamps, sequence_nrs = (graph.call_function(operator.getitem, (logs, i)) for i in (0, 1))
+                stamps, sequence_nrs, modules, autograd = (graph.call_function(operator.getitem, (logs, i)) for i in range(4))
             if node.op != "placeholder" and placeholders and all(n in copies for n in placeholders):
                 graph.call_function(self._inputs, tuple(copies[n] for n in placeholders))  # once all inputs exist
                 placeholders = []
@@ -554,23 +558,24 @@ class NodeTimer:
                     samples.append([])
             if index == 0 and self._trace_ranges and lean:
                 graph.call_function(self._anchor)
+            callee = _callee(graph, node, traced, modules, called)
             if annotate:
                 annotation = graph.call_function(enter_range, (node.name,))
             if lean:
                 if index == 0 and self._backward:
-                    graph.call_method("append", (sequence_nrs, graph.call_function(sequence_nr_now)))
+                    graph.call_method("append", (sequence_nrs, graph.call_method("_get_sequence_nr", (autograd,))))
                 graph.call_method("append", (stamps, graph.call_function(time.perf_counter_ns)))
-                copies[node] = _copy_node(graph, node, copies, traced)
+                copies[node] = _copy_node(graph, node, copies, callee)
                 graph.call_method("append", (stamps, graph.call_function(time.perf_counter_ns)))
                 if self._backward:
-                    graph.call_method("append", (sequence_nrs, graph.call_function(sequence_nr_now)))
+                    graph.call_method("append", (sequence_nrs, graph.call_method("_get_sequence_nr", (autograd,))))
             else:
                 if self._cuda:
                     allocated = graph.call_function(_cuda_allocated_and_reset_peak)
                 if sequence_nr is None:
                     sequence_nr = graph.call_function(sequence_nr_now) if self._backward else -1
                 start = graph.call_function(self._clock.start)
-                copies[node] = copied = _copy_node(graph, node, copies, traced)
+                copies[node] = copied = _copy_node(graph, node, copies, callee)
                 sequence_nr = graph.call_function(self._hooked_record, (index, start, sequence_nr, copied))
                 if self._cuda:
                     graph.call_function(self._record_cuda_memory, (index, allocated))
@@ -578,6 +583,7 @@ class NodeTimer:
                 graph.call_function(exit_range, (annotation,))
         if first_build:
             self.reset()
+        self._called = called  # both graphs (hooked or not) call the same modules in the same order
         return fx.GraphModule(traced, graph, class_name=f"{type(traced).__name__}Timed")
 
 
@@ -589,25 +595,27 @@ def _own_state_of_root(traced: fx.GraphModule, node: fx.Node) -> bool:
     return node.op == "get_attr" and "." not in node.target and node.target in traced._parameters
 
 
-def _copy_node(graph: fx.Graph, node: fx.Node, copies: dict[fx.Node, fx.Node], traced: fx.GraphModule) -> fx.Node:
-    """The node in ``graph``; a module call becomes a direct call of the module object.
+def _callee(graph: fx.Graph, node: fx.Node, traced: fx.GraphModule, modules: fx.Node, called: list[nn.Module]) -> fx.Node | None:
+    """For a ``call_module`` node, the module object, read from ``called`` (the list the generated code has
+    as ``modules``, see ``_begin_call``); None for other nodes.
 
     The generated code then calls the module without looking it up through attribute chains
     (``getattr(self.layers, "0")``: two ``Module.__getattr__`` calls per node in a ModuleList).
     """
     if node.op != "call_module":
+        return None
+    called.append(traced.get_submodule(node.target))
+    return graph.call_function(operator.getitem, (modules, len(called) - 1))
+
+
+def _copy_node(graph: fx.Graph, node: fx.Node, copies: dict[fx.Node, fx.Node], callee: fx.Node | None) -> fx.Node:
+    """The node in ``graph``; a module call becomes a call of ``callee``, its module (``_callee``)."""
+    if callee is None:
         return graph.node_copy(node, copies.__getitem__)
     args, kwargs = fx.map_arg((node.args, node.kwargs), copies.__getitem__)
-    copied = graph.call_function(_caller(traced.get_submodule(node.target)), args, kwargs)
+    copied = graph.call_method("__call__", (callee, *args), kwargs)
     copied.meta = copy.copy(node.meta)
     return copied
-
-
-def _caller(module: nn.Module) -> Any:
-    def call_module(*args: Any, **kwargs: Any) -> Any:
-        return module(*args, **kwargs)
-
-    return call_module
 
 
 def autograd_nodes(roots: list[Any], first: int, end: int) -> Iterator[Any]:
