@@ -883,9 +883,10 @@ def cheaper_text(theirs: float, ours: float) -> str:
     return f"ours is {ours / theirs:.1f}x MORE expensive"
 
 
-def report_baseline(table: Table, result: StepResult) -> None:
+def report_baseline(table: Table, result: StepResult, goal: bool) -> None:
     """The tutorial's interpreter times forward nodes only: compared with ours timing the same (backward=False),
-    then with ours timing backward too."""
+    then with ours timing backward too. ``goal``: judge the ratio against 10x (where per-node costs are
+    resolvable: many small nodes, not ResNet18's 69 nodes in a 100+ ms step)."""
     theirs, ours = median(result.per_node_us["ProfilingInterpreter"]), median(result.per_node_us["NodeTimer"])
     table.row("3", f"{result.name}: tutorial ProfilingInterpreter / eager", estimate(result.ratios["ProfilingInterpreter"]),
               "", "info")
@@ -893,8 +894,8 @@ def report_baseline(table: Table, result: StepResult) -> None:
         forward_only = median(result.per_node_us["NodeTimer backward=False"])
         measurable = forward_only > 0.05
         table.row("3", f"{result.name}: interpreter / ours per node, forward timing",
-                  f"{theirs / forward_only:.1f}x" if measurable else "ours too close to 0 (noise)", ">= 10x",
-                  verdict(theirs / forward_only >= 10) if measurable else "inconclusive")
+                  f"{theirs / forward_only:.1f}x" if measurable else "ours too close to 0 (noise)", ">= 10x" if goal else "",
+                  "info" if not goal else verdict(theirs / forward_only >= 10) if measurable else "inconclusive")
         table.note(f"interpreter {estimate(result.per_node_us['ProfilingInterpreter'], 2, ' us')} per node, ours with "
                    f"backward=False {forward_only:.2f} us: {cheaper_text(theirs, forward_only)}")
     table.note(f"ours with backward timing too (which the interpreter lacks): {ours:.2f} us per node: {cheaper_text(theirs, ours)}")
@@ -962,7 +963,7 @@ def main() -> int:
     report_steps(table, steps["MLP-199"], goal=None)
     report_profiled(table, profiled_overhead(mlp, budget.mlp_profiled, budget.warmup))
     for result in steps.values():
-        report_baseline(table, result)
+        report_baseline(table, result, goal=result is steps[mlp.name])
     data = reference_rounds(resnet, budget)
     report_profiler(table, data)
     report_accuracy(table, data)
