@@ -36,11 +36,14 @@ class Capture:
 
     Attributes:
         method: ``"symbolic_trace"``, ``"symbolic_trace+leaves"``, ``"traced_on_example"``,
-            ``"traced_on_example+leaves"`` or ``"module_hooks"``.
+            ``"traced_on_example+leaves"``, ``"module_hooks"`` or ``"compiled"`` (a torch.compile'd module,
+            timed from its kernels: ``compiled.py``).
         graph_module: the traced graph (None for ``module_hooks``).
         leaves: submodules traced as single nodes, with the error that made them leaves.
         error: why tracing the whole module failed ('' when it did not).
         guards: guard nodes of a graph traced on an example (0 for the other methods).
+        fused: ``compiled``: the rows whose kernels were fused across modules, with those kernels.
+        graph_breaks: ``compiled``: Dynamo's graph breaks, by reason, with their counts.
     """
 
     method: str
@@ -48,6 +51,8 @@ class Capture:
     leaves: dict[str, str] = field(default_factory=dict)
     error: str = ""
     guards: int = 0
+    fused: dict[str, list[str]] = field(default_factory=dict)
+    graph_breaks: dict[str, int] = field(default_factory=dict)
 
     @property
     def on_example(self) -> bool:
@@ -65,6 +70,10 @@ class Capture:
                      "module's own forward)")
         if self.method == "module_hooks":
             text += f" (torch.fx failed on the module's own forward: {self.error})"
+        if self.method == "compiled":
+            text += f" ({self.error}; kernels fused across modules: "
+            text += "; ".join(f"{row} [{', '.join(kernels)}]" for row, kernels in self.fused.items()) or "none"
+            text += "; graph breaks: " + ("; ".join(f"{reason} (x{n})" for reason, n in self.graph_breaks.items()) or "none") + ")"
         return text
 
 

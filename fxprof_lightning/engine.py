@@ -35,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fxprof_lightning.advice import advise
 from fxprof_lightning.capture import Capture, capture
+from fxprof_lightning.compiled import MECHANISM, CompiledKernels, KernelTimer, is_compiled
 from fxprof_lightning.flops import NodeCosts, count_costs, input_signature
 from fxprof_lightning.module_hooks import ModuleHookTimer
 from fxprof_lightning.node_timing import BackwardEvents, NodeTimer
@@ -213,6 +214,7 @@ class Profiler:
         self._examples: dict[bool, Example] = {}  # a recorded call per mode, until a capture uses it
         self._observers: dict[bool, RemovableHandle] = {}  # recording the first call of a mode
         self._costs: dict[tuple, NodeCosts | None] = {}  # FLOPs per input signature
+        self._compiled: CompiledKernels | None = None  # a compiled target: the Inductor settings its kernel attribution needs
         self._backward_start: int | None = None
         self._taken: set[str] = set()  # directory names in dirpath from earlier runs
 
@@ -322,13 +324,14 @@ class Profiler:
         self.target = self.module if isinstance(self.module, nn.Module) else self.module()
         self._enabled, self._fx_on, self._timers, self._costs, self._examples = True, self.fx_timing, {}, {}, {}
         self.stop_observing()
-        if self._fx_on and hasattr(self.target, "_orig_mod"):
-            self.warn(
-                f"{type(self.target._orig_mod).__name__} is torch.compile'd, which torch.fx cannot time node by node; "
-                "node timing is off, torch.profiler traces go on. Profile the module before compiling it to get "
-                "node timing."
-            )
-            self._fx_on = False
+        if self._fx_on and is_compiled(self.target):
+            if self.torch_profiler:  # per-layer times from the compiled kernels in the cycle's trace
+                self._compiled = self._compiled or CompiledKernels()
+                self._compiled.start()  # before the first call compiles the module
+            else:
+                self.warn(f"{type(self.target).__name__} is torch.compile'd: its per-layer times come from its kernels in "
+                          "the torch.profiler trace, and torch_profiler=False turns that off, so node timing is off too")
+                self._fx_on = False
         taken = sorted(p.name for p in self.dirpath.glob("*cycle_*")) if self.rank == 0 and self.dirpath.is_dir() else []
         self._taken = set(_broadcast(taken))
 
@@ -390,8 +393,10 @@ class Profiler:
                 self._safely("writing the cycle cut short by an exception", self._close_cycle, state, gather=False)
 
     def end_run(self) -> None:
-        """Profiling ends: remove the first-call recorders and let the sinks finish (rank 0)."""
+        """Profiling ends: remove the first-call recorders, put Inductor's settings back and let the sinks finish (rank 0)."""
         self.stop_observing()
+        if self._compiled is not None:
+            self._compiled.stop()
         if self.rank == 0:
             for sink in self.sinks:
                 self._safely("closing a sink", sink.close, self)
@@ -519,7 +524,7 @@ class Profiler:
             steps = [s for s in self.schedule.traced_steps(index) if s >= stage.step]
             actions = {s: self.schedule.action(s) for s in steps}
             trace = CycleTrace(actions, directory, f"rank{self.rank}", self.use_gzip, self.profiler_kwargs,
-                               backward_events=self._fx_on)
+                               backward_events=self._fx_on, keep_events=isinstance(timer, KernelTimer))
         if how is not None and self.target.training in self._observers:  # the mode's first call is still to come
             self.warn(f"torch.fx could not trace {type(self.target).__name__} whole, so it is timed by "
                       f"{how.describe()} in this cycle, which starts at its first call; later cycles are traced on "
@@ -638,6 +643,14 @@ class Profiler:
                       "so the cycle's nodes get no backward times")
         if not cycle.recorded or _stopped_fitting(timer):  # a graph that stopped fitting kept nothing
             return None
+        if isinstance(timer, KernelTimer):
+            timer.read(cycle.trace.events if cycle.trace is not None else [])
+            cycle.capture.fused, cycle.capture.graph_breaks = dict(timer.fused), graph_breaks()
+            if not timer.graph_calls:
+                self.warn(f"{type(self.target).__name__} is torch.compile'd, but no Inductor-compiled graph ran in the "
+                          "recorded steps (another backend, or a graph compiled before the profiler started), so its "
+                          "layers have no times; the torch.profiler trace is written")
+                return None
         timer.add_backward(events if events is not None else cycle.trace.backward_events if cycle.trace else [])
         timer.resolve()
         costs = self._costs_for(cycle)
@@ -687,8 +700,10 @@ class Profiler:
             entry = self._timers[training] = (self._hook_timer(module), how)
         return entry
 
-    def _capture(self, module: nn.Module) -> tuple[NodeTimer | ModuleHookTimer, Capture]:
+    def _capture(self, module: nn.Module) -> tuple[NodeTimer | ModuleHookTimer | KernelTimer, Capture]:
         training = module.training
+        if self._compiled is not None:
+            return KernelTimer(self._compiled), Capture("compiled", error=MECHANISM)
         example = self._examples.pop(training, None)
         how = capture(module, example)
         if how.graph_module is None and example is None:  # no warning yet: the recorded call may do better
@@ -812,7 +827,14 @@ def _node_ranges(cycle: _OpenCycle) -> tuple[list[tuple[int, int, int]], list[tu
 def _samples(timer: NodeTimer | ModuleHookTimer) -> int:
     """A count that grows when the module runs: a NodeTimer's forward calls (its samples are made only when read,
     after the cycle), a ModuleHookTimer's forward samples."""
-    return timer.calls if isinstance(timer, NodeTimer) else sum(len(samples) for samples in timer.fwd)
+    return timer.calls if isinstance(timer, NodeTimer | KernelTimer) else sum(len(samples) for samples in timer.fwd)
+
+
+def graph_breaks() -> dict[str, int]:
+    """Dynamo's graph breaks so far in the process, by reason."""
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
 
 
 def _stopped_fitting(timer: Any) -> bool:

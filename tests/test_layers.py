@@ -290,13 +290,23 @@ def test_train_and_eval_mode_each_get_their_own_graph(tmp_path):
     assert by_name(callback.val_cycles[0])["drop"].bwd_calls == 0  # eval: no autograd, no backward
 
 
-def test_a_torch_compiled_module_gets_a_clear_message_and_traces_only(tmp_path):
+def test_a_module_compiled_by_another_backend_than_inductor_gets_a_clear_message_and_traces_only(tmp_path):
+    # Inductor-compiled modules get per-layer times from their kernels: tests/test_compiled.py.
     lit = LitClassifier(torch.compile(SmallNet(), backend="eager"))
     callback = FXProfilerCallback(**ONE_CYCLE, module="model")
-    with pytest.warns(UserWarning, match="torch.compile'd.*node timing is off, torch.profiler traces go on"):
+    with pytest.warns(UserWarning, match="torch.compile'd, but no Inductor-compiled graph ran"):
         make_trainer(tmp_path, [callback], max_steps=4).fit(lit, image_loader())
     (cycle,) = callback.cycles
     assert cycle.nodes == [] and len(cycle.trace_paths) == 1
+
+
+def test_a_compiled_module_without_torch_profiler_gets_a_clear_message(tmp_path):
+    lit = LitClassifier(torch.compile(SmallNet(), backend="eager"))
+    callback = FXProfilerCallback(**ONE_CYCLE, module="model", torch_profiler=False)
+    with pytest.warns(UserWarning, match="torch_profiler=False turns that off, so node timing is off too"):
+        make_trainer(tmp_path, [callback], max_steps=4).fit(lit, image_loader())
+    (cycle,) = callback.cycles
+    assert cycle.nodes == [] and cycle.trace_paths == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -1,0 +1,332 @@
+"""Per-layer time of a ``torch.compile``'d module, from the kernels Inductor generated for it (CPU).
+
+torch.fx cannot trace a compiled module, and its ops no longer run one by one: Inductor fuses
+them into kernels. What the recorded steps ran is read from the cycle's torch.profiler trace, and
+each kernel is traced back to the model's modules with what Inductor knows at compile time:
+
+1. ``cpp.enable_kernel_profile``: every generated C++ kernel opens a profiler range named after
+   it (``graph_0_cpp_fused_relu_1``); extern kernels and fallbacks run as aten ops
+   (``aten::convolution``). All are direct children of the ``## Call CompiledFxGraph ##`` range
+   of the graph that ran, forward (under ``CompiledFunction``) or backward (under
+   ``CompiledFunctionBackward``).
+2. Provenance tracking (``trace.provenance_tracking_to_timeline``): for each compiled graph, the
+   kernels in the order the graph calls them, each with the post-grad FX nodes it was made from
+   (``torch._inductor.debug.get_kernel_information_jsons``).
+3. A post-grad pass (``post_grad_custom_post_pass``, chained before the user's own) notes the
+   module of each post-grad node: ``nn_module_stack`` in forward graphs, ``fwd_nn_module_stack``
+   (the forward op's) in backward graphs.
+
+A kernel made from the nodes of one module is that module's; a kernel fused from nodes of several
+modules is shown against the fused group (a row ``conv + bn``, placed under the modules' common
+ancestor in the module tree), not split: how its time divides among the modules is not measured.
+Ops at the top level of the forward (``torch.relu(x)`` outside any submodule) form rows named
+after the kernel. Ops Dynamo left between graphs (graph breaks) run eagerly and are not
+attributed; the graph breaks are listed.
+
+The settings are made at the start of the run, before the module compiles (compilation happens at
+its first call), and taken back at the end: they add a profiler range check to each C++ kernel
+(inactive without a profiler), and turn off Inductor's FX graph cache and AOTAutograd's cache
+while they hold (a cached graph would skip the post-grad pass), so the module compiles as on a
+cold start. They change no generated computation.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxprof_lightning.node_timing import NodeInfo
+
+__all__ = ["MECHANISM", "CompiledKernels", "KernelTimer", "is_compiled"]
+
+MECHANISM = ("per-layer time from the compiled graphs' kernels in the torch.profiler trace: Inductor's provenance "
+             "tracking (kernel -> post-grad nodes), the post-grad nodes' nn_module_stack (node -> module) and "
+             "C++ kernel ranges (cpp.enable_kernel_profile)")
+CALL = "## Call CompiledFxGraph"
+BACKWARD = "CompiledFunctionBackward"
+REGION = "Torch-Compiled Region: "
+TOP = ""  # module path of ops outside any submodule
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` runs compiled: ``torch.compile(module)`` or ``module.compile()``."""
+    return hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None) is not None
+
+
+@dataclass
+class _Kernel:
+    """One kernel call of a compiled graph: the event name it has in the trace, and the module paths it came from."""
+
+    event: str
+    paths: frozenset[str]
+    ops: str  # what it computes, for rows at the top level: "relu", "aten::addmm"
+
+
+class _ModulePass:
+    """Post-grad pass: notes each node's module path, per (compile id, backward) graph; then runs ``previous``."""
+
+    def __init__(self, graphs: dict[tuple[str, bool], dict[str, str | None]], previous: Any) -> None:
+        self.graphs, self.previous = graphs, previous
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
+        modules: dict[str, str | None] = {}
+        for node in graph.nodes:
+            if node.op != "call_function" or node.target is torch.ops.aten.copy_.default:
+                continue  # buffer write-backs (batch-norm statistics) belong to no layer's compute
+            stack = node.meta.get("fwd_nn_module_stack" if backward else "nn_module_stack") or node.meta.get("nn_module_stack")
+            modules[node.name] = module_path(list(stack.values())[-1][0]) if stack else TOP
+        self.graphs[(str(compile_id), backward)] = modules
+        # Inductor keeps the kernels of each graph under its compile id, and keeps the first it saw: compile ids
+        # start again after torch._dynamo.reset(), so an entry of an earlier graph with this id is dropped.
+        from torch._inductor.debug import get_kernel_information_jsons
+
+        get_kernel_information_jsons().pop(str((f"{REGION}{compile_id}", backward)), None)
+        if self.previous is not None:
+            self.previous(graph)
+
+    def uuid(self) -> Any:  # a custom pass must say what it is for Inductor's caches (which are off meanwhile)
+        return "fxprof_lightning.compiled._ModulePass"
+
+
+def module_path(source: str) -> str:
+    """``"L['self'].layer1[0].conv1"`` (Dynamo's name of a module) as ``"layer1.0.conv1"``."""
+    path = re.sub(r"^L\['self'\]", "", source)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']+)'\]", r".\1", path)
+    path = re.sub(r"\._modules\.", ".", path)
+    return path.strip(".")
+
+
+class CompiledKernels:
+    """The Inductor settings attribution needs, made by ``start`` (before the module compiles) and taken back
+    by ``stop``; the module path of each post-grad node of every graph compiled meanwhile."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[tuple[str, bool], dict[str, str | None]] = {}
+        self._saved: dict[str, Any] | None = None
+
+    def start(self) -> None:
+        import torch._functorch.config as functorch_config
+        import torch._inductor.config as inductor_config
+
+        if self._saved is not None:
+            return
+        self._saved = {
+            "enable_kernel_profile": inductor_config.cpp.enable_kernel_profile,
+            "provenance_tracking_to_timeline": inductor_config.trace.provenance_tracking_to_timeline,
+            "fx_graph_cache": inductor_config.fx_graph_cache,
+            "enable_autograd_cache": functorch_config.enable_autograd_cache,
+            "post_grad_custom_post_pass": inductor_config.post_grad_custom_post_pass,
+        }
+        inductor_config.cpp.enable_kernel_profile = True
+        inductor_config.trace.provenance_tracking_to_timeline = True
+        inductor_config.fx_graph_cache = False
+        functorch_config.enable_autograd_cache = False
+        inductor_config.post_grad_custom_post_pass = _ModulePass(self.graphs, self._saved["post_grad_custom_post_pass"])
+
+    def stop(self) -> None:
+        import torch._functorch.config as functorch_config
+        import torch._inductor.config as inductor_config
+
+        if self._saved is None:
+            return
+        saved, self._saved = self._saved, None
+        inductor_config.cpp.enable_kernel_profile = saved["enable_kernel_profile"]
+        inductor_config.trace.provenance_tracking_to_timeline = saved["provenance_tracking_to_timeline"]
+        inductor_config.fx_graph_cache = saved["fx_graph_cache"]
+        functorch_config.enable_autograd_cache = saved["enable_autograd_cache"]
+        inductor_config.post_grad_custom_post_pass = saved["post_grad_custom_post_pass"]
+
+    def kernels(self) -> dict[tuple[str, bool], list[_Kernel]]:
+        """Per compiled graph (compile id, backward), its kernels in call order."""
+        from torch._inductor.debug import get_kernel_information_jsons
+
+        result = {}
+        for region, kernels in get_kernel_information_jsons().items():
+            match = re.fullmatch(rf"\('{REGION}(.+)', (True|False)\)", region)
+            if match is None:
+                continue
+            key = (match.group(1), match.group(2) == "True")
+            modules = self.graphs.get(key, {})
+            ordered = sorted(kernels.items(), key=lambda item: int(item[0].rsplit(":", 1)[1]))
+            result[key] = [_kernel(name.rsplit(":", 1)[0], info.get("post_grad_nodes", []), modules) for name, info in ordered]
+        return result
+
+
+def _kernel(name: str, post_grad_nodes: list[str], modules: dict[str, str | None]) -> _Kernel:
+    if name.startswith(("extern_kernels.", "torch.ops.aten.")):  # one op, run by aten
+        op = name.removeprefix("extern_kernels.") if name.startswith("extern_kernels.") else name.split(".")[3]
+        event = ops = "aten::" + op
+        # Its provenance may list the nodes that feed it too: the node of the op itself is its own.
+        own = [n for n in post_grad_nodes if re.fullmatch(rf"{re.escape(op)}(_\d+)?", n)]
+        post_grad_nodes = own or post_grad_nodes
+    else:
+        event = name  # the trace has it with a graph_N_ prefix
+        ops = re.sub(r"_\d+$", "", re.sub(r"^(cpp|triton)_(fused_|poi_|red_|per_)*", "", name))
+    paths = frozenset(modules[n] for n in post_grad_nodes if n in modules)
+    return _Kernel(event, paths or frozenset({TOP}), ops)
+
+
+@dataclass
+class _Event:
+    name: str
+    start: int
+    end: int
+    thread: int
+
+
+@dataclass
+class KernelTimer:
+    """The rows and samples of a compiled module, read from a cycle's trace events (``read``).
+
+    It has the interface of ``NodeTimer`` that the engine uses: ``nodes``, ``fwd``, ``bwd_ns``; nothing is
+    installed on the module (``install`` only counts steps), so training runs exactly as compiled.
+    """
+
+    kernels: CompiledKernels
+    nodes: list[NodeInfo] = field(default_factory=list)
+    fwd: list[list[int]] = field(default_factory=list)
+    bwd: list[list[int]] = field(default_factory=list)
+    fused: dict[str, list[str]] = field(default_factory=dict)  # row name -> the kernels fused across its modules
+    unattributed_ns: int = 0  # kernels of the graphs' calls that matched no known kernel
+    calls: int = 0
+    graph_calls: int = 0  # calls of compiled graphs in the last events read (0: no Inductor kernels ran)
+    mem_delta: list[list[int]] = field(default_factory=list)
+    mem_peak: list[list[int]] = field(default_factory=list)
+    forward_inputs: Any = None
+    uses_backward_events = False
+    trace_ranges = False
+
+    def install(self, module: nn.Module, backward_hooks: bool = False) -> None:
+        self.calls += 1
+
+    def uninstall(self, module: nn.Module) -> None:
+        pass
+
+    def reset(self) -> None:
+        """Nothing to forget: ``read`` makes the rows and samples afresh from each cycle's events."""
+
+    def add_backward(self, events: Any) -> None:
+        pass
+
+    def resolve(self) -> None:
+        pass
+
+    def bwd_ns(self, index: int) -> list[int]:
+        return self.bwd[index]
+
+    def read(self, events: list[tuple[str, int, int, int]]) -> None:
+        """Rows and samples from a cycle's events ``(name, start ns, duration ns, thread)``: one sample per row
+        and call of a compiled graph (0 where none of the row's kernels ran in it)."""
+        self.nodes, self.fwd, self.bwd, self.fused, self.unattributed_ns = [], [], [], {}, 0
+        kernels = self.kernels.kernels()
+        timeline = sorted((_Event(name, start, start + duration, thread) for name, start, duration, thread in events),
+                          key=lambda e: (e.thread, e.start, -e.end))
+        rows: dict[frozenset[str] | str, int] = {}
+        forward_samples: list[dict[int, int]] = []
+        backward_samples: list[dict[int, int]] = []
+        starts = [(e.thread, e.start) for e in timeline]
+        for call, region, backward in _calls(timeline):
+            children = _children(timeline, starts, call)
+            graph = kernels.get((region, backward)) if region is not None else None
+            if graph is None:  # a backward graph: the one whose kernels match its children best
+                candidates = [k for (_, is_backward), k in kernels.items() if is_backward == backward]
+                graph = max(candidates, key=lambda k: len(_align(children, k)), default=[])
+            sample: dict[int, int] = {}
+            matched = _align(children, graph)
+            for child, kernel in matched:
+                key = kernel.paths if kernel.paths != frozenset({TOP}) else kernel.ops
+                if key not in rows:
+                    rows[key] = len(self.nodes)
+                    self.nodes.append(_row(kernel))
+                    if len(kernel.paths) > 1:
+                        self.fused[self.nodes[-1].name] = []
+                if len(kernel.paths) > 1 and kernel.ops not in self.fused[self.nodes[rows[key]].name]:
+                    self.fused[self.nodes[rows[key]].name].append(kernel.ops)
+                sample[rows[key]] = sample.get(rows[key], 0) + child.end - child.start
+            self.unattributed_ns += sum(c.end - c.start for c in children) - sum(c.end - c.start for c, _ in matched)
+            (backward_samples if backward else forward_samples).append(sample)
+        self.fwd = [[s.get(i, 0) for s in forward_samples] for i in range(len(self.nodes))]
+        self.bwd = [[s.get(i, 0) for s in backward_samples] for i in range(len(self.nodes))]
+        self.mem_delta, self.mem_peak = [[] for _ in self.nodes], [[] for _ in self.nodes]
+        self.graph_calls = len(forward_samples) + len(backward_samples)
+
+
+def _row(kernel: _Kernel) -> NodeInfo:
+    paths = sorted(kernel.paths)
+    if paths == [TOP]:
+        return NodeInfo(kernel.ops, "call_function", kernel.ops, TOP, ())
+    home = _common_ancestor(paths)
+    if len(paths) == 1:
+        return NodeInfo(paths[0], "call_module", kernel.ops, home, _stack(home))
+    name = " + ".join(p if p != TOP else "top level" for p in paths)
+    return NodeInfo(name, "fused", kernel.ops, home, _stack(home))
+
+
+def _common_ancestor(paths: list[str]) -> str:
+    """``"blocks"`` for ``["blocks.0.bn", "blocks.1.bn"]``; the top level when one path is it."""
+    if TOP in paths:
+        return TOP
+    split = [p.split(".") for p in paths]
+    common = [parts[0] for parts in itertools.takewhile(lambda parts: len(set(parts)) == 1, zip(*split))]
+    return ".".join(common)
+
+
+def _stack(path: str) -> tuple[str, ...]:
+    parts = path.split(".") if path else []
+    return tuple(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+
+
+def _calls(timeline: list[_Event]) -> list[tuple[_Event, str | None, bool]]:
+    """Each call of a compiled graph: the event, its compile id (forward: from the enclosing region), backward or not."""
+    regions = [e for e in timeline if e.name.startswith(REGION)]
+    backwards = [e for e in timeline if e.name == BACKWARD]
+    found = []
+    for event in timeline:
+        if not event.name.startswith(CALL):
+            continue
+        backward = any(_inside(event, b) for b in backwards)
+        region = next((r.name.removeprefix(REGION) for r in regions if _inside(event, r)), None) if not backward else None
+        found.append((event, region, backward))
+    return found
+
+
+def _inside(inner: _Event, outer: _Event) -> bool:
+    return inner.thread == outer.thread and outer.start <= inner.start and inner.end <= outer.end and inner is not outer
+
+
+def _children(timeline: list[_Event], starts: list[tuple[int, int]], parent: _Event) -> list[_Event]:
+    """The events directly inside ``parent`` (not inside another event inside it), in time order
+    (``starts``: each event's thread and start, as ``timeline`` is sorted)."""
+    first = bisect.bisect_left(starts, (parent.thread, parent.start))
+    children: list[_Event] = []
+    for event in itertools.islice(timeline, first, None):
+        if event.thread != parent.thread or event.start > parent.end:
+            break
+        if event is parent or not _inside(event, parent):
+            continue
+        if children and event.start < children[-1].end:
+            continue  # inside the previous child
+        children.append(event)
+    return children
+
+
+def _align(children: list[_Event], kernels: list[_Kernel]) -> list[tuple[_Event, _Kernel]]:
+    """Pair each child event with the next kernel, in call order, whose trace name it has."""
+    pairs, position = [], 0
+    for child in children:
+        for index in range(position, len(kernels)):
+            kernel = kernels[index]
+            if child.name == kernel.event or (child.name.startswith("graph_") and child.name.endswith("_" + kernel.event)):
+                pairs.append((child, kernel))
+                position = index + 1
+                break
+    return pairs

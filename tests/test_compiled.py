@@ -1,0 +1,122 @@
+"""torch.compile'd models (Inductor, CPU): per-layer time from their kernels, through a real Trainer.
+
+Compiling is slow on 2 cores: two tiny models, each trained once without and once with the callback.
+"""
+
+from __future__ import annotations
+
+import csv
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import LitClassifier, image_loader, make_trainer
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from fxprof_lightning import FXProfilerCallback
+from fxprof_lightning.compiled import module_path
+
+ONE_CYCLE = {"skip_first": 1, "wait": 0, "warmup": 1, "active": 2, "repeat": 1}
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(width)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)) + x)
+
+
+class TinyResNet(nn.Module):
+    """ResNet18's pieces at toy size: a stem, residual blocks of conv + batch norm, pooling and a head."""
+
+    def __init__(self, width: int = 8, classes: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.layer1 = nn.Sequential(Block(width), Block(width))
+        self.fc = nn.Linear(width, classes)
+
+    def forward(self, x):
+        x = self.layer1(torch.relu(self.stem(x)))
+        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+class TinyTransformer(nn.Module):
+    """Embedding, one pre-norm encoder layer (nn.TransformerEncoderLayer's defaults otherwise) and a head."""
+
+    def __init__(self, vocab: int = 32, width: int = 16, classes: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.encoder = nn.TransformerEncoderLayer(width, nhead=2, dim_feedforward=32, batch_first=True, norm_first=True)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.embed(tokens)).mean(1))
+
+
+def token_loader(samples: int = 32, batch_size: int = 4, length: int = 6) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 32, (samples, length), generator=generator)
+    return DataLoader(TensorDataset(tokens, torch.randint(0, 4, (samples,), generator=generator)), batch_size=batch_size)
+
+
+def unique_graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def train_compiled_both(tmp_path, make_model, loader_fn, steps=4):
+    """The same compiled model trained without and with the profiler; weights bitwise equal, the same
+    number of graphs compiled (no recompilation caused by the profiler). Returns the callback."""
+    compiled = {}
+    for name, callbacks in (("plain", []), ("profiled", [FXProfilerCallback(**ONE_CYCLE, module="model")])):
+        torch._dynamo.reset()
+        before = unique_graphs()
+        pl.seed_everything(3, verbose=False)
+        lit = LitClassifier(torch.compile(make_model()))
+        make_trainer(tmp_path / name, callbacks, max_steps=steps).fit(lit, loader_fn())
+        compiled[name] = (lit.state_dict(), unique_graphs() - before, callbacks)
+    (plain, plain_graphs, _), (profiled, profiled_graphs, (callback,)) = compiled["plain"], compiled["profiled"]
+    assert all(torch.equal(t, plain[k]) for k, t in profiled.items()), "training was changed"
+    assert profiled_graphs == plain_graphs > 0
+    return callback
+
+
+def test_a_compiled_resnet_gets_per_layer_times_from_its_kernels(tmp_path):
+    callback = train_compiled_both(tmp_path, TinyResNet, image_loader)
+    (cycle,) = callback.cycles
+    assert cycle.capture.method == "compiled" and "provenance" in cycle.capture.describe()
+    rows = {n.name: n for n in cycle.nodes}
+    # Convolutions run as aten kernels: each is its module's row, forward and backward, twice (2 recorded steps).
+    for conv in ("stem", "layer1.0.conv", "layer1.1.conv"):
+        assert rows[conv].calls == 2 and rows[conv].total_ms > 0 and rows[conv].bwd_total_ms > 0
+    assert rows["fc"].module_path == "fc" and rows["fc"].bwd_total_ms > 0
+    # Batch norm, the residual add and relu are fused into one kernel per block, shown against the group.
+    fused = cycle.capture.fused
+    assert any(name.startswith("layer1.0 + layer1.0.bn") for name in fused) and all(fused.values())
+    assert sum(n.pct for n in cycle.nodes) == pytest.approx(100.0)
+    assert cycle.capture.graph_breaks == {}
+    # The module tree puts the fused rows under the block they belong to.
+    modules = {m.path: m for m in cycle.modules}
+    assert modules["layer1.0"].total_fwd_ms >= modules["layer1.0.conv"].total_fwd_ms > 0
+    written = list(csv.DictReader((cycle.directory / "fx_nodes.csv").read_text().splitlines()))
+    assert {r["name"] for r in written} == set(rows)
+    assert "compiled" in cycle.to_markdown()
+
+
+def test_a_compiled_transformer_gets_per_layer_times_from_its_kernels(tmp_path):
+    callback = train_compiled_both(tmp_path, TinyTransformer, token_loader)
+    (cycle,) = callback.cycles
+    paths = {n.module_path for n in cycle.nodes}
+    assert {"encoder.linear1", "encoder.linear2", "head"} <= paths  # the MLP's matmuls and the head, each its own
+    assert any(p.startswith("encoder.self_attn") for p in paths)
+    assert all(n.calls == 2 for n in cycle.nodes)
+
+
+def test_module_paths_from_dynamo_sources():
+    assert module_path("L['self'].layer1[0].conv1") == "layer1.0.conv1"
+    assert module_path("L['self']._modules['blocks']._modules['0'].bn") == "blocks.0.bn"
+    assert module_path("L['self']") == ""
