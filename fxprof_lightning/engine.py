@@ -382,6 +382,8 @@ class Profiler:
         The step the exception stopped counts as recorded if the module ran in it (its samples are in the timer).
         """
         self.stop_observing()
+        if self._compiled is not None:
+            self._compiled.stop()
         for state in (self._train, self._val):
             cycle = state.open
             if state.in_step and cycle is not None and cycle.timer is not None and _samples(cycle.timer) > cycle.samples_at_step \
