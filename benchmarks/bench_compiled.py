@@ -117,12 +117,13 @@ def measure(name: str, make: callable, x: torch.Tensor, y: torch.Tensor, rounds:
             if variant == "recorded":
                 with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
                     fwd, bwd = step(profiled, x, y)
-                events = [(e.name(), e.start_ns(), e.duration_ns(), e.start_thread_id()) for e in prof.profiler.kineto_results.events()]
+                events = [(e.name(), e.start_ns(), e.duration_ns(), e.start_thread_id(), e.sequence_nr())
+                          for e in prof.profiler.kineto_results.events()]
                 timer = KernelTimer(settings)
                 timer.read(events)
                 coverage_fwd.append(sum(map(sum, timer.fwd)) / fwd)
                 coverage_bwd.append(sum(map(sum, timer.bwd)) / bwd)
-                graph_bwd = sum(duration for event, _, duration, _ in events if event == "CompiledFunctionBackward")
+                graph_bwd = sum(duration for event, _, duration, _, _ in events if event == "CompiledFunctionBackward")
                 coverage_graph_bwd.append(sum(map(sum, timer.bwd)) / graph_bwd)
                 rows = len(timer.nodes)
             else:

@@ -49,7 +49,7 @@ MECHANISM = ("per-layer time from the compiled graphs' kernels in the torch.prof
              "tracking (kernel -> post-grad nodes), the post-grad nodes' nn_module_stack (node -> module) and "
              "C++ kernel ranges (cpp.enable_kernel_profile)")
 CALL = "## Call CompiledFxGraph"
-BACKWARD = "CompiledFunctionBackward"
+FORWARD, BACKWARD = "CompiledFunction", "CompiledFunctionBackward"
 REGION = "Torch-Compiled Region: "
 TOP = ""  # module path of ops outside any submodule
 
@@ -181,6 +181,7 @@ class _Event:
     start: int
     end: int
     thread: int
+    sequence_nr: int = -1
 
 
 @dataclass
@@ -223,21 +224,21 @@ class KernelTimer:
     def bwd_ns(self, index: int) -> list[int]:
         return self.bwd[index]
 
-    def read(self, events: list[tuple[str, int, int, int]]) -> None:
-        """Rows and samples from a cycle's events ``(name, start ns, duration ns, thread)``: one sample per row
-        and call of a compiled graph (0 where none of the row's kernels ran in it)."""
+    def read(self, events: list[tuple[str, int, int, int, int]]) -> None:
+        """Rows and samples from a cycle's events ``(name, start ns, duration ns, thread, sequence number)``: one
+        sample per row and call of a graph with kernels of the row (0 where none of them ran in the call)."""
         self.nodes, self.fwd, self.bwd, self.fused, self.unattributed_ns = [], [], [], {}, 0
         kernels = self.kernels.kernels()
-        timeline = sorted((_Event(name, start, start + duration, thread) for name, start, duration, thread in events),
-                          key=lambda e: (e.thread, e.start, -e.end))
+        timeline = sorted((_Event(name, start, start + duration, thread, sequence_nr)
+                           for name, start, duration, thread, sequence_nr in events), key=lambda e: (e.thread, e.start, -e.end))
         rows: dict[frozenset[str] | str, int] = {}
-        forward_samples: list[dict[int, int]] = []
-        backward_samples: list[dict[int, int]] = []
+        samples: dict[bool, list[tuple[int, dict[int, int]]]] = {False: [], True: []}  # (graph, ns per row) per call
+        rows_of_graph: dict[int, set[int]] = {}  # the rows each graph's kernels went to (id of its kernel list)
         starts = [(e.thread, e.start) for e in timeline]
         for call, region, backward in _calls(timeline):
             children = _children(timeline, starts, call)
             graph = kernels.get((region, backward)) if region is not None else None
-            if graph is None:  # a backward graph: the one whose kernels match its children best
+            if graph is None:  # a graph not found by its id: the one whose kernels match the call's children best
                 candidates = [k for (_, is_backward), k in kernels.items() if is_backward == backward]
                 graph = max(candidates, key=lambda k: len(_align(children, k)), default=[])
             sample: dict[int, int] = {}
@@ -253,11 +254,13 @@ class KernelTimer:
                     self.fused[self.nodes[rows[key]].name].append(kernel.ops)
                 sample[rows[key]] = sample.get(rows[key], 0) + child.end - child.start
             self.unattributed_ns += sum(c.end - c.start for c in children) - sum(c.end - c.start for c, _ in matched)
-            (backward_samples if backward else forward_samples).append(sample)
-        self.fwd = [[s.get(i, 0) for s in forward_samples] for i in range(len(self.nodes))]
-        self.bwd = [[s.get(i, 0) for s in backward_samples] for i in range(len(self.nodes))]
+            samples[backward].append((id(graph), sample))
+            rows_of_graph.setdefault(id(graph), set()).update(sample)
+        # A row's samples: one per call of each graph with kernels of the row (0 in a call where none ran).
+        self.fwd, self.bwd = ([[s.get(i, 0) for g, s in samples[direction] if i in rows_of_graph[g]] for i in range(len(self.nodes))]
+                              for direction in (False, True))
         self.mem_delta, self.mem_peak = [[] for _ in self.nodes], [[] for _ in self.nodes]
-        self.graph_calls = len(forward_samples) + len(backward_samples)
+        self.graph_calls = len(samples[False]) + len(samples[True])
 
 
 def _row(kernel: _Kernel) -> NodeInfo:
@@ -286,15 +289,25 @@ def _stack(path: str) -> tuple[str, ...]:
 
 
 def _calls(timeline: list[_Event]) -> list[tuple[_Event, str | None, bool]]:
-    """Each call of a compiled graph: the event, its compile id (forward: from the enclosing region), backward or not."""
+    """Each call of a compiled graph: the event, its compile id, backward or not.
+
+    A forward call's compile id is its innermost ``Torch-Compiled Region`` (after a graph break, the resumed
+    frame's region runs inside the first one's). A backward call's is that of the forward whose autograd node
+    it runs: ``CompiledFunction`` (forward) and ``CompiledFunctionBackward`` carry the same sequence number.
+    """
     regions = [e for e in timeline if e.name.startswith(REGION)]
-    backwards = [e for e in timeline if e.name == BACKWARD]
-    found = []
-    for event in timeline:
-        if not event.name.startswith(CALL):
-            continue
-        backward = any(_inside(event, b) for b in backwards)
-        region = next((r.name.removeprefix(REGION) for r in regions if _inside(event, r)), None) if not backward else None
+    functions = [e for e in timeline if e.name in (FORWARD, BACKWARD)]
+    found, region_of_function = [], {}
+    for event in sorted((e for e in timeline if e.name.startswith(CALL)), key=lambda e: e.start):
+        function = next((f for f in functions if _inside(event, f)), None)
+        backward = function is not None and function.name == BACKWARD
+        if backward:
+            region = region_of_function.get(function.sequence_nr)
+        else:
+            enclosing = [r for r in regions if _inside(event, r)]
+            region = max(enclosing, key=lambda r: r.start).name.removeprefix(REGION) if enclosing else None
+            if function is not None:
+                region_of_function[function.sequence_nr] = region
         found.append((event, region, backward))
     return found
 

@@ -69,7 +69,7 @@ class CycleTrace:
         use_gzip: write ``.pt.trace.json.gz`` instead of ``.pt.trace.json``.
         profiler_kwargs: further ``torch.profiler.profile`` arguments (checked by ``check_profiler_kwargs``).
         backward_events: keep the autograd node times of the trace in ``backward_events`` (for node timing).
-        keep_events: keep every event as ``(name, start ns, duration ns, thread)`` in ``events`` (for the
+        keep_events: keep every event as ``(name, start ns, duration ns, thread, sequence number)`` in ``events`` (for the
             kernels of a compiled module, ``compiled.KernelTimer.read``).
     """
 
@@ -89,7 +89,7 @@ class CycleTrace:
         self.ranges: dict[str, list[int]] = {}  # ns of each run of a communication range (FSDP::all_gather (blocks.0), ...)
         # Set by the engine: what add_node_ranges writes into the trace (NodeTimer.anchors, .range_spans, .backward_calls).
         self.node_ranges: Callable[[], tuple[list[Any], list[Any], list[Any]] | None] | None = None
-        self.events: list[tuple[str, int, int, int]] = []
+        self.events: list[tuple[str, int, int, int, int]] = []
         self._collect_backward = backward_events
         self._keep_events = keep_events
         self._directory = directory
@@ -125,7 +125,7 @@ class CycleTrace:
         if self._collect_backward:
             self.backward_events += backward_durations(events)
         if self._keep_events:
-            self.events += [(e.name(), e.start_ns(), e.duration_ns(), e.start_thread_id()) for e in events]
+            self.events += [(e.name(), e.start_ns(), e.duration_ns(), e.start_thread_id(), e.sequence_nr()) for e in events]
         for event in events:
             if event.name().startswith(RANGE_PREFIXES):
                 self.ranges.setdefault(event.name(), []).append(event.duration_ns())

@@ -120,3 +120,28 @@ def test_module_paths_from_dynamo_sources():
     assert module_path("L['self'].layer1[0].conv1") == "layer1.0.conv1"
     assert module_path("L['self']._modules['blocks']._modules['0'].bn") == "blocks.0.bn"
     assert module_path("L['self']") == ""
+
+
+class WithGraphBreak(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = torch.relu(self.first(x))
+        torch._dynamo.graph_break()  # two graphs: each one's kernels go to its own modules
+        return self.second(x)
+
+
+def test_graph_breaks_are_listed_and_both_graphs_timed(tmp_path):
+    generator = torch.Generator().manual_seed(0)
+    loader = DataLoader(TensorDataset(torch.randn(32, 8, generator=generator), torch.randint(0, 4, (32,), generator=generator)),
+                        batch_size=4)
+    callback = train_compiled_both(tmp_path, WithGraphBreak, lambda: loader)
+    (cycle,) = callback.cycles
+    assert any("graph_break" in reason for reason in cycle.capture.graph_breaks), cycle.capture.graph_breaks
+    rows = {n.module_path: n for n in cycle.nodes}
+    for layer in ("first", "second"):
+        assert rows[layer].calls == 2 and rows[layer].total_ms > 0 and rows[layer].bwd_total_ms > 0
+    assert "graph breaks: " in cycle.capture.describe()
