@@ -256,9 +256,12 @@ class KernelTimer:
             self.unattributed_ns += sum(c.end - c.start for c in children) - sum(c.end - c.start for c, _ in matched)
             samples[backward].append((id(graph), sample))
             rows_of_graph.setdefault(id(graph), set()).update(sample)
-        # A row's samples: one per call of each graph with kernels of the row (0 in a call where none ran).
+        # A row's samples: one per call of each graph with kernels of the row (0 in a call where none ran). A row
+        # of backward kernels only gets zeros for forward, as many as its backward samples (the report lists rows
+        # that ran forward).
         self.fwd, self.bwd = ([[s.get(i, 0) for g, s in samples[direction] if i in rows_of_graph[g]] for i in range(len(self.nodes))]
                               for direction in (False, True))
+        self.fwd = [forward or [0] * len(backward) for forward, backward in zip(self.fwd, self.bwd, strict=True)]
         self.mem_delta, self.mem_peak = [[] for _ in self.nodes], [[] for _ in self.nodes]
         self.graph_calls = len(samples[False]) + len(samples[True])
 

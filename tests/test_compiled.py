@@ -98,6 +98,10 @@ def test_a_compiled_resnet_gets_per_layer_times_from_its_kernels(tmp_path):
     fused = cycle.capture.fused
     assert any(name.startswith("layer1.0 + layer1.0.bn") for name in fused) and all(fused.values())
     assert sum(n.pct for n in cycle.nodes) == pytest.approx(100.0)
+    assert sum(n.bwd_pct for n in cycle.nodes) == pytest.approx(100.0)
+    # Rows of backward kernels alone (fused across modules in backward) are in the table too.
+    backward_only = [n for n in cycle.nodes if n.total_ms == 0 and n.bwd_total_ms > 0]
+    assert backward_only and all(n.name in fused for n in backward_only)
     assert cycle.capture.graph_breaks == {}
     # The module tree puts the fused rows under the block they belong to.
     modules = {m.path: m for m in cycle.modules}
