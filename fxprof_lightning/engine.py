@@ -576,7 +576,8 @@ class Profiler:
             report.backward_wall_ms = sum(cycle.backward_wall_ns) / len(cycle.backward_wall_ns) / 1e6
         if report.nodes and cycle.timer is not None:
             report.modules = summarize_modules(cycle.timer.nodes, report.nodes, len(cycle.recorded), self._type_name)
-        if cycle.timer is not None and not report.nodes and not _stopped_fitting(cycle.timer):
+        if cycle.timer is not None and not report.nodes and not _stopped_fitting(cycle.timer) \
+                and not isinstance(cycle.timer, KernelTimer):  # (that one says why itself)
             self.warn(f"{type(self.target).__name__}.forward did not run in the recorded steps {cycle.recorded}, so "
                       "no node was timed. If the training step calls a submodule instead, profile that submodule "
                       "(the Lightning callback: module='...').")
