@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fxprof_lightning.report import CycleReport
 from fxprof_lightning.trust import cpu_per_wall, step_spread
+
+# What TensorBoard's summary writer would replace in a tag (with a warning each time): all but letters, digits, _ - . /
+TAG_UNSAFE = re.compile(r"[^-\w./]+")
 
 if TYPE_CHECKING:
     from fxprof_lightning.engine import Profiler
@@ -64,9 +68,10 @@ def cycle_scalars(report: CycleReport) -> dict[str, float]:
         n = by_name.get(name)
         if n is None:
             continue
-        metrics[f"{prefix}_nodes/{name}/forward_ms_per_call"] = n.mean_ms
+        tag = TAG_UNSAFE.sub("_", name)  # compiled rows: "layer1.0 + layer1.0.bn", "aten::addmm"
+        metrics[f"{prefix}_nodes/{tag}/forward_ms_per_call"] = n.mean_ms
         if n.bwd_calls:
-            metrics[f"{prefix}_nodes/{name}/backward_ms_per_call"] = n.bwd_mean_ms
+            metrics[f"{prefix}_nodes/{tag}/backward_ms_per_call"] = n.bwd_mean_ms
     return metrics
 
 

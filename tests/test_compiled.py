@@ -10,7 +10,7 @@ import csv
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import LitClassifier, image_loader, make_trainer
+from conftest import LitClassifier, image_loader, make_trainer, read_events
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -109,6 +109,10 @@ def test_a_compiled_resnet_gets_per_layer_times_from_its_kernels(tmp_path):
     written = list(csv.DictReader((cycle.directory / "fx_nodes.csv").read_text().splitlines()))
     assert {r["name"] for r in written} == set(rows)
     assert "compiled" in cycle.to_markdown()
+    # TensorBoard gets the tracked rows under tags it accepts as they are (no "illegal name" rewrite).
+    tags = set(read_events(tmp_path / "profiled" / "logs" / "version_0").Tags()["scalars"])
+    assert "fxprof_nodes/layer1.0.conv/forward_ms_per_call" in tags
+    assert {t for t in tags if t.startswith("fxprof_nodes/")} and all(" " not in t and "+" not in t for t in tags)
 
 
 def test_a_compiled_transformer_gets_per_layer_times_from_its_kernels(tmp_path):
