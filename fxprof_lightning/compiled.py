@@ -61,29 +61,39 @@ def is_compiled(module: nn.Module) -> bool:
 
 @dataclass
 class _Kernel:
-    """One kernel call of a compiled graph: the event name it has in the trace, and the module paths it came from."""
+    """One kernel call of a compiled graph: the event name it has in the trace, and the calls of the model's code it
+    came from, as (module path, function): ``("encoder.linear1", "linear")``, ``("", "relu")`` at the top level."""
 
     event: str
-    paths: frozenset[str]
-    ops: str  # what it computes, for rows at the top level: "relu", "aten::addmm"
+    origins: frozenset[tuple[str, str]]
+    ops: str  # what it computes: "relu", "aten::addmm"
+
+    @property
+    def paths(self) -> frozenset[str]:
+        return frozenset(path for path, _ in self.origins)
 
 
 class _ModulePass:
-    """Post-grad pass: notes each node's module path, per (compile id, backward) graph; then runs ``previous``."""
+    """Post-grad pass: notes each node's origin, (module path, function), per (compile id, backward) graph; then runs
+    ``previous``. The function is the call Dynamo saw in the model's code (``source_fn_stack``: ``linear``,
+    ``layer_norm``, ``multi_head_attention_forward``, ``add``); a backward node has its forward op's."""
 
-    def __init__(self, graphs: dict[tuple[str, bool], dict[str, str | None]], previous: Any) -> None:
+    def __init__(self, graphs: dict[tuple[str, bool], dict[str, tuple[str, str]]], previous: Any) -> None:
         self.graphs, self.previous = graphs, previous
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         compile_id = torch._guards.CompileContext.current_compile_id()
         backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
-        modules: dict[str, str | None] = {}
+        origins: dict[str, tuple[str, str]] = {}
+        prefix = "fwd_" if backward else ""
         for node in graph.nodes:
             if node.op != "call_function" or node.target is torch.ops.aten.copy_.default:
                 continue  # buffer write-backs (batch-norm statistics) belong to no layer's compute
-            stack = node.meta.get("fwd_nn_module_stack" if backward else "nn_module_stack") or node.meta.get("nn_module_stack")
-            modules[node.name] = module_path(list(stack.values())[-1][0]) if stack else TOP
-        self.graphs[(str(compile_id), backward)] = modules
+            stack = node.meta.get(f"{prefix}nn_module_stack") or node.meta.get("nn_module_stack")
+            functions = node.meta.get(f"{prefix}source_fn_stack") or node.meta.get("source_fn_stack")
+            function = functions[-1][0] if functions else getattr(node.target, "__name__", str(node.target)).split(".")[0]
+            origins[node.name] = (module_path(list(stack.values())[-1][0]) if stack else TOP, re.sub(r"_\d+$", "", function))
+        self.graphs[(str(compile_id), backward)] = origins
         # Inductor keeps the kernels of each graph under its compile id, and keeps the first it saw: compile ids
         # start again after torch._dynamo.reset(), so an entry of an earlier graph with this id is dropped.
         from torch._inductor.debug import get_kernel_information_jsons
@@ -110,7 +120,7 @@ class CompiledKernels:
     by ``stop``; the module path of each post-grad node of every graph compiled meanwhile."""
 
     def __init__(self) -> None:
-        self.graphs: dict[tuple[str, bool], dict[str, str | None]] = {}
+        self.graphs: dict[tuple[str, bool], dict[str, tuple[str, str]]] = {}
         self._saved: dict[str, Any] | None = None
 
     def start(self) -> None:
@@ -155,13 +165,13 @@ class CompiledKernels:
             if match is None:
                 continue
             key = (match.group(1), match.group(2) == "True")
-            modules = self.graphs.get(key, {})
+            origins = self.graphs.get(key, {})
             ordered = sorted(kernels.items(), key=lambda item: int(item[0].rsplit(":", 1)[1]))
-            result[key] = [_kernel(name.rsplit(":", 1)[0], info.get("post_grad_nodes", []), modules) for name, info in ordered]
+            result[key] = [_kernel(name.rsplit(":", 1)[0], info.get("post_grad_nodes", []), origins) for name, info in ordered]
         return result
 
 
-def _kernel(name: str, post_grad_nodes: list[str], modules: dict[str, str | None]) -> _Kernel:
+def _kernel(name: str, post_grad_nodes: list[str], origins: dict[str, tuple[str, str]]) -> _Kernel:
     if name.startswith(("extern_kernels.", "torch.ops.aten.")):  # one op, run by aten
         op = name.removeprefix("extern_kernels.") if name.startswith("extern_kernels.") else name.split(".")[3]
         event = ops = "aten::" + op
@@ -171,8 +181,8 @@ def _kernel(name: str, post_grad_nodes: list[str], modules: dict[str, str | None
     else:
         event = name  # the trace has it with a graph_N_ prefix
         ops = re.sub(r"_\d+$", "", re.sub(r"^(cpp|triton)_(fused_|poi_|red_|per_)*", "", name))
-    paths = frozenset(modules[n] for n in post_grad_nodes if n in modules)
-    return _Kernel(event, paths or frozenset({TOP}), ops)
+    found = frozenset(origins[n] for n in post_grad_nodes if n in origins)
+    return _Kernel(event, found or frozenset({(TOP, ops)}), ops)
 
 
 @dataclass
@@ -231,7 +241,9 @@ class KernelTimer:
         kernels = self.kernels.kernels()
         timeline = sorted((_Event(name, start, start + duration, thread, sequence_nr)
                            for name, start, duration, thread, sequence_nr in events), key=lambda e: (e.thread, e.start, -e.end))
-        rows: dict[frozenset[str] | str, int] = {}
+        rows: dict[Any, int] = {}  # row key (``_row_key``) -> index
+        members: list[set[tuple[str, str]]] = []  # per row, the origins of its kernels
+        fused_kernels: list[list[str]] = []  # per row, its kernels made from several origins
         samples: dict[bool, list[tuple[int, dict[int, int]]]] = {False: [], True: []}  # (graph, ns per row) per call
         rows_of_graph: dict[int, set[int]] = {}  # the rows each graph's kernels went to (id of its kernel list)
         starts = [(e.thread, e.start) for e in timeline]
@@ -244,37 +256,60 @@ class KernelTimer:
             sample: dict[int, int] = {}
             matched = _align(children, graph)
             for child, kernel in matched:
-                key = kernel.paths if kernel.paths != frozenset({TOP}) else kernel.ops
+                key = _row_key(kernel)
                 if key not in rows:
-                    rows[key] = len(self.nodes)
-                    self.nodes.append(_row(kernel))
-                    if len(kernel.paths) > 1:
-                        self.fused[self.nodes[-1].name] = []
-                if len(kernel.paths) > 1 and kernel.ops not in self.fused[self.nodes[rows[key]].name]:
-                    self.fused[self.nodes[rows[key]].name].append(kernel.ops)
+                    rows[key] = len(members)
+                    members.append(set())
+                    fused_kernels.append([])
+                members[rows[key]] |= kernel.origins
+                if len(kernel.origins) > 1 and kernel.ops not in fused_kernels[rows[key]]:
+                    fused_kernels[rows[key]].append(kernel.ops)
                 sample[rows[key]] = sample.get(rows[key], 0) + child.end - child.start
             self.unattributed_ns += sum(c.end - c.start for c in children) - sum(c.end - c.start for c, _ in matched)
             samples[backward].append((id(graph), sample))
             rows_of_graph.setdefault(id(graph), set()).update(sample)
+        self.nodes = _rows(members)
+        self.fused = {info.name: kernels for info, kernels in zip(self.nodes, fused_kernels, strict=True) if kernels}
         # A row's samples: one per call of each graph with kernels of the row (0 in a call where none ran). A row
         # of backward kernels only gets zeros for forward, as many as its backward samples (the report lists rows
         # that ran forward).
-        self.fwd, self.bwd = ([[s.get(i, 0) for g, s in samples[direction] if i in rows_of_graph[g]] for i in range(len(self.nodes))]
+        self.fwd, self.bwd = ([[s.get(i, 0) for g, s in samples[direction] if i in rows_of_graph[g]] for i in range(len(members))]
                               for direction in (False, True))
         self.fwd = [forward or [0] * len(backward) for forward, backward in zip(self.fwd, self.bwd, strict=True)]
         self.mem_delta, self.mem_peak = [[] for _ in self.nodes], [[] for _ in self.nodes]
         self.graph_calls = len(samples[False]) + len(samples[True])
 
 
-def _row(kernel: _Kernel) -> NodeInfo:
-    paths = sorted(kernel.paths)
-    if paths == [TOP]:
-        return NodeInfo(kernel.ops, "call_function", kernel.ops, TOP, ())
-    home = _common_ancestor(paths)
-    if len(paths) == 1:
-        return NodeInfo(paths[0], "call_module", kernel.ops, home, _stack(home))
-    name = " + ".join(p if p != TOP else "top level" for p in paths)
-    return NodeInfo(name, "fused", kernel.ops, home, _stack(home))
+def _row_key(kernel: _Kernel) -> Any:
+    """A kernel from one call of the model's code goes to that call's row; one fused across calls, to the row of
+    its module paths (several kernels of the same modules share it)."""
+    (origin,) = kernel.origins if len(kernel.origins) == 1 else (None,)
+    return origin if origin is not None else kernel.paths
+
+
+def _rows(members: list[set[tuple[str, str]]]) -> list[NodeInfo]:
+    """A row per member set: a module's single call is named after the module (``fc``), a module with several
+    calls gets one row per call (``encoder.self_attn: multi_head_attention_forward``), a call at the top level
+    is named after its function (``relu``), and a fused row after its modules (``layer1.0 + layer1.0.bn``) or,
+    within one module, after its calls (``layer1.0: add + relu``)."""
+    single = [next(iter(m)) for m in members if len(m) == 1]
+    calls_of: dict[str, set[str]] = {}
+    for path, function in single:
+        calls_of.setdefault(path, set()).add(function)
+    rows = []
+    for origins in members:
+        paths = sorted({path for path, _ in origins})
+        home = _common_ancestor(paths)
+        functions = " + ".join(sorted({function for _, function in origins}))
+        if len(origins) == 1:
+            path, function = next(iter(origins))
+            name = function if path == TOP else path if len(calls_of[path]) == 1 else f"{path}: {function}"
+            rows.append(NodeInfo(name, "call_function" if path == TOP else "call_module", function, home, _stack(home)))
+        elif len(paths) == 1:
+            rows.append(NodeInfo(f"{paths[0]}: {functions}" if paths[0] else functions, "fused", functions, home, _stack(home)))
+        else:
+            rows.append(NodeInfo(" + ".join(p if p != TOP else "top level" for p in paths), "fused", functions, home, _stack(home)))
+    return rows
 
 
 def _common_ancestor(paths: list[str]) -> str:
