@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import LitClassifier, image_loader, make_trainer, read_events
+from tensorboard.util import tensor_util
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -110,9 +111,16 @@ def test_a_compiled_resnet_gets_per_layer_times_from_its_kernels(tmp_path):
     assert {r["name"] for r in written} == set(rows)
     assert "compiled" in cycle.to_markdown()
     # TensorBoard gets the tracked rows under tags it accepts as they are (no "illegal name" rewrite).
-    tags = set(read_events(tmp_path / "profiled" / "logs" / "version_0").Tags()["scalars"])
+    events = read_events(tmp_path / "profiled" / "logs" / "version_0")
+    tags = set(events.Tags()["scalars"])
     assert "fxprof_nodes/layer1.0.conv/forward_ms_per_call" in tags
     assert {t for t in tags if t.startswith("fxprof_nodes/")} and all(" " not in t and "+" not in t for t in tags)
+    # The text tables: rows and the module tree, as for an eager graph.
+    (layers,) = events.Tensors("fxprof/layers/text_summary")
+    (tree,) = events.Tensors("fxprof/modules/text_summary")
+    assert "layer1.0.conv" in tensor_util.make_ndarray(layers.tensor_proto).item().decode()
+    tree_text = tensor_util.make_ndarray(tree.tensor_proto).item().decode()
+    assert "layer1 (Sequential)" in tree_text and "conv (Conv2d)" in tree_text
 
 
 def test_a_compiled_transformer_gets_per_layer_times_from_its_kernels(tmp_path):
