@@ -24,8 +24,6 @@ Results are medians of per-round paired ratios with a ~95 % confidence interval 
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import datetime
 import math
 import os
@@ -39,7 +37,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # before torch: kineto reads it 
 
 import torch
 import torchvision
-from run_info import contention, cpu_stall_us, package_state
+from run_info import contention, cpu_stall_us, package_state, parse_args, quiet_stderr
 from torch import nn
 from torch.nn import functional as F
 from torch.profiler import ProfilerActivity
@@ -143,12 +141,7 @@ def measure(name: str, make: callable, x: torch.Tensor, y: torch.Tensor, rounds:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: few rounds, numbers are rough")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N) first (default: as it is)")
-    args = parser.parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    args = parse_args(__doc__.splitlines()[0])
     began, stall = time.perf_counter(), cpu_stall_us()
     print("fxprof_lightning: per-layer times of compiled models (Inductor, CPU)")
     print(f"date      {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
@@ -156,7 +149,7 @@ def main() -> int:
     print(f"versions  python {platform.python_version()}, torch {torch.__version__}, torchvision {torchvision.__version__}")
     print(f"package   {package_state()}")
     for name, make, x, y in workloads():
-        with contextlib.redirect_stderr(open(os.devnull, "w")):
+        with quiet_stderr():  # compile warnings
             lines = measure(name, make, x, y, rounds=5 if args.quick else 40)
         print("\n".join(lines), flush=True)
     share = contention(stall, began)

@@ -58,8 +58,6 @@ after a time box (past a minimum), so a busy machine gives fewer rounds, not a r
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import datetime
 import inspect
 import logging
@@ -83,7 +81,7 @@ import lightning
 import lightning.pytorch as pl
 import torch
 import torchvision
-from run_info import contention, cpu_stall_us, package_state
+from run_info import contention, cpu_stall_us, package_state, parse_args, quiet_stderr
 from torch import fx, nn
 from torch.nn import functional as F
 from torch.profiler import ProfilerActivity
@@ -608,20 +606,6 @@ def write_ranges_ms(work: Workload, timer: NodeTimer) -> float:
 # ------------------------------------------------------------------ parts 4 and 5: profiler and accuracy
 
 
-@contextlib.contextmanager
-def quiet_stderr() -> Iterator[None]:
-    """Silence file descriptor 2 (Kineto logs 'profiler_start/stop' there from C++)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as devnull:
-        os.dup2(devnull.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
 def capture_module_inputs(model: nn.Module, traced: fx.GraphModule, x: torch.Tensor) -> dict[str, tuple[nn.Module, torch.Tensor]]:
     """For every call_module node: its module and a copy of the input it gets in a training forward.
 
@@ -941,12 +925,7 @@ def quiet_lightning() -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: few repetitions, numbers are rough")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N) first (default: as it is)")
-    args = parser.parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    args = parse_args(__doc__.splitlines()[0])
     budget = QUICK if args.quick else FULL
     quiet_lightning()
     began, stall = time.perf_counter(), cpu_stall_us()

@@ -30,8 +30,6 @@ processes make single steps 10-40x slower in bursts; ``--threads 1`` is much les
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import datetime
 import os
 import platform
@@ -39,11 +37,11 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from run_info import contention, cpu_stall_us, package_state
+from run_info import contention, cpu_stall_us, package_state, parse_args, quiet_stderr
 from torch import nn
 from torch.nn import functional as F
 
@@ -119,20 +117,6 @@ def more_rows(layer: nn.Linear, share: float) -> Callable[[torch.Tensor], torch.
         return F.linear(torch.cat([x, x[: round(share * rows)]]), layer.weight, layer.bias)[:rows]
 
     return forward
-
-
-@contextlib.contextmanager
-def quiet_stderr() -> Iterator[None]:
-    """Silence file descriptor 2 (Kineto logs 'profiler_start/stop' there from C++)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as devnull:
-        os.dup2(devnull.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
 
 
 def profile(name: str, model: nn.Module, x: torch.Tensor, cycles: int, slow_layer: nn.Linear | None = None,
@@ -256,12 +240,7 @@ def header(quick: bool) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: few cycles, numbers are rough")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N) first (default: as it is)")
-    args = parser.parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    args = parse_args(__doc__.splitlines()[0])
     budget = QUICK if args.quick else FULL
     began, stall = time.perf_counter(), cpu_stall_us()
     print(header(args.quick), flush=True)

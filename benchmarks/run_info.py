@@ -1,12 +1,44 @@
-"""What the benchmarks print about the run itself: CPU contention during it and the package's commit."""
+"""What the benchmarks share: their command line, a quiet stderr, and what they print about the run itself
+(CPU contention during it and the package's commit)."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import os
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
+
+import torch
 
 import fxprof_lightning
+
+
+def parse_args(description: str) -> argparse.Namespace:
+    """``--quick`` and ``--threads N`` (applied here: ``torch.set_num_threads``)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="smoke run: few repetitions, numbers are rough")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N) first (default: as it is)")
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    return args
+
+
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """Silence file descriptor 2 (Kineto logs 'profiler_start/stop' there from C++)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def cpu_stall_us() -> int | None:
