@@ -525,8 +525,9 @@ class Profiler:
             # The cycle opens at whichever of its traced steps comes first (normally its first).
             steps = [s for s in self.schedule.traced_steps(index) if s >= stage.step]
             actions = {s: self.schedule.action(s) for s in steps}
+            compiled = isinstance(timer, KernelTimer)  # its times come from all the events, not autograd nodes
             trace = CycleTrace(actions, directory, f"rank{self.rank}", self.use_gzip, self.profiler_kwargs,
-                               backward_events=self._fx_on, keep_events=isinstance(timer, KernelTimer))
+                               backward_events=self._fx_on and not compiled, keep_events=compiled)
         if how is not None and self.target.training in self._observers:  # the mode's first call is still to come
             self.warn(f"torch.fx could not trace {type(self.target).__name__} whole, so it is timed by "
                       f"{how.describe()} in this cycle, which starts at its first call; later cycles are traced on "
