@@ -73,7 +73,9 @@ class Capture:
         if self.method == "compiled":
             text += f" ({self.error}; kernels fused across modules: "
             text += "; ".join(f"{row} [{', '.join(kernels)}]" for row, kernels in self.fused.items()) or "none"
-            text += "; graph breaks: " + ("; ".join(f"{reason} (x{n})" for reason, n in self.graph_breaks.items()) or "none") + ")"
+            # Dynamo's reasons run to many lines of hints; the first says what broke (graph_breaks keeps them whole).
+            text += "; graph breaks: " + ("; ".join(f"{reason.splitlines()[0]} (x{n})" for reason, n in self.graph_breaks.items())
+                                          or "none") + ")"
         return text
 
 
