@@ -59,6 +59,10 @@ TIMED_OPS = ("call_module", "call_function", "call_method")
 # ``node.meta`` key of nodes a capture puts into a graph that are bookkeeping, not the model's work
 # (guards, grad-mode switches, rebuilt objects): ``mark_untimed``.
 UNTIMED = "fxprof_untimed"
+# ``node.meta`` keys a capture may set: the ``NodeInfo`` of the node's row (default: ``node_info``), and whether
+# the node is timed together with the timed node before it (one row for several ops).
+ROW = "fxprof_row"
+JOINS = "fxprof_joins_previous"
 
 
 def mark_untimed(node: fx.Node) -> fx.Node:
@@ -257,18 +261,18 @@ class NodeTimer:
         >>> timer.nodes[0].name, timer.fwd[0], timer.bwd_ns(0)
     """
 
-    def __init__(self, traced: fx.GraphModule, annotate: bool = False, backward: bool = True, device: str = "cpu",
+    def __init__(self, traced: fx.GraphModule | None, annotate: bool = False, backward: bool = True, device: str = "cpu",
                  trace_ranges: bool = False) -> None:
         self.nodes: list[NodeInfo] = []
+        self._rows: dict[str, int] = {}  # node name -> index in ``nodes`` (graphs added later share rows by name)
         self._fwd: list[list[Any]] = []  # per node, one duration per call (``fwd``)
         self._starts: list[list[int]] = []  # CPU: the perf_counter_ns start of each sample in fwd
         # CPU: what the generated code logs, turned into samples by ``_fold``: two clock reads per timed node,
         # the sequence number before the first timed node and after each, and where each call's entries begin.
         self._stamps: list[int] = []
         self._sequence_nrs: list[int] = []
-        self._calls: list[tuple[int, int]] = []
+        self._calls: list[tuple[int, int, _GraphLog]] = []
         self._folded_calls = 0
-        self._called: list[nn.Module] = []  # the modules the generated code calls (``_begin_call``)
         self.anchors: list[tuple[int, int, int]] = []  # with trace_ranges: (number, ns before, ns after) per anchor range
         self.bwd: list[list[int]] = []  # per node: the backward ns of each call whose backward ran
         self.mem_delta: list[list[int]] = []
@@ -289,10 +293,12 @@ class NodeTimer:
         self._first_of_call = False  # no node of the running forward call has created autograd nodes yet
         self._traced, self._annotate = traced, annotate
         self._trace_ranges = trace_ranges and not self._cuda
-        self.graph_module = self._instrument(traced, annotate, hooked=self._cuda)
-        self._hooked_graph_module = self.graph_module if self._cuda else None  # built when first needed
         self._saved_forward: dict[int, Any] = {}
         self._root: nn.Module | None = None  # the module installed on (for its own parameters and buffers)
+        self.reset()
+        if traced is not None:
+            self.graph_module = self._instrument(traced, annotate, hooked=self._cuda)
+            self._hooked_graph_module = self.graph_module if self._cuda else None  # built when first needed
 
     def reset(self) -> None:
         """Forget every sample recorded so far."""
@@ -322,15 +328,15 @@ class NodeTimer:
         if not self._calls:
             return
         stamps, sequence_nrs = self._stamps, self._sequence_nrs
-        bounds = [*self._calls, (len(stamps), len(sequence_nrs))]
-        for (stamp, sequence), (stamp_end, sequence_end) in itertools.pairwise(bounds):
+        bounds = [*self._calls, (len(stamps), len(sequence_nrs), None)]
+        for (stamp, sequence, log), (stamp_end, sequence_end, _) in itertools.pairwise(bounds):
             starts, ends = stamps[stamp:stamp_end:2], stamps[stamp + 1:stamp_end:2]  # node i: starts[i], ends[i]
-            _append_each(self._fwd, map(operator.sub, ends, starts))  # zip-like: the nodes that finished
-            _append_each(self._starts, starts[:len(ends)])
+            _append_each(log.fwd, map(operator.sub, ends, starts))  # zip-like: the nodes that finished
+            _append_each(log.starts, starts[:len(ends)])
             created = [(index, first, end) for index, (first, end) in enumerate(itertools.pairwise(sequence_nrs[sequence:sequence_end]))
                        if first != end]  # the nodes that created autograd nodes
             for index, first, end in created:
-                self._owners.append(index)
+                self._owners.append(log.rows[index])
                 self._firsts.append(first)
                 self._ends.append(end)
         self._folded_calls += len(self._calls)
@@ -441,13 +447,13 @@ class NodeTimer:
         pre-forward hook; the graph module's copies would be the sharded ones)."""
         return getattr(self._root, name)
 
-    def _begin_call(self) -> tuple[list[int], list[int], list[nn.Module], Any]:
-        """At the start of each call, before its first node: note where its log entries begin; the two logs,
-        the modules the graph calls, and ``torch._C._autograd`` (a local there: its ``_get_sequence_nr`` is
-        then one attribute away)."""
+    def _begin_call(self, log: _GraphLog) -> tuple[list[int], list[int], list[nn.Module], Any]:
+        """At the start of each call of a graph, before its first node: note where its log entries begin; the
+        two logs, the modules the graph calls, and ``torch._C._autograd`` (a local there: its
+        ``_get_sequence_nr`` is then one attribute away)."""
         self._first_of_call = True
-        self._calls.append((len(self._stamps), len(self._sequence_nrs)))
-        return self._stamps, self._sequence_nrs, self._called, torch._C._autograd
+        self._calls.append((len(self._stamps), len(self._sequence_nrs), log))
+        return self._stamps, self._sequence_nrs, log.called, torch._C._autograd
 
     def _inputs(self, *args: Any) -> None:
         if self.forward_inputs is None:
@@ -525,22 +531,26 @@ class NodeTimer:
             sequence_nrs.append(_get_sequence_nr())   # with backward timing
 
         (the two lists are those ``_begin_call`` returns at the start of the call), and ``_fold`` makes samples of them.
+        A node marked ``joins_previous`` (``JOINS``) is timed together with the timed node before it: one row, one
+        pair of clock reads around both (the ops of one ``torch.nn`` layer in a Dynamo graph). A row is shared by
+        every graph that has a node of its name.
         """
         graph = fx.Graph()
         copies: dict[fx.Node, fx.Node] = {}
-        first_build = not self.nodes
+        timed = [n for n in traced.graph.nodes if is_timed(n) and not _own_state_of_root(traced, n)]
+        closes = {a for a, b in itertools.pairwise(timed) if not b.meta.get(JOINS)} | set(timed[-1:])
+        log = _GraphLog(self)
         index = -1
         graph.set_codegen(copy.deepcopy(traced.graph._codegen))  # keep how inputs are passed (e.g. pytree codegen)
         placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
         logs: Any = None  # (stamps, sequence_nrs, modules, autograd) of the running call
-        called: list[nn.Module] = []  # the modules the graph calls, in order (``_callee``)
         sequence_nr: Any = None  # hooked: the sequence number after the last timed node, if there was one
         lean = not hooked
         for node in traced.graph.nodes:
             if node.op == "output" and index >= 0 and self._trace_ranges and lean:
                 graph.call_function(self._anchor)
             if node.op != "placeholder" and logs is None:
-                logs = graph.call_function(self._begin_call)
+                logs = graph.call_function(log.begin)
                 stamps, sequence_nrs, modules, autograd = (graph.call_function(operator.getitem, (logs, i)) for i in range(4))
             if node.op != "placeholder" and placeholders and all(n in copies for n in placeholders):
                 graph.call_function(self._inputs, tuple(copies[n] for n in placeholders))  # once all inputs exist
@@ -551,40 +561,72 @@ class NodeTimer:
             if not is_timed(node):
                 copies[node] = graph.node_copy(node, copies.__getitem__)
                 continue
-            index += 1
-            if first_build:
-                self.nodes.append(node_info(node))
-                for samples in (self._fwd, self._starts, self.mem_delta, self.mem_peak):
-                    samples.append([])
-            if index == 0 and self._trace_ranges and lean:
+            opens = index < 0 or not node.meta.get(JOINS)
+            if opens:
+                index += 1
+                row = self._row(node)
+                log.add(row)
+            if index == 0 and opens and self._trace_ranges and lean:
                 graph.call_function(self._anchor)
-            callee = _callee(graph, node, traced, modules, called)
-            if annotate:
-                annotation = graph.call_function(enter_range, (node.name,))
+            callee = _callee(graph, node, traced, modules, log.called)
+            if annotate and opens:
+                annotation = graph.call_function(enter_range, (self.nodes[row].name,))
             if lean:
-                if index == 0 and self._backward:
+                if index == 0 and opens and self._backward:
                     graph.call_method("append", (sequence_nrs, graph.call_method("_get_sequence_nr", (autograd,))))
-                graph.call_method("append", (stamps, graph.call_function(time.perf_counter_ns)))
+                if opens:
+                    graph.call_method("append", (stamps, graph.call_function(time.perf_counter_ns)))
                 copies[node] = _copy_node(graph, node, copies, callee)
-                graph.call_method("append", (stamps, graph.call_function(time.perf_counter_ns)))
-                if self._backward:
-                    graph.call_method("append", (sequence_nrs, graph.call_method("_get_sequence_nr", (autograd,))))
+                if node in closes:
+                    graph.call_method("append", (stamps, graph.call_function(time.perf_counter_ns)))
+                    if self._backward:
+                        graph.call_method("append", (sequence_nrs, graph.call_method("_get_sequence_nr", (autograd,))))
             else:
-                if self._cuda:
-                    allocated = graph.call_function(_cuda_allocated_and_reset_peak)
-                if sequence_nr is None:
-                    sequence_nr = graph.call_function(sequence_nr_now) if self._backward else -1
-                start = graph.call_function(self._clock.start)
+                if opens:
+                    if self._cuda:
+                        allocated = graph.call_function(_cuda_allocated_and_reset_peak)
+                    if sequence_nr is None:
+                        sequence_nr = graph.call_function(sequence_nr_now) if self._backward else -1
+                    start = graph.call_function(self._clock.start)
                 copies[node] = copied = _copy_node(graph, node, copies, callee)
-                sequence_nr = graph.call_function(self._hooked_record, (index, start, sequence_nr, copied))
-                if self._cuda:
-                    graph.call_function(self._record_cuda_memory, (index, allocated))
-            if annotate:
+                if node in closes:
+                    sequence_nr = graph.call_function(self._hooked_record, (row, start, sequence_nr, copied))
+                    if self._cuda:
+                        graph.call_function(self._record_cuda_memory, (row, allocated))
+            if annotate and node in closes:
                 graph.call_function(exit_range, (annotation,))
-        if first_build:
-            self.reset()
-        self._called = called  # both graphs (hooked or not) call the same modules in the same order
         return fx.GraphModule(traced, graph, class_name=f"{type(traced).__name__}Timed")
+
+    def _row(self, node: fx.Node) -> int:
+        """The index in ``nodes`` of the row a node's times go to: an existing row of its name, or a new one."""
+        info = node.meta.get(ROW) or node_info(node)
+        row = self._rows.get(info.name)
+        if row is None:
+            row = self._rows[info.name] = len(self.nodes)
+            self.nodes.append(info)
+            for samples in (self._fwd, self._starts, self.mem_delta, self.mem_peak, self.bwd, self._spans):
+                samples.append([])
+        return row
+
+
+class _GraphLog:
+    """What the generated code of one instrumented graph logs into: its rows (in the order its timed spans run),
+    their sample lists, and the modules it calls."""
+
+    def __init__(self, timer: NodeTimer) -> None:
+        self.timer = timer
+        self.rows: list[int] = []
+        self.fwd: list[list[Any]] = []
+        self.starts: list[list[int]] = []
+        self.called: list[nn.Module] = []  # the modules the graph calls, in order (``_callee``)
+
+    def add(self, row: int) -> None:
+        self.rows.append(row)
+        self.fwd.append(self.timer._fwd[row])
+        self.starts.append(self.timer._starts[row])
+
+    def begin(self) -> tuple[list[int], list[int], list[nn.Module], Any]:
+        return self.timer._begin_call(self)
 
 
 def _own_state_of_root(traced: fx.GraphModule, node: fx.Node) -> bool:
