@@ -37,7 +37,7 @@ __all__ = ["FXProfilerCallback", "LoggerSink"]
 # Read and set on the callback, held by its engine.
 ENGINE_SETTINGS = frozenset({"schedule", "torch_profiler", "fx_timing", "profiler_kwargs", "top_k", "use_gzip", "keep_cycles",
                              "profile_validation", "module_depth", "backward_timing", "node_ranges", "ranks", "peaks",
-                             "pictures", "verbose"})
+                             "pictures", "verbose", "capture"})
 
 
 class FXProfilerCallback(Callback):
@@ -57,7 +57,7 @@ class FXProfilerCallback(Callback):
             ``val_cycle_NNNN`` directories, ``fxprof_val/...`` tags and ``val_cycles`` reports.
         skip_first, wait, warmup, active, repeat, torch_profiler, fx_timing, profiler_kwargs, top_k,
             use_gzip, keep_cycles, module_depth, backward_timing, node_ranges, ranks, peaks, pictures,
-            verbose: as for
+            verbose, capture: as for
             ``Profiler`` (see the README's table of options).
 
     Example:
@@ -91,6 +91,7 @@ class FXProfilerCallback(Callback):
         peaks: Peaks | None = None,
         pictures: bool = True,
         verbose: bool = False,
+        capture: str = "dynamo",
     ) -> None:
         if module is not None and (not isinstance(module, str) or not module):
             raise ValueError(f"module must be a dotted attribute path such as 'model.backbone' or None, got {module!r}")
@@ -101,7 +102,7 @@ class FXProfilerCallback(Callback):
             torch_profiler=torch_profiler, fx_timing=fx_timing, profiler_kwargs=profiler_kwargs, dirpath=dirpath,
             top_k=top_k, use_gzip=use_gzip, keep_cycles=keep_cycles, profile_validation=profile_validation,
             module_depth=module_depth, backward_timing=backward_timing, node_ranges=node_ranges, ranks=ranks, peaks=peaks,
-            pictures=pictures, verbose=verbose, sinks=[],
+            pictures=pictures, verbose=verbose, sinks=[], capture=capture,
         )
         self.profiler.name = type(self).__name__
         self._pl_module: pl.LightningModule | None = None

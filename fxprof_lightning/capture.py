@@ -43,7 +43,10 @@ class Capture:
         error: why tracing the whole module failed ('' when it did not).
         guards: guard nodes of a graph traced on an example (0 for the other methods).
         fused: ``compiled``: the rows whose kernels were fused across modules, with those kernels.
-        graph_breaks: ``compiled``: Dynamo's graph breaks, by reason, with their counts.
+        graph_breaks: ``compiled`` and ``dynamo``: Dynamo's graph breaks, by reason, with their counts.
+        graphs: ``dynamo``: the graphs captured so far (one per graph break and per recapture).
+        recaptures: ``dynamo``: why each capture after the first was made (the guard that failed).
+        capture_s: ``dynamo``: seconds of each capture (Dynamo, the check against eager, the call).
     """
 
     method: str
@@ -53,6 +56,9 @@ class Capture:
     guards: int = 0
     fused: dict[str, list[str]] = field(default_factory=dict)
     graph_breaks: dict[str, int] = field(default_factory=dict)
+    graphs: int = 0
+    recaptures: list[str] = field(default_factory=list)
+    capture_s: list[float] = field(default_factory=list)
 
     @property
     def on_example(self) -> bool:
@@ -68,6 +74,13 @@ class Capture:
             text += (f" (torch.fx failed on the module's own forward: {self.error}; traced on a recorded call "
                      f"instead, with {self.guards} guard(s) that send a call the graph does not fit to the "
                      "module's own forward)")
+        if self.method == "dynamo":
+            text += f" ({self.error}; {self.graphs} graph(s)"
+            if self.graph_breaks:
+                text += "; graph breaks: " + "; ".join(f"{reason.splitlines()[0]} (x{n})" for reason, n in self.graph_breaks.items())
+            if self.recaptures:
+                text += "; captured again: " + "; ".join(self.recaptures)
+            text += ")"
         if self.method == "module_hooks":
             text += f" (torch.fx failed on the module's own forward: {self.error})"
         if self.method == "compiled":

@@ -18,6 +18,7 @@ Trainer hooks onto ``begin_run``/``prepare``/``begin_step``/``end_step``/``end_s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import shutil
@@ -36,6 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from fxprof_lightning.advice import advise
 from fxprof_lightning.capture import Capture, capture
 from fxprof_lightning.compiled import MECHANISM, CompiledKernels, KernelTimer, is_compiled
+from fxprof_lightning.dynamo_capture import DYNAMO, DynamoTimer, is_sharded
 from fxprof_lightning.flops import NodeCosts, count_costs, input_signature
 from fxprof_lightning.module_hooks import ModuleHookTimer
 from fxprof_lightning.node_timing import BackwardEvents, NodeTimer
@@ -60,6 +62,7 @@ __all__ = ["DEFAULT_DIRPATH", "Profiler", "cycle_name"]
 RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 DEFAULT_DIRPATH = "fxprof"  # relative to the working directory, as torch.utils.tensorboard's "runs"
 STAGES = {"train": "cycle_", "val": "val_cycle_"}  # stage -> directory prefix
+CAPTURES = ("dynamo", "fx")
 HISTORY = 20  # recent cycles kept per stage for regressions and advice (find_regressions uses the last 5)
 
 
@@ -133,6 +136,10 @@ class Profiler:
         pictures: draw the slowest layers, the module tree and the trend (needs matplotlib).
         verbose: the console sink prints every cycle's full tables, not one line.
         sinks: where cycle reports go (default ``[CsvSink(), PictureSink(), ConsoleSink()]``); see ``sinks``.
+        capture: how the module's forward becomes a timed graph: ``"dynamo"`` (the default: Dynamo captures it,
+            each capture verified against eager forward and backward, recaptured when a guard fails;
+            ``dynamo_capture``) or ``"fx"`` (the torch.fx capture ladder, ``capture``; FSDP2-sharded models
+            always use it).
 
     Example:
         >>> with Profiler(model, wait=5, warmup=1, active=3, repeat=2) as prof:
@@ -170,6 +177,7 @@ class Profiler:
         pictures: bool = True,
         verbose: bool = False,
         sinks: Sequence[Sink] | None = None,
+        capture: str = "dynamo",
     ) -> None:
         self.schedule = Schedule(skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat)
         if not torch_profiler and not fx_timing:
@@ -183,6 +191,9 @@ class Profiler:
         if ranks is not None and (isinstance(ranks, str | bytes) or not isinstance(ranks, Sequence)
                                   or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)):
             raise ValueError(f"ranks must be a list of global ranks (ints >= 0) or None (all ranks), got {ranks!r}")
+        if capture not in CAPTURES:
+            raise ValueError(f"capture must be one of {', '.join(map(repr, CAPTURES))}, got {capture!r}")
+        self.capture = capture
         self.module = module
         self.torch_profiler = torch_profiler
         self.fx_timing = fx_timing
@@ -569,7 +580,7 @@ class Profiler:
             return
         report = CycleReport(index=cycle.index, steps=cycle.recorded, directory=cycle.directory,
                              partial=cycle.recorded != self.schedule.recorded_steps(cycle.index),
-                             ranks=max(ranks, 1), stage=stage.name, nodes=nodes or [], capture=cycle.capture,
+                             ranks=max(ranks, 1), stage=stage.name, nodes=nodes or [], capture=_capture_now(cycle),
                              trace_paths=list(cycle.trace.paths) if cycle.trace is not None else [],
                              step_ms=cycle.step_ms, step_cpu_ms=cycle.step_cpu_ms)
         report.ranges = summarize_ranges(ranges, len(cycle.recorded))
@@ -699,25 +710,31 @@ class Profiler:
             entry = self._timers[training] = self._capture(module)
         elif _stopped_fitting(entry[0]):
             graph_capture = entry[1]
-            how = Capture("module_hooks", None, {}, f"{graph_capture.error}; the graph traced on a recorded call "
-                                                    f"stopped fitting the calls: {entry[0].mismatch}")
-            entry = self._timers[training] = (self._hook_timer(module), how)
+            if isinstance(entry[0], DynamoTimer):
+                error = f"the graph Dynamo captured was refused: {entry[0].mismatch}"
+            else:
+                error = f"{graph_capture.error}; the graph traced on a recorded call stopped fitting the calls: {entry[0].mismatch}"
+            entry = self._timers[training] = (self._hook_timer(module), Capture("module_hooks", None, {}, error))
         return entry
 
     def _capture(self, module: nn.Module) -> tuple[NodeTimer | ModuleHookTimer | KernelTimer, Capture]:
         training = module.training
         if self._compiled is not None:
             return KernelTimer(self._compiled), Capture("compiled", error=MECHANISM)
+        device = next(module.parameters(), torch.empty(0)).device.type
+        # On CPU the node ranges are written into the trace after it is exported (``add_node_ranges``), from
+        # the node timestamps; on CUDA (device clocks) each node opens a record_function range as it runs.
+        ranges = {"annotate": self._ranges and device == "cuda", "trace_ranges": self._ranges and device != "cuda"}
+        if self.capture == "dynamo" and not any(is_sharded(m) for m in module.modules()):
+            timer = DynamoTimer(training, backward=self.backward_timing, device=device,
+                                on_refused=functools.partial(self._warn_refused, module, training), **ranges)
+            return timer, Capture("dynamo", error=DYNAMO)
         example = self._examples.pop(training, None)
         how = capture(module, example)
         if how.graph_module is None and example is None:  # no warning yet: the recorded call may do better
             if training not in self._observers:
                 self._observers[training] = observe_first_call(module, training, functools.partial(self._observed, training))
             return self._hook_timer(module), how
-        device = next(module.parameters(), torch.empty(0)).device.type
-        # On CPU the node ranges are written into the trace after it is exported (``add_node_ranges``), from
-        # the node timestamps; on CUDA (device clocks) each node opens a record_function range as it runs.
-        ranges = {"annotate": self._ranges and device == "cuda", "trace_ranges": self._ranges and device != "cuda"}
         if how.on_example:
             timer = GuardedNodeTimer(how.graph_module, backward=self.backward_timing, device=device,
                                      on_mismatch=functools.partial(self._warn_mismatch, module, training), **ranges)
@@ -755,6 +772,15 @@ class Profiler:
             f"a call of {type(module).__name__} does not fit the graph traced on its first {mode} call ({reason}). "
             f"That call ran the module's own forward, so training is unchanged; {mode} steps are timed by module "
             "hooks from now on (a cycle that had already recorded steps with the graph reports no node times)."
+        )
+
+    def _warn_refused(self, module: nn.Module, training: bool, reason: str) -> None:
+        mode = "training" if training else "evaluation"
+        self.warn(
+            f"the graph Dynamo captured of {type(module).__name__} ({mode} mode) is not the program eager runs: "
+            f"{reason}. That call and every later one run the module's own forward, so training is unchanged; "
+            f"{mode} steps are timed by module hooks from now on (a cycle that had already recorded steps with the "
+            "graph reports no node times)."
         )
 
     # ------------------------------------------------------------ failures
@@ -841,6 +867,18 @@ def graph_breaks() -> dict[str, int]:
     return dict(counters["graph_break"])
 
 
+def _capture_now(cycle: _OpenCycle) -> Capture | None:
+    """The report's own copy of how the cycle's module was captured, with what the timer learnt meanwhile."""
+    timer, how = cycle.timer, cycle.capture
+    if how is None:
+        return None
+    if isinstance(timer, DynamoTimer):
+        return dataclasses.replace(how, graphs=len(timer.graphs), recaptures=list(timer.recaptures),
+                                   capture_s=list(timer.capture_s), graph_breaks=timer.graph_breaks())
+    return dataclasses.replace(how)
+
+
 def _stopped_fitting(timer: Any) -> bool:
-    """Whether a timer's graph, traced on a recorded call, stopped fitting the calls (and times nothing)."""
-    return isinstance(timer, GuardedNodeTimer) and timer.mismatch is not None
+    """Whether a timer's graph (traced on a recorded call, or captured by Dynamo) stopped fitting the calls, or
+    was refused, and times nothing."""
+    return isinstance(timer, GuardedNodeTimer | DynamoTimer) and timer.mismatch is not None

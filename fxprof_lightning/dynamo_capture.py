@@ -1,0 +1,408 @@
+"""The sound capture: Dynamo (``torch._dynamo``, the frontend of ``torch.compile``) captures the module's forward,
+a backend of ours times each captured graph node by node and runs it eagerly (no Inductor).
+
+Why Dynamo: it captures the program eager runs. It guards on what the traced code read (every submodule's
+``training`` flag, attributes, module identity, hooks, input types and shapes, grad mode, autocast), keeps buffer
+mutations (batch-norm statistics) in the graph, answers ``isinstance``/``torch.is_tensor`` truthfully (fake
+tensors), keeps ``torch.utils.checkpoint`` as a higher-order op, inlines ``torch.nn`` modules (composite ones
+too: ``TransformerEncoderLayer`` is opened), and breaks the graph where it cannot go on instead of failing.
+
+``DynamoTimer`` (a ``NodeTimer`` over every graph Dynamo hands it) adds what Dynamo does not promise:
+
+* **Verified before trusted**, forward and backward. The call that captures runs the module's own forward and
+  then the captured graphs on the same input and state (buffers and random states put back in between and
+  after), each followed by ``torch.autograd.grad`` with the same cotangents; outputs, gradients of the
+  parameters and inputs, buffers after the call, random states, and the number and bytes of tensors saved for
+  backward must be bitwise equal. Any difference refuses the graphs (``mismatch`` names the first differing
+  tensor) and that call, like every later one, runs the module's own forward. ``.grad`` is never touched.
+* **Never stale.** Timed calls run with Dynamo's ``eager_on_recompile`` stance: a call whose state fails a
+  guard runs the module's own code eagerly (untimed) rather than a graph of another state, and the next call
+  captures again (and verifies) with the reason Dynamo gives (``recaptures``).
+* Its own cache (``isolate_recompiles``): the user's ``torch.compile`` of the same code is untouched.
+
+Rows: the ops of one call of a ``torch.nn`` layer without children (``Linear``, ``Conv2d``, ``BatchNorm2d`` with
+its ``num_batches_tracked`` update, ``Dropout``...) are one row named as ``torch.fx`` names a module call
+(``layer1_0_conv1``, ``layer1_0_relu_1`` for its second call); every other op is a row of its own, named after the
+function Dynamo saw and the module that called it (``layer1_0_iadd``, ``self_attn_multi_head_attention_forward``).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from fxprof_lightning.node_timing import JOINS, ROW, NodeInfo, NodeTimer, describe_target, mark_untimed
+
+__all__ = ["DYNAMO", "DynamoTimer", "annotate_rows", "is_sharded"]
+
+DYNAMO = ("captured by Dynamo (torch._dynamo, run eagerly by a backend that times each op; no Inductor), verified "
+          "against eager forward and backward before use, captured again when a guard fails")
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether FSDP2's ``fully_shard`` was applied to ``module`` (those models keep the torch.fx capture)."""
+    return any(cls.__name__ == "FSDPModule" and cls.__module__.startswith("torch.distributed") for cls in type(module).__mro__)
+
+
+def annotate_rows(graph_module: fx.GraphModule, names: dict[int, tuple[str, nn.Module]]) -> None:
+    """Give every node of a Dynamo graph its row (``ROW``) and join the ops of one layer call (``JOINS``).
+
+    ``names`` maps ``id(module)`` to its qualified name and the module (``nn_module_stack`` keys are
+    ``str(id(module))``, with ``@N`` for its N-th extra call in the graph).
+    """
+    taken: dict[str, int] = {}
+    previous_layer: str | None = None
+    for node in graph_module.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        if not _makes_tensors(node):  # sizes and other Python values: bookkeeping, no row
+            mark_untimed(node)
+            continue
+        stack = []
+        for key, (source, _cls) in (node.meta.get("nn_module_stack") or {}).items():
+            ident, _, call = str(key).partition("@")
+            path = names[int(ident)][0] if ident.isdigit() and int(ident) in names else _path_of(source)
+            stack.append((path, call, int(ident) if ident.isdigit() else None, str(key)))
+        path, call, ident, key = stack[-1] if stack else ("", "", None, "")
+        module = names[ident][1] if ident in names else None
+        module_stack = tuple(p + (f"@{c}" if c else "") for p, c, _, _ in stack if p)
+        if module is not None and path and _is_layer(module):
+            name = path.replace(".", "_") + (f"_{call}" if call else "")
+            node.meta[ROW] = NodeInfo(name, "call_module", path, path, module_stack)
+            if previous_layer == key:
+                node.meta[JOINS] = True
+            previous_layer = key
+            continue
+        previous_layer = None
+        functions = node.meta.get("source_fn_stack") or []
+        function = functions[-1][0] if functions else node.name
+        function = re.sub(r"_\d+$", "", str(function))
+        base = f"{path.replace('.', '_')}_{function}" if path else function
+        count = taken.get(base, 0)
+        taken[base] = count + 1
+        name = base if count == 0 else f"{base}_{count}"
+        node.meta[ROW] = NodeInfo(name, node.op, describe_target(node), path, module_stack)
+
+
+def _makes_tensors(node: fx.Node) -> bool:
+    value = node.meta.get("example_value")
+    return value is None or any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(value))
+
+
+def _is_layer(module: nn.Module) -> bool:
+    """A ``torch.nn`` module with no children: its ops are one row, as ``torch.fx`` times such a module."""
+    return type(module).__module__.startswith("torch.nn.") and next(module.children(), None) is None
+
+
+def _path_of(source: str) -> str:
+    """``"L['self'].layer1[0].conv1"`` (Dynamo's name of a module) as ``"layer1.0.conv1"``."""
+    path = re.sub(r"^L\['(self|fn)'\](\.__self__)?", "", source)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']+)'\]", r".\1", path)
+    return re.sub(r"\._modules\.", ".", path).strip(".")
+
+
+@dataclass
+class _Graph:
+    """One graph Dynamo captured: as captured, and instrumented (events) and hooked (CUDA, or another profiler)."""
+
+    captured: fx.GraphModule
+    lean: fx.GraphModule
+    hooked: fx.GraphModule | None = None
+
+
+class DynamoTimer(NodeTimer):
+    """Times the graphs Dynamo captures of a module's forward; see the module docstring.
+
+    Args:
+        training: the train/eval mode it times (a call in the other mode runs the module's own forward).
+        on_refused: called once, with the reason, when a capture is refused.
+        The rest as ``NodeTimer``.
+
+    Attributes:
+        mismatch: why the captured graphs were refused (None while they are trusted).
+        recaptures: why each capture after the first was made (Dynamo's guard failure, or what changed).
+        capture_s: seconds spent in each capture call (capture, verification, and the call itself).
+    """
+
+    def __init__(self, training: bool, *, backward: bool = True, device: str = "cpu", annotate: bool = False,
+                 trace_ranges: bool = False, on_refused: Callable[[str], None] | None = None) -> None:
+        super().__init__(None, annotate=annotate, backward=backward, device=device, trace_ranges=trace_ranges)
+        self.training = training
+        self.graphs: list[_Graph] = []
+        self.mismatch: str | None = None
+        self.recaptures: list[str] = []
+        self.capture_s: list[float] = []
+        self._on_refused = on_refused
+        self._pending: str | None = "first call"  # capture (and verify) at the next call, for this reason
+        self._expected = 0  # graph calls in one forward call, as verified
+        self._hooks_now = False
+        self._names: dict[int, tuple[str, nn.Module]] = {}
+        self._guard_failures: list[str] = []
+        self._graph_breaks: dict[str, int] = {}
+        self._context = torch._dynamo.optimize(self._backend, isolate_recompiles=True,
+                                               guard_fail_fn=lambda failure: self._guard_failures.append(failure.reason))
+
+    def _backend(self, captured: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        annotate_rows(captured, self._names)
+        graph = _Graph(captured, self._instrument(captured, self._annotate, hooked=self._cuda))
+        self.graphs.append(graph)
+
+        def run(*args: Any) -> Any:
+            if self._hooks_now and not self._cuda:
+                if graph.hooked is None:
+                    graph.hooked = self._instrument(captured, self._annotate, hooked=True)
+                return graph.hooked.forward(*args)
+            return graph.lean.forward(*args)
+
+        return run
+
+    def install(self, module: nn.Module, backward_hooks: bool = False) -> None:
+        """Make ``module(...)`` run the captured graphs until ``uninstall``; see the module docstring."""
+        if id(module) in self._saved_forward:
+            return
+        self._hooks_now = backward_hooks
+        self._saved_forward[id(module)] = module.__dict__.get("forward")
+        self._root = module
+        own_forward = module.forward
+        compiled = self._context(own_forward)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if module.training is not self.training or self.mismatch is not None:
+                return own_forward(*args, **kwargs)
+            if self._pending is not None:
+                return self._capture_call(module, own_forward, compiled, args, kwargs)
+            before = self.calls
+            with torch.compiler.set_stance("eager_on_recompile"):
+                out = compiled(*args, **kwargs)
+            if self.calls - before != self._expected:  # a guard failed: that code ran eagerly, untimed
+                self._pending = "a guard failed"
+            return out
+
+        module.forward = forward
+
+    def _capture_call(self, module: nn.Module, own_forward: Callable[..., Any], compiled: Callable[..., Any],
+                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Capture (Dynamo compiles where its guards fail), verify against eager, then make the call itself."""
+        started = time.perf_counter()
+        reason, self._pending = self._pending, None
+        self._names = {id(m): (name, m) for name, m in module.named_modules(remove_duplicate=False)}
+        self._guard_failures.clear()
+        mark = self._log_mark()
+        breaks = dict(_graph_break_counter())
+        state = _State(module)
+        graph_calls = 0
+        try:
+            eager = _run(own_forward, module, args, kwargs)
+            state.restore()
+            before = self.calls
+            captured = _run(compiled, module, args, kwargs)
+            graph_calls = self.calls - before
+            state.restore()
+            difference = first_difference(eager, captured)
+            if difference is None and graph_calls == 0:
+                difference = "Dynamo captured no graph of the forward (it ran the module's code eagerly)"
+        except Exception as error:  # Dynamo or the graph failed: refuse, the call runs eagerly
+            state.restore()
+            difference = f"capturing with Dynamo failed: {type(error).__name__}: {error}"
+        self._truncate(mark)
+        for why, count in _graph_break_counter().items():
+            if count > breaks.get(why, 0):
+                self._graph_breaks[why] = self._graph_breaks.get(why, 0) + count - breaks.get(why, 0)
+        if self._guard_failures and reason != "first call":  # Dynamo's first line says what changed
+            reason = f"{reason}: {'; '.join(dict.fromkeys(f.splitlines()[0] for f in self._guard_failures))}"
+        if reason != "first call":
+            self.recaptures.append(reason)
+        if difference is not None:
+            self.capture_s.append(time.perf_counter() - started)
+            self._refuse(difference)
+            return own_forward(*args, **kwargs)
+        self._expected = graph_calls
+        with torch.compiler.set_stance("eager_on_recompile"):
+            out = compiled(*args, **kwargs)
+        self.capture_s.append(time.perf_counter() - started)
+        return out
+
+    def graph_breaks(self) -> dict[str, int]:
+        """Dynamo's graph breaks in this timer's captures, by reason (each code path is broken once per capture)."""
+        return dict(self._graph_breaks)
+
+    def _refuse(self, reason: str) -> None:
+        self.mismatch = reason
+        if self._on_refused is not None:
+            self._on_refused(reason)
+
+    def _log_mark(self) -> tuple[Any, ...]:
+        """Where every log of samples ends now (``_truncate`` drops what a capture's checking calls added)."""
+        per_row = [(len(a), len(b), len(c), len(d), len(e)) for a, b, c, d, e in
+                   zip(self._fwd, self._starts, self._spans, self.mem_delta, self.mem_peak, strict=True)]
+        return (len(self._stamps), len(self._sequence_nrs), len(self._calls), len(self.anchors), len(self._marks),
+                per_row, self.forward_inputs)
+
+    def _truncate(self, mark: tuple[Any, ...]) -> None:
+        stamps, sequence_nrs, calls, anchors, marks, per_row, inputs = mark
+        del self._stamps[stamps:], self._sequence_nrs[sequence_nrs:], self._calls[calls:]
+        del self.anchors[anchors:], self._marks[marks:]
+        for row, lists in enumerate(zip(self._fwd, self._starts, self._spans, self.mem_delta, self.mem_peak, strict=True)):
+            lengths = per_row[row] if row < len(per_row) else (0,) * 5
+            for values, length in zip(lists, lengths, strict=True):
+                del values[length:]
+        self.forward_inputs = inputs
+        self._in_pass = False
+
+
+def _graph_break_counter() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return counters["graph_break"]
+
+
+# ---------------------------------------------------------------- verification
+
+
+@dataclass
+class CallResult:
+    """What one call did: its output tensors, the gradients, the buffers after it, random states, saved tensors."""
+
+    outputs: list[torch.Tensor]
+    gradients: list[tuple[str, torch.Tensor | None]]
+    buffers: list[tuple[str, torch.Tensor]]
+    random_states: dict[str, Any]
+    saved: int
+    saved_bytes: int
+
+
+def _run(forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallResult:
+    """Call ``forward`` and, in grad mode, ``torch.autograd.grad`` of its outputs with fixed cotangents (``.grad``
+    untouched); note what a comparison needs."""
+    sizes: list[int] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        sizes.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = forward(*args, **kwargs)
+    outputs = _tensors(out)
+    gradients: list[tuple[str, torch.Tensor | None]] = []
+    if torch.is_grad_enabled():
+        ys = [t for t in outputs if t.requires_grad]
+        named = [(f"gradient of {name}", p) for name, p in module.named_parameters() if p.requires_grad]
+        named += [(f"gradient of input tensor {i}", t) for i, t in enumerate(_tensors((args, kwargs))) if t.requires_grad]
+        if ys and named:
+            generator = torch.Generator().manual_seed(0)  # its own: the global random state is not drawn from
+            cotangents = [torch.randn(y.shape, generator=generator).to(y.device, y.dtype) for y in ys]
+            grads = torch.autograd.grad(ys, [t for _, t in named], cotangents, allow_unused=True)
+            gradients = [(name, g) for (name, _), g in zip(named, grads, strict=True)]
+    buffers = [(name, b.detach().clone()) for name, b in module.named_buffers()]
+    return CallResult([t.detach() for t in outputs], gradients, buffers, _random_states(), len(sizes), sum(sizes))
+
+
+def first_difference(eager: CallResult, captured: CallResult) -> str | None:
+    """The first way the captured call differs from eager (None: bitwise the same)."""
+    if len(eager.outputs) != len(captured.outputs):
+        return f"the captured graph returns {len(captured.outputs)} tensor(s), the module {len(eager.outputs)}"
+    for i, (a, b) in enumerate(zip(eager.outputs, captured.outputs, strict=True)):
+        if not _bitwise_equal(a, b):
+            return f"output tensor {i} differs from eager"
+    for (name, a), (_, b) in zip(eager.gradients, captured.gradients, strict=True):
+        if not _bitwise_equal(a, b):
+            return f"{name} differs from eager"
+    if len(eager.gradients) != len(captured.gradients):
+        return "the gradients differ in number"
+    for (name, a), (_, b) in zip(eager.buffers, captured.buffers, strict=True):
+        if not _bitwise_equal(a, b):
+            return f"buffer {name} after the call differs from eager"
+    for name, state in eager.random_states.items():
+        if not _same_state(state, captured.random_states.get(name)):
+            return f"the {name} random state after the call differs from eager (random numbers drawn differently)"
+    if (eager.saved, eager.saved_bytes) != (captured.saved, captured.saved_bytes):
+        return (f"tensors saved for backward: {captured.saved} ({captured.saved_bytes / 1e6:.2f} MB) against "
+                f"{eager.saved} ({eager.saved_bytes / 1e6:.2f} MB) in eager (activation checkpointing not kept?)")
+    return None
+
+
+def _bitwise_equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if a.is_sparse or b.is_sparse:
+        a, b = a.to_dense(), b.to_dense()
+    a, b = a.contiguous(), b.contiguous()
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.numel() else True
+    return torch.equal(a, b)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in an output or the arguments: pytree leaves (HF registers its outputs and caches), objects'
+    attributes one level down (other objects)."""
+    found = []
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif hasattr(leaf, "__dict__") and not isinstance(leaf, nn.Module | type):
+            found += [v for v in pytree.tree_leaves(list(vars(leaf).values())) if isinstance(v, torch.Tensor)]
+    return found
+
+
+# ---------------------------------------------------------------- state put back between the checking calls
+
+
+def _random_states() -> dict[str, Any]:
+    states: dict[str, Any] = {"torch CPU": torch.get_rng_state(), "Python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["CUDA"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy
+
+        states["NumPy"] = numpy.random.get_state()
+    except ImportError:
+        pass
+    return states
+
+
+def _set_random_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch CPU"])
+    random.setstate(states["Python"])
+    if "CUDA" in states:
+        torch.cuda.set_rng_state_all(states["CUDA"])
+    if "NumPy" in states:
+        import numpy
+
+        numpy.random.set_state(states["NumPy"])
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, list | tuple):
+        return isinstance(b, list | tuple) and len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b, strict=True))
+    if type(a).__name__ == "ndarray":
+        return type(b).__name__ == "ndarray" and a.shape == b.shape and bool((a == b).all())
+    return a == b
+
+
+class _State:
+    """The module's buffers (the tensors and their values) and the random states, to put back after a checking call."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.buffers = [(owner, name, tensor, tensor.detach().clone()) for owner in module.modules()
+                        for name, tensor in owner._buffers.items() if tensor is not None]
+        self.random_states = _random_states()
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for owner, name, tensor, value in self.buffers:
+                owner._buffers[name] = tensor
+                tensor.copy_(value)
+        _set_random_states(self.random_states)
