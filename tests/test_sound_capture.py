@@ -1,0 +1,334 @@
+"""The timed program is the program eager runs (issue 18): Dynamo's capture, verified against eager forward and
+backward, captured again when the module changes mid-run, refused when it differs.
+
+Every test trains the same model twice through a real Trainer (or the plain-loop ``Profiler``), once with the
+profiler and once without, applies the same mid-run change to both, and asserts that every weight and buffer
+ends bitwise equal; then that the change was seen (a recapture, or a refusal) and what the user gets.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.utils.checkpoint
+from conftest import image_loader, make_trainer
+from lightning.pytorch.callbacks import BackboneFinetuning, Callback
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Dataset
+
+from fxprof_lightning import FXProfilerCallback, Profiler
+
+# Cycles over steps 1-3, 5-7, 9-11: warm-up 1, recorded 2 (a change at step 6 lands in a recorded step).
+CYCLES = {"skip_first": 0, "wait": 1, "warmup": 1, "active": 2, "repeat": 0}
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(width, width, 3, padding=1)
+        self.bn = nn.BatchNorm2d(width)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(F.relu(self.bn(self.conv(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 8, classes: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.blocks = nn.ModuleList([Block(width), Block(width)])
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(dim=(2, 3)))
+
+
+class Lit(pl.LightningModule):
+    def __init__(self, model: nn.Module | None = None) -> None:
+        super().__init__()
+        self.model = model if model is not None else Net()
+
+    def forward(self, x):
+        return self.model(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class At(Callback):
+    """Applies ``change(trainer, pl_module)`` before the training step of ``step``, in both runs alike."""
+
+    def __init__(self, step: int, change) -> None:
+        self.step, self.change = step, change
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            self.change(trainer, pl_module)
+
+
+def train_both(tmp_path, make_lit, changes=list, steps=10, loader_fn=image_loader, trainer_kwargs=None, **kwargs):
+    """(profiled LightningModule, callback), after checking every weight and buffer is bitwise the same as
+    without the profiler."""
+    trainer_kwargs = trainer_kwargs or {}
+    pl.seed_everything(3, verbose=False)
+    plain = make_lit()
+    make_trainer(tmp_path / "plain", [*changes()], max_steps=steps, **trainer_kwargs).fit(plain, loader_fn())
+    pl.seed_everything(3, verbose=False)
+    profiled = make_lit()
+    callback = FXProfilerCallback(**{**CYCLES, "module": "model", **kwargs})
+    make_trainer(tmp_path / "profiled", [callback, *changes()], max_steps=steps, **trainer_kwargs).fit(profiled, loader_fn())
+    reference = plain.state_dict()
+    assert reference.keys() == profiled.state_dict().keys()
+    different = [k for k, t in profiled.state_dict().items() if not _bitwise(t, reference[k])]
+    assert not different, f"training was changed: {different}"
+    return profiled, callback
+
+
+def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def names(cycle) -> set[str]:
+    return {n.name for n in cycle.nodes}
+
+
+def test_the_default_capture_is_dynamo_with_a_row_per_layer(tmp_path):
+    _, callback = train_both(tmp_path, Lit, steps=4)
+    cycle = callback.cycles[0]
+    assert cycle.capture.method == "dynamo" and cycle.capture.graphs == 1 and not cycle.capture.recaptures
+    assert {"stem", "blocks_0_conv", "blocks_0_bn", "blocks_0_relu", "blocks_0_drop", "blocks_0_add",
+            "blocks_1_conv", "mean", "head"} <= names(cycle)
+    bn = next(n for n in cycle.nodes if n.name == "blocks_0_bn")
+    assert bn.calls == 2 and bn.bwd_calls == 2  # batch norm and its num_batches_tracked update: one row
+    assert "Dynamo" in cycle.to_markdown()
+
+
+@pytest.mark.parametrize("change, seen", [
+    (lambda trainer, lit: lit.model.blocks[0].eval(), "training"),  # fine-tuning recipes freeze blocks this way
+    (lambda trainer, lit: setattr(lit.model.blocks[1].drop, "p", 0.6), "p"),  # a drop rate raised mid-run
+])
+def test_a_submodule_changed_mid_run_is_captured_again(tmp_path, change, seen):
+    _, callback = train_both(tmp_path, Lit, changes=lambda: [At(6, change)])
+    later = callback.cycles[-1].capture
+    assert later.method == "dynamo" and later.graphs == 2
+    assert len(later.recaptures) == 1 and seen in later.recaptures[0]
+    assert callback.cycles[0].capture.recaptures == []  # each report keeps its own description
+
+
+def test_a_head_replaced_mid_run_is_the_head_that_trains(tmp_path):
+    def swap(trainer, lit):
+        lit.model.head = nn.Linear(8, 4)
+        trainer.optimizers[0].add_param_group({"params": lit.model.head.parameters()})
+
+    profiled, callback = train_both(tmp_path, Lit, changes=lambda: [At(6, swap)])
+    # The graph takes the parameters as inputs, read from the module at each call: the same graph runs the new head.
+    later = callback.cycles[-1]
+    assert later.capture.method == "dynamo" and "head" in names(later)
+
+
+def test_a_hook_added_mid_run_runs_at_every_step(tmp_path):
+    seen = {"plain": [], "profiled": []}  # the hook keeps the block's outputs, as activation-inspecting hooks do
+
+    def add_hook(trainer, lit):
+        outputs = seen["profiled" if any(isinstance(c, FXProfilerCallback) for c in trainer.callbacks) else "plain"]
+        lit.model.blocks[1].register_forward_hook(lambda module, inputs, output: outputs.append(output.detach()))
+
+    _, callback = train_both(tmp_path, Lit, changes=lambda: [At(5, add_hook)], steps=12)
+    assert len(seen["plain"]) == 7  # steps 5-11
+    recaptures = callback.cycles[-1].capture.recaptures
+    assert "_forward_hooks" in recaptures[0]
+    # The hook ran in every step, timed or not (never bypassed), and in the two checking calls of each capture made
+    # after it was added (the module's own forward and the graph, compared). Dynamo guards on what the hook touches
+    # (the length of the list it appends to), so a later call may be captured again.
+    assert len(seen["profiled"]) == len(seen["plain"]) + 2 * len(recaptures)
+
+
+class Backbone(pl.LightningModule):
+    """``BackboneFinetuning`` wants ``pl_module.backbone``; the profiled module is the LightningModule itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.backbone(x).mean(dim=(2, 3)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=0.05)
+
+
+def test_unfreezing_with_backbone_finetuning(tmp_path):
+    # 16 samples in batches of 4: epoch 1 starts at step 4, when the backbone is unfrozen.
+    _, callback = train_both(tmp_path, Backbone, changes=lambda: [BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
+                             loader_fn=lambda: image_loader(samples=16), module=None)
+    assert all(c.capture.method == "dynamo" for c in callback.cycles)
+    assert any(c.capture.recaptures for c in callback.cycles)  # requires_grad changed: the graph was captured again
+    assert {"backbone_0", "backbone_1", "head"} <= names(callback.cycles[-1])
+
+
+class Tokens(Dataset):
+    """Sequences of lengths 5 to 8 (padded per batch, as collators do) and a short last batch."""
+
+    def __len__(self):
+        return 14
+
+    def __getitem__(self, i):
+        generator = torch.Generator().manual_seed(i)
+        return torch.randint(1, 50, (5 + i % 4,), generator=generator), i % 3
+
+
+def pad(batch):
+    tokens = nn.utils.rnn.pad_sequence([t for t, _ in batch], batch_first=True)
+    return tokens, torch.tensor([y for _, y in batch])
+
+
+class Encoder(nn.Module):
+    """torch.nn's composite transformer layer, defaults (dropout 0.1), on padded tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, tokens):
+        x = self.layer(self.embed(tokens), src_key_padding_mask=tokens == 0)
+        return self.head(x.mean(dim=1))
+
+
+def test_dynamic_padding_and_a_short_last_batch_with_a_composite_layer(tmp_path):
+    _, callback = train_both(tmp_path, lambda: Lit(Encoder()), steps=12,
+                             loader_fn=lambda: DataLoader(Tokens(), batch_size=4, collate_fn=pad))
+    rows = set().union(*(names(c) for c in callback.cycles))
+    # TransformerEncoderLayer is opened: its layers are rows of their own.
+    assert {"layer_linear1", "layer_linear2", "layer_norm1", "layer_norm2", "layer_dropout1"} <= rows
+    assert any(c.capture.recaptures for c in callback.cycles)  # a new length (or the short batch) was captured again
+
+
+class TensorChecks(nn.Module):
+    """Libraries check their inputs' types (diffusers, torchvision detection, PyG): torch.fx's proxies fail them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net()
+
+    def forward(self, x):
+        if not torch.is_tensor(x) or not isinstance(x, torch.Tensor):
+            raise TypeError("x must be a tensor")
+        return self.net(x)
+
+
+def test_isinstance_checks_see_tensors(tmp_path):
+    _, callback = train_both(tmp_path, lambda: Lit(TensorChecks()), steps=4)
+    cycle = callback.cycles[0]
+    assert cycle.capture.method == "dynamo"
+    assert {"net_stem", "net_blocks_0_conv", "net_head"} <= names(cycle)
+
+
+class BatchNormAct(nn.BatchNorm2d):
+    """timm's BatchNormAct2d pattern: the batch-norm forward written out, ``num_batches_tracked`` updated in place,
+    cumulative averages (``momentum=None``)."""
+
+    def forward(self, x):
+        self.num_batches_tracked.add_(1)
+        factor = 1.0 / float(self.num_batches_tracked)
+        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, True, factor, self.eps)
+        return F.silu(x)
+
+
+def test_buffer_updates_in_the_model_code_happen_at_every_step(tmp_path):
+    model = lambda: Lit(nn.Sequential(nn.Conv2d(3, 8, 3), BatchNormAct(8, momentum=None), nn.Flatten(), nn.LazyLinear(4)))
+    profiled, _ = train_both(tmp_path, model, steps=5)
+    assert profiled.model[1].num_batches_tracked.item() == 5
+
+
+class Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(8), Block(8)])
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def test_activation_checkpointing_is_kept_or_the_graph_refused(tmp_path):
+    # Dropout inside the checkpointed blocks: its recompute must draw the same mask.
+    _, callback = train_both(tmp_path, lambda: Lit(Checkpointed()), steps=4)
+    capture = callback.cycles[0].capture
+    if capture.method == "dynamo":  # verified: same saved tensors (count and bytes) as eager
+        assert {"stem", "head"} <= names(callback.cycles[0])
+    else:
+        assert capture.method == "module_hooks" and "Dynamo" in capture.error
+
+
+class CompilerAware(Net):
+    """Libraries branch on ``torch.compiler.is_compiling()``: under Dynamo this takes another path than eager."""
+
+    def forward(self, x):
+        if torch.compiler.is_compiling():
+            x = x * 2
+        return super().forward(x)
+
+
+def test_a_graph_that_is_not_the_eager_program_is_refused(tmp_path):
+    with pytest.warns(UserWarning, match="not the program eager runs: output tensor 0 differs"):
+        _, callback = train_both(tmp_path, lambda: Lit(CompilerAware()), steps=4)
+    capture = callback.cycles[0].capture
+    assert capture.method == "module_hooks" and "refused: output tensor 0 differs from eager" in capture.error
+    assert "blocks.0" in names(callback.cycles[0])  # module hooks time the modules
+
+
+def test_bf16_autocast(tmp_path):
+    _, callback = train_both(tmp_path, Lit, steps=4, trainer_kwargs={"precision": "bf16-mixed"})
+    assert callback.cycles[0].capture.method == "dynamo"
+
+
+def test_plain_loop_eval_flip_and_head_swap(tmp_path):
+    def run(profiled: bool):
+        torch.manual_seed(0)
+        model = Net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        loader = image_loader(samples=48)
+        profiler = Profiler(model, **CYCLES, dirpath=tmp_path / "fxprof", sinks=[]) if profiled else None
+        if profiler:
+            profiler.start()
+        for step, (x, y) in enumerate(loader):
+            if step == 5:
+                model.blocks[0].eval()
+            if step == 6:
+                model.head = nn.Linear(8, 4)
+                optimizer.add_param_group({"params": model.head.parameters()})
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if profiler:
+                profiler.step()
+        if profiler:
+            profiler.stop()
+        return model, profiler
+
+    plain, _ = run(False)
+    profiled, profiler = run(True)
+    reference = plain.state_dict()
+    assert all(_bitwise(t, reference[k]) for k, t in profiled.state_dict().items())
+    assert len(profiler.cycles[1].capture.recaptures) == 1  # the eval flip (the new head is read at each call)
