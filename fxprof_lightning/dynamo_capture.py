@@ -43,8 +43,8 @@ from fxprof_lightning.node_timing import JOINS, ROW, NodeInfo, NodeTimer, descri
 
 __all__ = ["DYNAMO", "DynamoTimer", "annotate_rows", "is_sharded"]
 
-DYNAMO = ("captured by Dynamo (torch._dynamo, run eagerly by a backend that times each op; no Inductor), verified "
-          "against eager forward and backward before use, captured again when a guard fails")
+DYNAMO = ("captured by Dynamo (torch._dynamo, run eagerly by a backend that times each op; no Inductor), checked "
+          "bitwise against eager (outputs, gradients, buffers, random states) before use, captured again when a guard fails")
 
 
 # Dynamo's defaults leave out guards on module hooks (a hook added after the capture would be bypassed): ours keep them.

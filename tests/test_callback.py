@@ -204,7 +204,7 @@ def test_a_model_fx_cannot_trace_at_all_is_timed_by_module_hooks(tmp_path):
             x = super().forward(x)
             return x if x.sum() > 0 else -x
 
-    callback = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=1, repeat=1, module="model")
+    callback = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=1, repeat=1, module="model", capture="fx")
     with pytest.warns(UserWarning, match=r"could not trace Branchy whole, so it is timed by module_hooks .*TraceError"):
         _train(tmp_path, [callback], steps=4, model=LitClassifier(Branchy()))
     (cycle,) = callback.cycles

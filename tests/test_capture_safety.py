@@ -8,6 +8,7 @@ trained without the profiler (``test_layers.train_both``).
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import random
@@ -18,7 +19,7 @@ import pytest
 import torch
 import torch.utils.checkpoint
 from conftest import LitClassifier
-from test_layers import train_both
+from test_layers import train_both as train_both_with
 from torch import nn
 from torch.nn import functional as F
 
@@ -27,6 +28,10 @@ from fxprof_lightning.leaves import host_random_functions, refusing_checkpoint
 from fxprof_lightning.traced_on_example import Example, GuardedNodeTimer
 
 CHECKPOINT_REASON = "activation checkpointing cannot be traced"
+
+# These tests are of the torch.fx capture ladder (``capture="fx"``); the default Dynamo capture's are in
+# test_sound_capture.py.
+train_both = functools.partial(train_both_with, capture="fx")
 
 
 class Block(nn.Module):

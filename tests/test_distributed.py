@@ -255,7 +255,7 @@ class RankZeroUntraceable(SmallNet):
 
 
 def test_a_rank_that_cannot_trace_is_timed_by_module_hooks_and_gathered(tmp_path):
-    profiler = FXProfilerCallback(skip_first=1, wait=0, warmup=1, active=2, repeat=1, module="model", top_k=3,
+    profiler = FXProfilerCallback(skip_first=1, wait=0, warmup=1, active=2, repeat=1, module="model", top_k=3, capture="fx",
                                   dirpath=tmp_path / "fxprof")
     reports = fit_ddp(tmp_path, profiler, LitClassifier(RankZeroUntraceable()), max_steps=5)  # returns: no hang
 
@@ -333,7 +333,7 @@ class ReplacedOnRankZero(LitClassifier):
 
 
 def test_a_model_replaced_in_setup_is_the_one_timed(tmp_path):
-    profiler = FXProfilerCallback(skip_first=1, wait=0, warmup=1, active=2, repeat=1, module="model",
+    profiler = FXProfilerCallback(skip_first=1, wait=0, warmup=1, active=2, repeat=1, module="model", capture="fx",
                                   dirpath=tmp_path / "fxprof")
     reports = fit_ddp(tmp_path, profiler, ReplacedOnRankZero(), max_steps=5)  # the run itself finishes
     # rank 0 trains RankZeroUntraceable, so it should say that torch.fx cannot trace it (and fall back to hooks)

@@ -41,7 +41,7 @@ def test_a_plain_loop_gets_cycles_files_and_node_times(tmp_path, capsys):
     assert [c.steps for c in prof.cycles] == [[2, 3], [6, 7]]
     assert [c.directory.name for c in prof.cycles] == ["cycle_0000", "cycle_0001"]
     for cycle in prof.cycles:
-        assert not cycle.partial and cycle.capture.method == "symbolic_trace"
+        assert not cycle.partial and cycle.capture.method == "dynamo"
         names = {n.name for n in cycle.nodes}
         assert {"conv", "bn", "relu", "mean", "head"} <= names
         assert all(n.calls == 2 and n.mean_ms > 0 for n in cycle.nodes)
@@ -229,7 +229,7 @@ def test_a_submodule_with_hooks_stays_whole_so_its_hooks_run(tmp_path):
 
     plain_calls, profiled_calls = [], []
     plain = train(6, model=model_with_hook(plain_calls), seed=1)
-    with Profiler(model_with_hook(profiled_calls), wait=0, warmup=1, active=2, dirpath=tmp_path, sinks=[]) as prof:
+    with Profiler(model_with_hook(profiled_calls), wait=0, warmup=1, active=2, dirpath=tmp_path, sinks=[], capture="fx") as prof:
         profiled = train(6, prof, seed=1)
     assert len(profiled_calls) == len(plain_calls) == 6  # the hook ran in the timed steps too
     assert prof.cycles[0].capture.leaves == {"head": "has forward hooks: they run only when the module is called whole"}
@@ -287,7 +287,7 @@ def test_an_error_of_the_own_forward_in_the_other_mode_is_the_users_and_runs_onc
             return self.lin(x) if x.shape[0] > 1 else x
 
     model = Picky()
-    with Profiler(model, wait=0, warmup=0, active=2, repeat=2, dirpath=tmp_path, sinks=[]) as prof:
+    with Profiler(model, wait=0, warmup=0, active=2, repeat=2, dirpath=tmp_path, sinks=[], capture="fx") as prof:
         for step in range(4):
             model(torch.randn(2, 4)).sum().backward()
             if step == 2:  # the second cycle runs the graph traced on the first call

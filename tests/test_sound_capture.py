@@ -130,7 +130,7 @@ def test_a_head_replaced_mid_run_is_the_head_that_trains(tmp_path):
         lit.model.head = nn.Linear(8, 4)
         trainer.optimizers[0].add_param_group({"params": lit.model.head.parameters()})
 
-    profiled, callback = train_both(tmp_path, Lit, changes=lambda: [At(6, swap)])
+    _profiled, callback = train_both(tmp_path, Lit, changes=lambda: [At(6, swap)])
     # The graph takes the parameters as inputs, read from the module at each call: the same graph runs the new head.
     later = callback.cycles[-1]
     assert later.capture.method == "dynamo" and "head" in names(later)
@@ -252,7 +252,8 @@ class BatchNormAct(nn.BatchNorm2d):
 
 
 def test_buffer_updates_in_the_model_code_happen_at_every_step(tmp_path):
-    model = lambda: Lit(nn.Sequential(nn.Conv2d(3, 8, 3), BatchNormAct(8, momentum=None), nn.Flatten(), nn.LazyLinear(4)))
+    def model():
+        return Lit(nn.Sequential(nn.Conv2d(3, 8, 3), BatchNormAct(8, momentum=None), nn.Flatten(), nn.LazyLinear(4)))
     profiled, _ = train_both(tmp_path, model, steps=5)
     assert profiled.model[1].num_batches_tracked.item() == 5
 

@@ -114,7 +114,10 @@ def free_port() -> int:
 
 def train(root: Path, repeat: int, max_steps: int, profiler_kwargs: dict | None) -> tuple[Path, list[CycleReport]]:
     torch.manual_seed(0)
-    cb = FXProfilerCallback(**SCHEDULE, repeat=repeat, module="model", profiler_kwargs=profiler_kwargs)
+    # The Module view is built from the modules' Python calls (with_stack): under the default Dynamo capture the
+    # submodules are inlined into the graph and make none, so the memory/stack run uses the torch.fx capture.
+    capture = "fx" if profiler_kwargs and profiler_kwargs.get("with_stack") else "dynamo"
+    cb = FXProfilerCallback(**SCHEDULE, repeat=repeat, module="model", profiler_kwargs=profiler_kwargs, capture=capture)
     trainer = make_trainer(root, [cb], max_steps=max_steps)
     trainer.fit(LitClassifier(), image_loader())
     assert cb.cycles and all(c.trace_paths for c in cb.cycles), f"no traces written: {cb.cycles}"
