@@ -23,7 +23,7 @@ def test_model_zoo_quick_run_traces_every_hf_model_and_keeps_training_bitwise_eq
         (row,) = [line for line in hf_part.splitlines() if line.startswith(model + " ")]
         cells = row.split()
         assert cells[2] == "dynamo", row  # cells: model, attention, capture, nodes, bwd>0, guards, leaves
-        assert int(cells[3]) > 100 and cells[6] == "0", row
+        assert int(cells[3]) > 50 and cells[6] == "0", row  # rows: a torch.nn layer is one row, other ops one each
         assert cells[8] == "yes", row  # every weight bitwise equal
     assert "weights bitwise equal with and without the callback: 5/5" in hf_part
     assert "crashed with the callback: 0" in hf_part
