@@ -41,7 +41,7 @@ from torch.utils import _pytree as pytree
 
 from fxprof_lightning.node_timing import JOINS, ROW, NodeInfo, NodeTimer, describe_target, mark_untimed
 
-__all__ = ["DYNAMO", "DynamoTimer", "annotate_rows", "is_sharded"]
+__all__ = ["DYNAMO", "DynamoTimer", "annotate_rows"]
 
 DYNAMO = ("captured by Dynamo (torch._dynamo, run eagerly by a backend that times each op; no Inductor), checked "
           "bitwise against eager (outputs, gradients, buffers, random states) before use, captured again when a guard fails")
@@ -49,11 +49,6 @@ DYNAMO = ("captured by Dynamo (torch._dynamo, run eagerly by a backend that time
 
 # Dynamo's defaults leave out guards on module hooks (a hook added after the capture would be bypassed): ours keep them.
 GUARD_SETTINGS = {"skip_nnmodule_hook_guards": False}
-
-
-def is_sharded(module: nn.Module) -> bool:
-    """Whether FSDP2's ``fully_shard`` was applied to ``module`` (those models keep the torch.fx capture)."""
-    return any(cls.__name__ == "FSDPModule" and cls.__module__.startswith("torch.distributed") for cls in type(module).__mro__)
 
 
 def annotate_rows(graph_module: fx.GraphModule, names: dict[int, tuple[str, nn.Module]]) -> None:

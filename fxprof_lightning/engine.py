@@ -37,8 +37,9 @@ from torch.utils.hooks import RemovableHandle
 from fxprof_lightning.advice import advise
 from fxprof_lightning.capture import Capture, capture
 from fxprof_lightning.compiled import MECHANISM, CompiledKernels, KernelTimer, is_compiled
-from fxprof_lightning.dynamo_capture import DYNAMO, DynamoTimer, is_sharded
+from fxprof_lightning.dynamo_capture import DYNAMO, DynamoTimer
 from fxprof_lightning.flops import NodeCosts, count_costs, input_signature
+from fxprof_lightning.leaves import is_fsdp
 from fxprof_lightning.module_hooks import ModuleHookTimer
 from fxprof_lightning.node_timing import BackwardEvents, NodeTimer
 from fxprof_lightning.regressions import find_regressions
@@ -725,7 +726,7 @@ class Profiler:
         # On CPU the node ranges are written into the trace after it is exported (``add_node_ranges``), from
         # the node timestamps; on CUDA (device clocks) each node opens a record_function range as it runs.
         ranges = {"annotate": self._ranges and device == "cuda", "trace_ranges": self._ranges and device != "cuda"}
-        if self.capture == "dynamo" and not any(is_sharded(m) for m in module.modules()):
+        if self.capture == "dynamo" and not any(is_fsdp(m) for m in module.modules()):
             timer = DynamoTimer(training, backward=self.backward_timing, device=device,
                                 on_refused=functools.partial(self._warn_refused, module, training), **ranges)
             return timer, Capture("dynamo", error=DYNAMO)

@@ -537,11 +537,11 @@ def hooks_of(module: nn.Module) -> str:
                                       ("backward pre-hooks", module._backward_pre_hooks)) if hooks]
     if not kinds:
         return ""
-    fsdp = " (fully_shard: FSDP2 unshards and reshards its parameters in them)" if _is_fsdp(module) else ""
+    fsdp = " (fully_shard: FSDP2 unshards and reshards its parameters in them)" if is_fsdp(module) else ""
     return f"has {' and '.join(kinds)}{fsdp}"
 
 
-def _is_fsdp(module: nn.Module) -> bool:
+def is_fsdp(module: nn.Module) -> bool:
     return any(cls.__name__ == "FSDPModule" and cls.__module__.startswith("torch.distributed") for cls in type(module).__mro__)
 
 
