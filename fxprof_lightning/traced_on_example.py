@@ -573,7 +573,9 @@ def trace_on_example(module: nn.Module, example: Example) -> LeafTrace:
 def _difference_on_example(module: nn.Module, graph_module: fx.GraphModule, example: Example) -> str:
     """How the graph's output on the example differs from the module's own forward's ('' if in no way).
 
-    Both run on fresh copies of the example, without grad, from the same random state; the
+    Both run on fresh copies of the example, with grad as in the training call it was recorded from
+    (libraries decide on ``torch.is_grad_enabled()``: transformers keeps its cache without grad
+    under gradient checkpointing), from the same random state; the
     random state and the buffers are restored after each run (batch-norm statistics, dropout).
     Python decisions fx does not ask a proxy about (``isinstance``, ``hasattr``, ``is``) are
     baked into the graph without a guard: this is where a wrong one shows.
@@ -582,9 +584,10 @@ def _difference_on_example(module: nn.Module, graph_module: fx.GraphModule, exam
     for run in (module.forward, graph_module):
         call = Example.copy_of(example.args, example.kwargs)
         try:
-            with _state_restored(module), torch.no_grad(), warnings.catch_warnings():
+            with _state_restored(module), torch.enable_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                outputs.append(tree_flatten(_opened(run(*call.args, **call.kwargs))))
+                output = run(*call.args, **call.kwargs)
+                outputs.append(tree_flatten(_opened(tree_map(_detached, output))))
         except Exception as error:
             return f"{'the graph' if outputs else 'the module'} failed on it: {short_error(error)}"
     (expected, expected_spec), (got, got_spec) = outputs
@@ -598,6 +601,10 @@ def _difference_on_example(module: nn.Module, graph_module: fx.GraphModule, exam
         if isinstance(a, torch.Tensor) and not _same_values(a, b):
             return f"output {i} has other values (largest difference {(a.double() - b.double()).abs().max():.3g})"
     return ""
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
 
 
 def _opened(value: Any, depth: int = 12) -> Any:

@@ -363,7 +363,6 @@ def checkpointed_llama() -> nn.Module:
     return model
 
 
-@pytest.mark.xfail(reason="capture='fx' with HF gradient checkpointing falls back to module hooks since the multi-graph NodeTimer change (2026-11-24); not yet investigated", strict=True)
 def test_gradient_checkpointed_layers_stay_whole_and_training_is_unchanged(tmp_path):
     _, callback = train_both(tmp_path, lambda: LitHF(checkpointed_llama), lm_loader)
     (cycle,) = callback.cycles
@@ -375,7 +374,6 @@ def test_gradient_checkpointed_layers_stay_whole_and_training_is_unchanged(tmp_p
     assert {"model.layers.0", "model.layers.1", "lm_head"} <= {n.target for n in cycle.nodes if n.op == "call_module"}
 
 
-@pytest.mark.xfail(reason="capture='fx' with HF gradient checkpointing falls back to module hooks since the multi-graph NodeTimer change (2026-11-24); not yet investigated", strict=True)
 def test_the_graph_checkpoints_and_saves_what_the_model_saves(monkeypatch):
     calls = []
     internal = torch.utils.checkpoint._checkpoint_without_reentrant_generator_impl
