@@ -26,7 +26,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,8 @@ from fxprof_lightning.capture import Capture, capture
 from fxprof_lightning.compiled import MECHANISM, CompiledKernels, KernelTimer, is_compiled
 from fxprof_lightning.dynamo_capture import DYNAMO, DynamoTimer
 from fxprof_lightning.flops import NodeCosts, count_costs, input_signature
+from fxprof_lightning.gpu_trace import node_device_times
+from fxprof_lightning.gpu_trace import summary as device_summary
 from fxprof_lightning.leaves import is_fsdp
 from fxprof_lightning.module_hooks import ModuleHookTimer
 from fxprof_lightning.node_timing import BackwardEvents, NodeTimer
@@ -51,7 +53,7 @@ from fxprof_lightning.report import (
     summarize_nodes,
     summarize_ranges,
 )
-from fxprof_lightning.roofline import Peaks, device_peaks, raised_to, with_roofline
+from fxprof_lightning.roofline import Peaks, describe_peaks, device_peaks, raised_to, with_roofline
 from fxprof_lightning.schedule import ProfilerAction, Schedule
 from fxprof_lightning.sinks import ConsoleSink, CsvSink, PictureSink, Sink
 from fxprof_lightning.torch_trace import CycleTrace, check_profiler_kwargs
@@ -85,6 +87,7 @@ class _OpenCycle:
     step_start: tuple[int, float] | None = None  # perf_counter_ns, process_time of the recorded step in progress
     step_ms: list[float] = field(default_factory=list)
     step_cpu_ms: list[float] = field(default_factory=list)
+    device: dict[str, float] | None = None  # where the trace's GPU time went (gpu_trace.summary)
 
 
 @dataclass
@@ -583,7 +586,7 @@ class Profiler:
                              partial=cycle.recorded != self.schedule.recorded_steps(cycle.index),
                              ranks=max(ranks, 1), stage=stage.name, nodes=nodes or [], capture=_capture_now(cycle),
                              trace_paths=list(cycle.trace.paths) if cycle.trace is not None else [],
-                             step_ms=cycle.step_ms, step_cpu_ms=cycle.step_cpu_ms)
+                             step_ms=cycle.step_ms, step_cpu_ms=cycle.step_cpu_ms, device=cycle.device)
         report.ranges = summarize_ranges(ranges, len(cycle.recorded))
         if cycle.backward_wall_ns:
             report.backward_wall_ms = sum(cycle.backward_wall_ns) / len(cycle.backward_wall_ns) / 1e6
@@ -609,10 +612,12 @@ class Profiler:
         report.tracked = stage.tracked
         peaks = self._device_peaks()
         if peaks is not None:
+            report.peaks = describe_peaks(peaks)
             report.nodes = with_roofline(report.nodes, peaks)
             if peaks.source != "given" and any(n.pct_of_peak is not None and n.pct_of_peak > 100 for n in report.nodes):
                 self.peaks = peaks = raised_to(peaks, report.nodes)  # a measured peak a node beat was too low
                 report.nodes = with_roofline(report.nodes, peaks)
+                report.peaks = describe_peaks(peaks)
         report.distortion = distortion(report.step_ms, stage.step_medians)
         sound = not report.partial and report.distortion is None
         if sound:
@@ -624,12 +629,15 @@ class Profiler:
             stage.step_medians = [*stage.step_medians, statistics.median(report.step_ms or [0.0])][-HISTORY:]
 
     def _device_peaks(self) -> Peaks | None:
-        """The given peaks, or the target's device's, measured once (and cached across runs)."""
-        if self.peaks is None:
+        """The given peaks, or the target's device's, measured once (and cached across runs). A known GPU
+        starts from its spec sheet's peaks (no micro-benchmark before the first cycle's report); the next
+        cycle measures them."""
+        spec_sheet = self.peaks is not None and self.peaks is not False and self.peaks.source == "spec sheet"
+        if self.peaks is None or spec_sheet:
             parameter = next(self.target.parameters(), None) if self.target is not None else None
             device = parameter.device if parameter is not None and parameter.device.type != "meta" else torch.device("cpu")
             try:
-                self.peaks = device_peaks(device)
+                self.peaks = device_peaks(device, calibrate=spec_sheet)
             except Exception as error:  # no roofline, the rest goes on
                 self.warn(f"could not measure the device's peaks for the roofline ({type(error).__name__}: {error}); "
                           "give them as peaks=Peaks(gflops_per_s=..., gbytes_per_s=...)")
@@ -670,8 +678,16 @@ class Profiler:
         timer.add_backward(events if events is not None else cycle.trace.backward_events if cycle.trace else [])
         timer.resolve()
         costs = self._costs_for(cycle)
-        backward = [timer.bwd_ns(i) for i in range(len(timer.nodes))]
-        nodes = summarize_nodes(timer.nodes, timer.fwd, backward, costs, timer.mem_delta, timer.mem_peak)
+        forward, backward = timer.fwd, [timer.bwd_ns(i) for i in range(len(timer.nodes))]
+        device = cycle.trace.device if cycle.trace is not None and isinstance(timer, NodeTimer) else None
+        if device is not None:  # a GPU model: device time per node call from the trace's kernels
+            forward, backward, spans, idle = node_device_times([info.name for info in timer.nodes], device)
+            cycle.device = device_summary(device)
+        nodes = summarize_nodes(timer.nodes, forward, backward, costs, timer.mem_delta, timer.mem_peak)
+        if device is not None:
+            rows = {info.name: i for i, info in enumerate(timer.nodes)}
+            nodes = [replace(n, device_span_ms=_mean_ms(spans[rows[n.name]]), device_idle_ms=_mean_ms(idle[rows[n.name]]))
+                     for n in nodes]
         timer.reset()
         return nodes
 
@@ -723,9 +739,9 @@ class Profiler:
         if self._compiled is not None:
             return KernelTimer(self._compiled), Capture("compiled", error=MECHANISM)
         device = next(module.parameters(), torch.empty(0)).device.type
-        # On CPU the node ranges are written into the trace after it is exported (``add_node_ranges``), from
-        # the node timestamps; on CUDA (device clocks) each node opens a record_function range as it runs.
-        ranges = {"annotate": self._ranges and device == "cuda", "trace_ranges": self._ranges and device != "cuda"}
+        # The node ranges are written into the trace after it is exported (``add_node_ranges``), from the node
+        # timestamps; on CUDA the trace's kernels then give each node its device time (``gpu_trace``).
+        ranges = {"trace_ranges": self._ranges}
         if self.capture == "dynamo" and not any(is_fsdp(m) for m in module.modules()):
             timer = DynamoTimer(training, backward=self.backward_timing, device=device,
                                 on_refused=functools.partial(self._warn_refused, module, training), **ranges)
@@ -853,6 +869,10 @@ def _node_ranges(cycle: _OpenCycle) -> tuple[list[tuple[int, int, int]], list[tu
     if not isinstance(timer, NodeTimer) or not timer.trace_ranges:
         return None
     return list(timer.anchors), timer.range_spans(), timer.backward_calls() if timer.uses_backward_events else []
+
+
+def _mean_ms(ns: list[int]) -> float | None:
+    return sum(ns) / len(ns) / 1e6 if ns else None
 
 
 def _samples(timer: NodeTimer | ModuleHookTimer) -> int:

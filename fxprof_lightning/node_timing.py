@@ -243,15 +243,19 @@ class NodeTimer:
         traced: the ``GraphModule`` from ``symbolic_trace`` (or the capture ladder).
         annotate: wrap each node in a ``record_function`` range named after it (10-15 us per node and
             call under torch.profiler, measured on a 2-core VM).
-        trace_ranges: on CPU, keep each node call's start (``range_spans``) and put three anchor ranges at
+        trace_ranges: keep each node call's start (``range_spans``) and put three anchor ranges at
             the start and end of each forward call into a running profiler (``anchors``), so that
             ``torch_trace.add_node_ranges`` can write the node ranges into the exported trace afterwards,
             at no measurable cost per node at run time.
         backward: time the autograd nodes each node creates.
-        device: ``"cuda"`` for device time from CUDA events, anything else for host time.
+        device: ``"cuda"`` without ``trace_ranges``: device time from a CUDA event pair per node (the
+            fallback when no profiler runs; each node's events are read after a sync) and the allocator's
+            bytes per node. With ``trace_ranges`` a CUDA model is timed as on CPU (host clock, no event, no
+            sync) and the device time per node comes from the trace's kernels afterwards (``gpu_trace``).
 
-    Backward times come from profiler events given to ``add_backward`` on CPU, and from hooks
-    (``_hooked_record``) on CUDA or when installed with ``backward_hooks=True``.
+    Backward times come from profiler events given to ``add_backward`` on CPU (and on CUDA with
+    ``trace_ranges``), and from hooks (``_hooked_record``) on CUDA without them or when installed with
+    ``backward_hooks=True``.
 
     Example:
         >>> timer = NodeTimer(fx.symbolic_trace(model))
@@ -278,7 +282,10 @@ class NodeTimer:
         self.mem_delta: list[list[int]] = []
         self.mem_peak: list[list[int]] = []
         self.forward_inputs: tuple[Any, ...] | None = None  # the first call's inputs after reset (for FLOP counting)
-        self._cuda = device == "cuda"
+        # CUDA events (a pair per node, read after a sync) only when no profiler trace gives device times:
+        # with trace ranges the trace's kernels are tied to the node ranges afterwards (``gpu_trace``).
+        self.on_cuda = device == "cuda"  # the model's device (its random state to keep, its memory)
+        self._cuda = self.on_cuda and not trace_ranges
         self._clock = CudaClock if self._cuda else HostClock  # for hooked graphs
         self._backward = backward
         # CPU: one entry per node call that created autograd nodes, in the order they ran (so by sequence number).
@@ -519,8 +526,9 @@ class NodeTimer:
         self._marks.append((None, self._clock.start()))
 
     def _record_cuda_memory(self, index: int, allocated_before: int) -> None:
+        # The allocator's counter only: the peak statistics are the user's (DeviceStatsMonitor,
+        # max_memory_allocated), never reset here, so no per-node peak (``mem_peak`` stays empty).
         self.mem_delta[index].append(torch.cuda.memory_allocated() - allocated_before)
-        self.mem_peak[index].append(torch.cuda.max_memory_allocated() - allocated_before)
 
     def _instrument(self, traced: fx.GraphModule, annotate: bool, hooked: bool) -> fx.GraphModule:
         """The instrumented graph; ``hooked``: backward timed by hooks (``_hooked_record``), else by events.
@@ -584,7 +592,7 @@ class NodeTimer:
             else:
                 if opens:
                     if self._cuda:
-                        allocated = graph.call_function(_cuda_allocated_and_reset_peak)
+                        allocated = graph.call_function(torch.cuda.memory_allocated)
                     if sequence_nr is None:
                         sequence_nr = graph.call_function(sequence_nr_now) if self._backward else -1
                     start = graph.call_function(self._clock.start)
@@ -678,9 +686,6 @@ def _append_each(lists: list[list[Any]], values: Iterator[Any]) -> None:
     collections.deque(map(list.append, lists, values), maxlen=0)
 
 
-def _cuda_allocated_and_reset_peak() -> int:
-    torch.cuda.reset_peak_memory_stats()
-    return torch.cuda.memory_allocated()
 
 
 def _fast_range(name: str) -> Any:

@@ -29,7 +29,10 @@ class NodeStats:
     call (a multiply-add is 2 FLOPs), ``*_gflops_per_s`` divide them by the mean times,
     ``out_bytes`` is the size of the node's output tensors. ``mem_delta_bytes`` and
     ``mem_peak_bytes`` (CUDA only, else None) are the mean change of allocated memory and
-    the mean peak above the starting point. ``mad_ms``/``bwd_mad_ms`` are the median absolute
+    the mean peak above the starting point (the peak is never measured per node: that would reset the
+    user's peak statistics). On CUDA with the profiler's trace, the times are device times: the summed
+    durations of the kernels, memcpys and memsets each node call launched (``gpu_trace``), and
+    ``device_span_ms``/``device_idle_ms`` the mean span of a forward call's GPU work and the gaps in it. ``mad_ms``/``bwd_mad_ms`` are the median absolute
     deviations of the per-call samples (the robust spread that regression checks use).
     ``fwd_bytes`` estimates the bytes one forward call moves (its input and output tensors and the
     parameters it reads, each once); ``fwd_gbytes_per_s`` divides it by ``mean_ms``,
@@ -74,6 +77,8 @@ class NodeStats:
     intensity: float | None = None
     bound: str = ""
     pct_of_peak: float | None = None
+    device_span_ms: float | None = None
+    device_idle_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -285,6 +290,9 @@ class CycleReport:
         distortion: why the cycle's numbers look distorted by other load (``trust.distortion``), or None.
         tracked: the nodes whose series the run logs as scalars: the same in every cycle of a run
             (the first cycle's ``top_k`` slowest), so the series have no gaps.
+        device: where the trace's GPU time went (``gpu_trace.summary``: kernels, device_ms, in_nodes_ms,
+            outside_ms, unlaunched, orphan_flows) when the node times are device times from the trace, else None.
+        peaks: the roofline's peaks and where they come from (measured, cached, given, spec sheet), or None.
         pictures: PNG images by tag (``fxprof/slowest_layers``...), rendered once for every sink that wants them
             and emptied when the sinks are done (the PNG files stay in ``directory``).
     """
@@ -308,6 +316,8 @@ class CycleReport:
     distortion: str | None = None
     tracked: list[str] = field(default_factory=list)
     pictures: dict[str, bytes] = field(default_factory=dict, repr=False)
+    device: dict[str, float] | None = None
+    peaks: str | None = None
 
     @property
     def forward_ms_per_step(self) -> float:
@@ -328,7 +338,7 @@ class CycleReport:
             "capture": self.capture.describe() if self.capture is not None else None,
             "regressions": [asdict(r) for r in self.regressions], "advice": self.advice,
             "distortion": self.distortion, "tracked": self.tracked,
-            "trace_files": [p.name for p in self.trace_paths],
+            "trace_files": [p.name for p in self.trace_paths], "device": self.device, "peaks": self.peaks,
         }
 
     def to_markdown(self, top_k: int | None = None) -> str:
@@ -349,6 +359,14 @@ class CycleReport:
         header += f" per step over {len(self.nodes)} nodes{over_ranks}"
         if self.capture is not None and self.capture.method != "symbolic_trace":
             header += f"; captured by {self.capture.describe()}"
+        if self.device is not None:
+            d = self.device
+            header += (f". GPU time from the trace's {d['kernels']:.0f} kernels/memcpys/memsets ({d['device_ms']:.3f} ms): "
+                       f"{d['in_nodes_ms']:.3f} ms launched by nodes, {d['outside_ms']:.3f} ms outside them")
+            if d["unlaunched"] or d["orphan_flows"]:
+                header += f", {d['unlaunched']:.0f} with no launch in the trace, {d['orphan_flows']:.0f} flows naming no launch"
+        if self.peaks is not None:
+            header += f". Roofline peaks: {self.peaks}"
         grand = sum(n.total_ms + n.bwd_total_ms for n in self.nodes) or 1.0
         lines = [
             header,

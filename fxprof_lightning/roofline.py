@@ -29,9 +29,26 @@ import torch
 
 from fxprof_lightning.report import NodeStats
 
-__all__ = ["Peaks", "default_cache_path", "device_name", "device_peaks", "measure_peaks", "raised_to", "with_roofline"]
+__all__ = ["SPEC_SHEET", "Peaks", "default_cache_path", "describe_peaks", "device_name", "device_peaks", "measure_peaks", "raised_to",
+           "spec_sheet_peaks", "with_roofline"]
 
-SOURCES = ("measured", "cached", "given")
+SOURCES = ("measured", "cached", "given", "spec sheet")
+
+# Data-centre GPUs' spec-sheet peaks, dense (without 2:4 sparsity): TFLOP/s per dtype and memory TB/s, from NVIDIA's
+# data sheets (H100/H200: "NVIDIA H100 Tensor Core GPU" and "NVIDIA H200" product pages; A100: "NVIDIA A100 Tensor
+# Core GPU" data sheet; L4, L40S: their data sheets). Matched against torch.cuda.get_device_name by the patterns
+# (all words present, lower case), first match wins. Used until the device is measured (``measure_peaks``, cached).
+SPEC_SHEET: list[tuple[tuple[str, ...], str, dict[str, float], float]] = [
+    # (words in the name, what it is, TFLOP/s by dtype, TB/s)
+    (("h200",), "H200 SXM", {"float32": 67.0, "tf32": 494.7, "bfloat16": 989.4, "float16": 989.4}, 4.8),
+    (("h100", "pcie"), "H100 PCIe", {"float32": 51.0, "tf32": 378.0, "bfloat16": 756.0, "float16": 756.0}, 2.0),
+    (("h100",), "H100 SXM", {"float32": 67.0, "tf32": 494.7, "bfloat16": 989.4, "float16": 989.4}, 3.35),
+    (("a100", "80gb", "pcie"), "A100 80GB PCIe", {"float32": 19.5, "tf32": 156.0, "bfloat16": 312.0, "float16": 312.0}, 1.935),
+    (("a100", "80gb"), "A100 80GB SXM", {"float32": 19.5, "tf32": 156.0, "bfloat16": 312.0, "float16": 312.0}, 2.039),
+    (("a100",), "A100 40GB", {"float32": 19.5, "tf32": 156.0, "bfloat16": 312.0, "float16": 312.0}, 1.555),
+    (("l40s",), "L40S", {"float32": 91.6, "tf32": 183.0, "bfloat16": 362.05, "float16": 362.05}, 0.864),
+    (("l4",), "L4", {"float32": 30.3, "tf32": 60.0, "bfloat16": 121.0, "float16": 121.0}, 0.3),
+]
 _CACHE_FORMAT = 1
 
 
@@ -40,7 +57,8 @@ class Peaks:
     """Peak compute (GFLOP/s) and memory bandwidth (GB/s, 1e9 bytes/s) of a device.
 
     ``device`` names what they were measured on ('' when given), ``source`` says where they come
-    from: ``"measured"``, ``"cached"`` (measured on an earlier run) or ``"given"``.
+    from: ``"measured"``, ``"cached"`` (measured on an earlier run), ``"given"`` or ``"spec sheet"``
+    (a known GPU's data-sheet numbers, ``SPEC_SHEET``, before any measurement).
 
     >>> Peaks(gflops_per_s=1000.0, gbytes_per_s=50.0).ridge
     20.0
@@ -63,6 +81,15 @@ class Peaks:
     def ridge(self) -> float:
         """The intensity (FLOPs per byte) above which the roofline is flat: compute-bound from there on."""
         return self.gflops_per_s / self.gbytes_per_s
+
+
+def describe_peaks(peaks: Peaks) -> str:
+    """The peaks in one line, with where they come from.
+
+    >>> describe_peaks(Peaks(1000.0, 50.0))
+    '1000 GFLOP/s, 50 GB/s (given)'
+    """
+    return f"{peaks.gflops_per_s:.0f} GFLOP/s, {peaks.gbytes_per_s:.0f} GB/s ({peaks.source}{': ' + peaks.device if peaks.device else ''})"
 
 
 def raised_to(peaks: Peaks, stats: list[NodeStats]) -> Peaks:
@@ -257,13 +284,32 @@ def _write_cache(path: Path, entries: dict[str, Any]) -> None:
         raise
 
 
+def spec_sheet_peaks(name: str, dtype: torch.dtype = torch.float32, tf32: bool = False) -> Peaks | None:
+    """A known GPU's data-sheet peaks for ``dtype`` (``tf32``: float32 matmuls on TF32 tensor cores), or None.
+
+    >>> spec_sheet_peaks("NVIDIA H100 80GB HBM3", torch.bfloat16)
+    Peaks(gflops_per_s=989400.0, gbytes_per_s=3350.0, device='NVIDIA H100 80GB HBM3 (H100 SXM spec sheet)', source='spec sheet')
+    >>> spec_sheet_peaks("AMD EPYC 7B13") is None
+    True
+    """
+    words = name.lower().replace("-", " ").split()
+    key = "tf32" if dtype == torch.float32 and tf32 else str(dtype).removeprefix("torch.")
+    for pattern, what, tflops, terabytes in SPEC_SHEET:
+        if all(any(word.startswith(p) for word in words) for p in pattern) and key in tflops:
+            return Peaks(gflops_per_s=tflops[key] * 1e3, gbytes_per_s=terabytes * 1e3, device=f"{name} ({what} spec sheet)",
+                         source="spec sheet")
+    return None
+
+
 def device_peaks(device: torch.device | str = "cpu", cache_path: Path | str | None = None,
-                 dtype: torch.dtype = torch.float32) -> Peaks:
+                 dtype: torch.dtype = torch.float32, calibrate: bool = True) -> Peaks:
     """The peaks of ``device`` for ``dtype``: read from the cache (source ``"cached"``), else measured and cached.
 
     The cache is a JSON file (``default_cache_path()`` when ``cache_path`` is None) with one entry
     per device name (CPU model and thread count, or GPU name), torch version and dtype. A missing,
     unreadable or corrupt file means measuring again; a cache that cannot be written only warns.
+    ``calibrate=False``: a GPU in ``SPEC_SHEET`` with nothing cached gets its data-sheet peaks (source
+    ``"spec sheet"``) instead of the micro-benchmark.
     """
     device = _resolve(device)
     path = Path(cache_path) if cache_path is not None else default_cache_path()
@@ -273,6 +319,10 @@ def device_peaks(device: torch.device | str = "cpu", cache_path: Path | str | No
         with contextlib.suppress(KeyError, TypeError, ValueError):
             return Peaks(gflops_per_s=entry["gflops_per_s"], gbytes_per_s=entry["gbytes_per_s"],
                          device=str(entry.get("device", "")), source="cached")
+    if not calibrate and device.type == "cuda":
+        known = spec_sheet_peaks(torch.cuda.get_device_name(device), dtype, torch.backends.cuda.matmul.allow_tf32)
+        if known is not None:
+            return known
     peaks = measure_peaks(device, dtype)
     entries = _read_cache(path)  # again: another process may have added its device meanwhile
     entries[key] = {"gflops_per_s": peaks.gflops_per_s, "gbytes_per_s": peaks.gbytes_per_s, "device": peaks.device,

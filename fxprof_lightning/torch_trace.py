@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerAction
 
+from fxprof_lightning.gpu_trace import DEVICE_CATEGORIES, Attribution, attribute
 from fxprof_lightning.node_timing import ANCHOR, backward_durations
 from fxprof_lightning.quiet import quiet_kineto
 
@@ -71,6 +72,9 @@ class CycleTrace:
         backward_events: keep the autograd node times of the trace in ``backward_events`` (for node timing).
         keep_events: keep every event as ``(name, start ns, duration ns, thread, sequence number)`` in ``events`` (for the
             kernels of a compiled module, ``compiled.KernelTimer.read``).
+
+    When the node ranges are written and the trace holds GPU events, ``device`` says where each went
+    (``gpu_trace.attribute`` over the node ranges): the device time of every node call, forward and backward.
     """
 
     def __init__(
@@ -90,6 +94,7 @@ class CycleTrace:
         # Set by the engine: what add_node_ranges writes into the trace (NodeTimer.anchors, .range_spans, .backward_calls).
         self.node_ranges: Callable[[], tuple[list[Any], list[Any], list[Any]] | None] | None = None
         self.events: list[tuple[str, int, int, int, int]] = []
+        self.device: Attribution | None = None  # GPU events tied to the node ranges (a trace with GPU events)
         self._collect_backward = backward_events
         self._keep_events = keep_events
         self._directory = directory
@@ -144,18 +149,25 @@ class CycleTrace:
             return
         self.paths.append(final)
 
+    def _attribute_device_time(self, events: list[dict[str, Any]], added: list[dict[str, Any]]) -> None:
+        if not any(event.get("cat") in DEVICE_CATEGORIES for event in events):
+            return
+        ours = {id(event) for event in added}
+        self.device = attribute(events, lambda event: id(event) in ours)
+
     def _add_node_ranges(self, path: Path) -> None:
         recorded = self.node_ranges() if self.node_ranges is not None else None
         if not recorded or not recorded[1]:
             return
         try:
-            add_node_ranges(path, *recorded)
+            add_node_ranges(path, *recorded, on_events=self._attribute_device_time)
         except Exception as error:  # the trace stays as exported, without node ranges
             self.errors.append(f"could not write the node ranges into the trace {path.name}: {type(error).__name__}: {error}")
 
 
 def add_node_ranges(path: Path, anchors: list[tuple[int, int, int]], spans: list[tuple[str, int, int]],
-                    backward_calls: list[tuple[str, int, int]] = ()) -> int:
+                    backward_calls: list[tuple[str, int, int]] = (),
+                    on_events: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None] | None = None) -> int:
     """Write a ``user_annotation`` range per node call into an exported Chrome trace; the number written.
 
     With ``backward_calls`` (``NodeTimer.backward_calls``: node name and the autograd sequence numbers
@@ -171,7 +183,8 @@ def add_node_ranges(path: Path, anchors: list[tuple[int, int, int]], spans: list
     which bounds the offset between the clocks; the bounds of all anchors are intersected (the median of
     their midpoints is taken when a clock step makes them disjoint). Each range goes on the thread (``pid``,
     ``tid`` as the trace names them) of the last anchor before it. The anchors themselves are removed. The
-    file is rewritten through a temporary file and ``os.replace``.
+    file is rewritten through a temporary file and ``os.replace``. ``on_events`` is given the trace's events
+    and the ranges added, before the file is written.
 
     The offset is known to about a microsecond, and the first op of a node can start less than that after
     the node's clock read: a range edge that would cut through one of the thread's events is moved to that
@@ -211,6 +224,8 @@ def add_node_ranges(path: Path, anchors: list[tuple[int, int, int]], spans: list
                       "ts": round(begin / 1e3, 3), "dur": round((end - begin) / 1e3, 3)})
     added += _backward_ranges(kept, backward_calls)
     document["traceEvents"] = kept + added
+    if on_events is not None:
+        on_events(document["traceEvents"], added)
     temporary = path.with_name(path.name + ".ranges")
     data = json.dumps(document).encode()  # dumps, not dump: json.dump to a file encodes in Python, 10x slower
     try:

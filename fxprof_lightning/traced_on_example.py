@@ -727,7 +727,7 @@ class GuardedNodeTimer(NodeTimer):
         module.forward = forward
 
     def _random_state(self) -> tuple[Any, ...]:
-        return (torch.get_rng_state(), torch.cuda.get_rng_state() if self._cuda else None,
+        return (torch.get_rng_state(), torch.cuda.get_rng_state() if self.on_cuda else None,
                 host_random_state() if self._host_random else None)
 
     def _set_random_state(self, state: tuple[Any, ...]) -> None:
