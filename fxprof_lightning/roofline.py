@@ -36,10 +36,12 @@ SOURCES = ("measured", "cached", "given", "spec sheet")
 
 # Data-centre GPUs' spec-sheet peaks, dense (without 2:4 sparsity): TFLOP/s per dtype and memory TB/s, from NVIDIA's
 # data sheets (H100/H200: "NVIDIA H100 Tensor Core GPU" and "NVIDIA H200" product pages; A100: "NVIDIA A100 Tensor
-# Core GPU" data sheet; L4, L40S: their data sheets). Matched against torch.cuda.get_device_name by the patterns
-# (all words present, lower case), first match wins. Used until the device is measured (``measure_peaks``, cached).
+# Core GPU" data sheet; L4, L40S: their data sheets). Matched against torch.cuda.get_device_name by its words
+# (lower case, "-" splits words: "NVIDIA A100-SXM4-80GB"): all of a pattern's words present, first match wins. Used until the device is measured (``measure_peaks``, cached).
 SPEC_SHEET: list[tuple[tuple[str, ...], str, dict[str, float], float]] = [
     # (words in the name, what it is, TFLOP/s by dtype, TB/s)
+    (("h200", "nvl"), "H200 NVL", {"float32": 60.0, "tf32": 417.5, "bfloat16": 835.5, "float16": 835.5}, 4.8),
+    (("h100", "nvl"), "H100 NVL", {"float32": 60.0, "tf32": 417.5, "bfloat16": 835.5, "float16": 835.5}, 3.9),
     (("h200",), "H200 SXM", {"float32": 67.0, "tf32": 494.7, "bfloat16": 989.4, "float16": 989.4}, 4.8),
     (("h100", "pcie"), "H100 PCIe", {"float32": 51.0, "tf32": 378.0, "bfloat16": 756.0, "float16": 756.0}, 2.0),
     (("h100",), "H100 SXM", {"float32": 67.0, "tf32": 494.7, "bfloat16": 989.4, "float16": 989.4}, 3.35),
@@ -295,7 +297,7 @@ def spec_sheet_peaks(name: str, dtype: torch.dtype = torch.float32, tf32: bool =
     words = name.lower().replace("-", " ").split()
     key = "tf32" if dtype == torch.float32 and tf32 else str(dtype).removeprefix("torch.")
     for pattern, what, tflops, terabytes in SPEC_SHEET:
-        if all(any(word.startswith(p) for word in words) for p in pattern) and key in tflops:
+        if all(p in words for p in pattern) and key in tflops:
             return Peaks(gflops_per_s=tflops[key] * 1e3, gbytes_per_s=terabytes * 1e3, device=f"{name} ({what} spec sheet)",
                          source="spec sheet")
     return None
