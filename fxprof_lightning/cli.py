@@ -10,9 +10,10 @@ takes every complete training cycle of A as the baseline and B's last complete t
 (``--cycle N``: B's cycle N; ``--stage val``: validation cycles) and applies
 ``regressions.compare``'s noise model.
 
-Exit status: 0 done, no regression beyond the noise; 1 regressions found (``compare``: a node of
-B slower than in A beyond the noise; ``report``: a cycle with a node slower than in the cycles
-before it); 2 usage error or nothing to read (no cycle directory, an unreadable file), with a
+Exit status: 0 done, no confirmed regression; 1 confirmed regressions found (``compare``: a node of
+B slower than in A beyond the noise in B's cycle and in B's cycle before it, or every call 3x slower;
+``report``: a cycle with a node slower than in the cycles before it, confirmed as the engine does,
+``regressions.RegressionWatch``); 2 usage error or nothing to read (no cycle directory, an unreadable file), with a
 message on stderr.
 """
 
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fxprof_lightning.regressions import (
+    CONFIRM_RATIO,
     DEFAULT_K,
     DEFAULT_MIN_MS,
     DEFAULT_MIN_RELATIVE,
@@ -34,13 +36,14 @@ from fxprof_lightning.regressions import (
     MIN_BASELINE,
     Delta,
     Regression,
+    RegressionWatch,
+    Verdict,
     compare,
-    find_regressions,
     shared_factor,
 )
 from fxprof_lightning.report import CycleReport
 from fxprof_lightning.runs import RunError, find_cycles, load_cycle
-from fxprof_lightning.trust import distortion, step_spread
+from fxprof_lightning.trust import step_spread
 
 __all__ = ["main"]
 
@@ -53,8 +56,9 @@ BASELINE_CYCLES = 5  # as the engine: each cycle against the last 5 sound ones b
 EPILOG = """\
 exit status:
   0  done, no regression beyond the noise
-  1  regressions found (compare: a node of B slower than in A beyond the noise;
-     report: a cycle with a node slower than in the cycles before it)
+  1  confirmed regressions found (compare: a node of B slower than in A beyond the noise
+     in B's cycle and the one before it, or every call 3x slower; report: a node slower
+     than in the cycles before it, in two sound cycles running or beyond doubt in one)
   2  usage error, or nothing to read (no cycle directory with fx_nodes.csv, an unreadable file)
 
 A RUN is a cycle directory (holding fx_nodes.csv) or a directory holding cycle directories
@@ -86,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("b", metavar="B", help="run or cycle directory to compare with A")
     cmp.add_argument("--cycle", type=int, metavar="N", help="use B's cycle N (default: its last complete cycle)")
     shown = cmp.add_mutually_exclusive_group()
-    shown.add_argument("--top", type=int, default=20, metavar="N", help="show the N largest changes (default 20)")
+    shown.add_argument("--top", type=int, default=20, metavar="N", help="show N changes, flagged ones first, then the largest (default 20; every flagged one is shown)")
     shown.add_argument("--all", action="store_true", help="show every node and direction")
     _common(cmp)
 
@@ -217,12 +221,17 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
         now = next((c for c in reversed(b_cycles) if not c.partial), b_cycles[-1])
     deltas = compare([c.nodes for c in baseline], now.nodes, **options)
     factor = shared_factor([c.nodes for c in baseline], now.nodes)
+    earlier = [c for c in b_cycles if not c.partial and c.index < now.index][-1:] if not b_single else []
+    also_before = {(d.node, d.direction) for c in earlier for d in compare([c.nodes for c in baseline], c.nodes, **options)
+                   if d.slower}
+    confirmed = {(d.node, d.direction) for d in deltas if d.slower and (
+        (d.node, d.direction) in also_before or (d.ratio >= CONFIRM_RATIO and _fastest(now, d) >= (CONFIRM_RATIO - 1) * d.baseline_ms))}
     lines = [f"A: {a}",
              "   " + (describe(baseline[0]) if len(baseline) == 1 else
                       f"{len(baseline)} {_stage_name(baseline[0].stage)} cycles "
                       f"({_index_list([c.index for c in baseline])}); baseline: the median of their per-call medians"),
              f"B: {now.directory}", f"   {describe(now)}", ""]
-    lines += delta_table(deltas, top)
+    lines += delta_table(deltas, top, confirmed)
     lines += ["", *totals_table(baseline, now)]
     lines += ["", *legend(options, factor, len(baseline))]
     only_a = {n.name for c in baseline for n in c.nodes} - {n.name for n in now.nodes}
@@ -230,18 +239,31 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
     if only_a or only_b:
         lines.append(_wrap(f"Not compared: {_names(only_b)} only in B; {_names(only_a)} only in A."))
     slower = [d for d in deltas if d.slower]
-    lines.append(f"{len(slower)} node direction(s) of B slower than A beyond the noise." if slower
+    unconfirmed = len(slower) - len(confirmed)
+    lines.append(f"{len(confirmed)} node direction(s) of B slower than A beyond the noise." if confirmed
                  else "No node of B is slower than A beyond the noise.")
-    return "\n".join(lines), EXIT_REGRESSION if slower else EXIT_OK
+    if unconfirmed:
+        lines.append(_wrap(f"{unconfirmed} more slower in B's cycle {now.index} only (marked slower?): not confirmed by "
+                           "B's cycle before it nor large enough to rule out noise (every call 3x slower); no regression."))
+    return "\n".join(lines), EXIT_REGRESSION if confirmed else EXIT_OK
 
 
-def delta_table(deltas: list[Delta], top: int | None) -> list[str]:
-    ordered = sorted(deltas, key=lambda d: abs(d.delta_ms), reverse=True)
-    shown = ordered if top is None else ordered[:top]
+def _fastest(cycle: CycleReport, delta: Delta) -> float:
+    stats = next(n for n in cycle.nodes if n.name == delta.node)
+    return stats.min_ms if delta.direction == "forward" else stats.bwd_min_ms
+
+
+def delta_table(deltas: list[Delta], top: int | None, confirmed: set[tuple[str, str]] = frozenset()) -> list[str]:
+    """The changes, those beyond the noise first (slower before faster), then by size; ``top`` rows at most, but every
+    flagged row is shown."""
+    ordered = sorted(deltas, key=lambda d: (not d.slower, not d.beyond_noise, -abs(d.delta_ms)))
+    flagged = sum(1 for d in ordered if d.beyond_noise)
+    shown = ordered if top is None else ordered[:max(top, flagged)]
     lines = [f"{'node':<{NAME_WIDTH}}  {'direction':<9}  {'A ms/call':>10}  {'B ms/call':>10}  {'delta ms':>10}  "
              f"{'ratio':>7}  mark"]
     for d in shown:
-        mark = ("SLOWER" if d.slower else "faster") if d.beyond_noise else ""
+        slower = "SLOWER" if (d.node, d.direction) in confirmed else "slower?"
+        mark = (slower if d.slower else "faster") if d.beyond_noise else ""
         lines.append(f"{shorten(d.node, NAME_WIDTH):<{NAME_WIDTH}}  {d.direction:<9}  {_ms(d.baseline_ms):>10}  "
                      f"{_ms(d.now_ms):>10}  {d.delta_ms:>+10.3f}  {_ratio(d.ratio):>7}  {mark}".rstrip())
     hidden = ordered[len(shown):]
@@ -306,16 +328,18 @@ def run_report(path: Path, stage: str, last: int, layers: int, options: dict) ->
         lines.append(f"(the last {len(shown)} cycles; {len(cycles) - len(shown)} earlier ones: --last {len(cycles)})")
     lines += cycle_table(shown, found)
     lines += ["", *trend_table(shown, layers)]
-    regressions = [(c, r) for c in cycles for r in found[id(c)][1]]
+    regressions = [(c, r) for c in cycles for r in found[id(c)].regressions]
     lines.append("")
     if regressions:
         lines.append("Regressions, each cycle against the sound cycles before it (median ms per call):")
-        for c, r in regressions:
-            lines.append(f"  cycle {c.index:<5} {shorten(r.node, NAME_WIDTH):<{NAME_WIDTH}} {r.direction:<9} "
-                         f"{_ms(r.baseline_ms):>9} -> {_ms(r.now_ms):<9} {_ratio(r.ratio):>7}  noise {_ms(r.noise_ms)}")
+        lines += [_regression_line(c, r) for c, r in regressions]
     else:
         lines.append(f"No regression beyond the noise in {len(cycles)} cycle(s) (each against the sound cycles "
                      "before it).")
+    pending = [(c, r) for c in cycles[-1:] for r in found[id(c)].unconfirmed]
+    if pending:
+        lines.append("Flagged in the last cycle, not yet confirmed (the next cycle confirms them or not):")
+        lines += [_regression_line(c, r) for c, r in pending]
     lines += legend_report(options)
     advice = cycles[-1].advice
     if advice:
@@ -325,32 +349,22 @@ def run_report(path: Path, stage: str, last: int, layers: int, options: dict) ->
     return "\n".join(lines), EXIT_REGRESSION if regressions else EXIT_OK
 
 
-def check_cycles(cycles: list[CycleReport], options: dict) -> dict[int, tuple[str | None, list[Regression]]]:
-    """For each cycle (by id): why it was not checked (None if it was) and its regressions.
+def _regression_line(cycle: CycleReport, r: Regression) -> str:
+    return (f"  cycle {cycle.index:<5} {shorten(r.node, NAME_WIDTH):<{NAME_WIDTH}} {r.direction:<9} "
+            f"{_ms(r.baseline_ms):>9} -> {_ms(r.now_ms):<9} {_ratio(r.ratio):>7}  noise {_ms(r.noise_ms)}")
 
-    As the engine does: a cycle is checked against the last 5 sound cycles before it (once there are 3),
-    and is sound (checked, then part of the baseline) when complete and not distorted by other load
-    (``trust.distortion`` on its step times).
+
+def check_cycles(cycles: list[CycleReport], options: dict) -> dict[int, Verdict]:
+    """For each cycle (by id): what its check found (why it was not checked, confirmed and unconfirmed flags).
+
+    As the engine does (``regressions.RegressionWatch``): each cycle against the last 5 sound cycles before it
+    (once there are 3); a flag counts once confirmed (in the next sound cycle too, or beyond what noise explains).
     """
-    found: dict[int, tuple[str | None, list[Regression]]] = {}
-    baseline: list[list] = []
-    medians: list[float] = []
-    for cycle in cycles:
-        why = "partial" if cycle.partial else ("distorted" if distortion(cycle.step_ms, medians) else None)
-        if why is not None:
-            found[id(cycle)] = (why, [])
-            continue
-        if len(baseline) < MIN_BASELINE:
-            found[id(cycle)] = (f"baseline: {len(baseline)} of {MIN_BASELINE} earlier cycles", [])
-        else:
-            found[id(cycle)] = (None, find_regressions(baseline, cycle.nodes, BASELINE_CYCLES, **options))
-        baseline.append(cycle.nodes)
-        if cycle.step_ms:
-            medians.append(statistics.median(cycle.step_ms))
-    return found
+    watch = RegressionWatch(BASELINE_CYCLES, **options)
+    return {id(cycle): watch.check(cycle.nodes, cycle.step_ms, cycle.step_cpu_ms, cycle.partial) for cycle in cycles}
 
 
-def cycle_table(cycles: list[CycleReport], found: dict) -> list[str]:
+def cycle_table(cycles: list[CycleReport], found: dict[int, Verdict]) -> list[str]:
     lines = [f"{'cycle':>7}  {'steps':<13}  {'fwd ms/step':>11}  {'bwd ms/step':>11}  {'step ms':>9}  {'spread':>6}  "
              f"{'regressions':>11}  note"]
     for c in cycles:
@@ -358,7 +372,7 @@ def cycle_table(cycles: list[CycleReport], found: dict) -> list[str]:
         steps = _steps(c)
         step = median_step_ms(c)
         spread = step_spread(c.step_ms) if c.step_ms else None
-        why, regressions = found[id(c)]
+        why, regressions = found[id(c)].skipped, found[id(c)].regressions
         name = c.directory.name if c.directory is not None else str(c.index)
         index = str(c.index) if name.endswith(f"{c.index:04d}") else name.removeprefix("val_").removeprefix("cycle_")
         forward, backward = (_ms(totals[0]), _ms(totals[1])) if totals else ("?", "?")
@@ -395,8 +409,10 @@ def legend_report(options: dict) -> list[str]:
         f"last {BASELINE_CYCLES} sound cycles' medians and within each cycle), more than {100 * floor:g}%, "
         f"{DEFAULT_MIN_MS * 1000:g} us and {100 * DEFAULT_MIN_SHARE:g}% of the cycle's node time, its fastest call "
         "too, beyond the cycle's shared slowdown; checked once "
-        f"{MIN_BASELINE} sound cycles came before. Partial cycles and those distorted by other load (step spread "
-        "> 50% or 2x jump) are not checked.", WIDTH)
+        f"{MIN_BASELINE} sound cycles came before, and reported once confirmed: flagged in the next sound cycle "
+        f"too, or every call {CONFIRM_RATIO:g}x slower with regular steps that got slower by it. Partial cycles and "
+        "those distorted by other load (step spread > 50%, or a 2x step jump or a CPU-per-wall drop with the nodes "
+        "slower in proportion) are not checked; a step slower because a few nodes are is their regression.", WIDTH)
 
 
 # ------------------------------------------------------------------ formatting

@@ -22,7 +22,6 @@ import dataclasses
 import functools
 import os
 import shutil
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -44,7 +43,7 @@ from fxprof_lightning.gpu_trace import summary as device_summary
 from fxprof_lightning.leaves import is_fsdp
 from fxprof_lightning.module_hooks import ModuleHookTimer
 from fxprof_lightning.node_timing import BackwardEvents, NodeTimer
-from fxprof_lightning.regressions import find_regressions
+from fxprof_lightning.regressions import RegressionWatch
 from fxprof_lightning.report import (
     CycleReport,
     NodeStats,
@@ -58,7 +57,6 @@ from fxprof_lightning.schedule import ProfilerAction, Schedule
 from fxprof_lightning.sinks import ConsoleSink, CsvSink, PictureSink, Sink
 from fxprof_lightning.torch_trace import CycleTrace, check_profiler_kwargs
 from fxprof_lightning.traced_on_example import Example, GuardedNodeTimer, observe_first_call
-from fxprof_lightning.trust import distortion
 
 __all__ = ["DEFAULT_DIRPATH", "Profiler", "cycle_name"]
 
@@ -104,8 +102,7 @@ class _Stage:
     piece: int = 0
     tracked: list[str] | None = None  # the nodes whose scalar series the run logs (the first cycle's top_k)
     history: list[list[NodeStats]] = field(default_factory=list)  # node tables of the recent cycles (advice)
-    baseline: list[list[NodeStats]] = field(default_factory=list)  # ... of the recent sound, whole cycles
-    step_medians: list[float] = field(default_factory=list)  # median step ms of those
+    watch: RegressionWatch = field(default_factory=lambda: RegressionWatch(history=HISTORY))  # trust, regressions
 
 
 class Profiler:
@@ -618,15 +615,10 @@ class Profiler:
                 self.peaks = peaks = raised_to(peaks, report.nodes)  # a measured peak a node beat was too low
                 report.nodes = with_roofline(report.nodes, peaks)
                 report.peaks = describe_peaks(peaks)
-        report.distortion = distortion(report.step_ms, stage.step_medians)
-        sound = not report.partial and report.distortion is None
-        if sound:
-            report.regressions = find_regressions(stage.baseline, report.nodes)
+        verdict = stage.watch.check(report.nodes, report.step_ms, report.step_cpu_ms, report.partial)
+        report.distortion, report.regressions, report.unconfirmed = verdict.distortion, verdict.regressions, verdict.unconfirmed
         stage.history = [*stage.history, report.nodes][-HISTORY:]
         report.advice = advise(report.nodes, stage.history, report.regressions, report.ranks)
-        if sound:
-            stage.baseline = [*stage.baseline, report.nodes][-HISTORY:]
-            stage.step_medians = [*stage.step_medians, statistics.median(report.step_ms or [0.0])][-HISTORY:]
 
     def _device_peaks(self) -> Peaks | None:
         """The given peaks, or the target's device's, measured once (and cached across runs). A known GPU

@@ -36,12 +36,13 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fxprof_lightning.report import NodeStats
+from fxprof_lightning.trust import cpu_per_wall, distortion, step_spread
 
 __all__ = ["DEFAULT_K", "DEFAULT_MIN_MS", "DEFAULT_MIN_RELATIVE", "DEFAULT_MIN_SHARE", "MIN_BASELINE", "Delta",
-           "Regression", "compare", "find_regressions", "shared_factor"]
+           "Regression", "RegressionWatch", "Verdict", "compare", "find_regressions", "shared_factor"]
 
 MAD_TO_SIGMA = 1.4826  # MAD x this estimates the standard deviation of normal samples
 DEFAULT_K = 4.0
@@ -237,3 +238,91 @@ def find_regressions(
     deltas = compare(history[-baseline_cycles:], now, k=k, min_relative=min_relative, min_ms=min_ms,
                      min_share=min_share, check_fastest=check_fastest, discount_shared=discount_shared)
     return sorted((d.regression() for d in deltas if d.slower), key=lambda r: r.ratio, reverse=True)
+
+
+# Watching a run --------------------------------------------------------------------------------------------------------
+
+CONFIRM_RATIO = 3.0  # a regression confirmed in its first cycle: every call this much slower, ...
+CONFIRM_SPREAD = 0.25  # ... steps this regular, and the step slower by at least half the node's added time
+
+
+@dataclass
+class Verdict:
+    """What one cycle's check found (``RegressionWatch.check``).
+
+    ``skipped`` says why the cycle was not checked (partial, distorted, baseline still short), None if it was;
+    ``distortion`` the load signature when distorted. ``regressions`` are confirmed: flagged in this cycle and
+    in the sound cycle before it, or so large in this one that noise cannot explain it (the median call
+    ``CONFIRM_RATIO`` x the baseline and the fastest call ``CONFIRM_RATIO - 1`` x, so every call is slower; the
+    steps regular; and the step slower by at least half the node's added time).
+    ``unconfirmed`` are flagged for the first time: the next cycle confirms them or not.
+    """
+
+    skipped: str | None = None
+    distortion: str | None = None
+    regressions: list[Regression] = field(default_factory=list)
+    unconfirmed: list[Regression] = field(default_factory=list)
+
+
+class RegressionWatch:
+    """Checks a run's cycles in order, as the engine does during training and ``fxprof report`` afterwards.
+
+    Each cycle is checked against the last ``baseline_cycles`` sound cycles before it (once there are
+    ``MIN_BASELINE``); a sound cycle (complete, not distorted by load, ``trust.distortion``) then joins the
+    baseline. A flag is reported once confirmed (see ``Verdict``).
+
+    >>> from fxprof_lightning.report import NodeStats
+    >>> def table(fc, other=1.0):
+    ...     return [NodeStats("fc", "call_module", "fc", "fc", 3, fc, fc, fc, fc, 3 * fc, 50.0)] + [
+    ...         NodeStats(f"n{i}", "call_module", "n", "n", 3, other, other, other, other, 3 * other, 10.0) for i in range(5)]
+    >>> watch = RegressionWatch()
+    >>> [watch.check(table(1.0), [9.0, 9.1, 9.0]).skipped for _ in range(3)]
+    ['baseline: 0 of 3 earlier cycles', 'baseline: 1 of 3 earlier cycles', 'baseline: 2 of 3 earlier cycles']
+    >>> first = watch.check(table(1.8), [11.4, 11.5, 11.4])  # 1.8x: flagged, not yet confirmed
+    >>> [r.node for r in first.unconfirmed], first.regressions
+    (['fc'], [])
+    >>> [r.node for r in watch.check(table(1.8), [11.4, 11.5, 11.4]).regressions]  # it persists: confirmed
+    ['fc']
+    """
+
+    def __init__(self, baseline_cycles: int = 5, history: int = 20, **options: float | bool) -> None:
+        self.baseline_cycles, self.history, self.options = baseline_cycles, history, options
+        self.baseline: list[Sequence[NodeStats]] = []  # the recent sound cycles' tables
+        self.medians: list[float] = []  # and their median step ms
+        self.cpu: list[float] = []  # and their CPU s per wall s
+        self._flagged: set[tuple[str, str]] = set()  # flagged in the last sound cycle
+
+    def check(self, nodes: Sequence[NodeStats], step_ms: list[float], step_cpu_ms: list[float] = (),
+              partial: bool = False) -> Verdict:
+        if partial:
+            return Verdict(skipped="partial")
+        recent = self.baseline[-self.baseline_cycles:]
+        shared = shared_factor(recent, nodes) if recent else 1.0
+        cpu = cpu_per_wall(step_ms, list(step_cpu_ms))
+        load = distortion(step_ms, self.medians, shared, cpu, self.cpu)
+        if load is not None:
+            return Verdict(skipped="distorted", distortion=load)
+        verdict = Verdict()
+        if len(self.baseline) < MIN_BASELINE:
+            verdict.skipped = f"baseline: {len(self.baseline)} of {MIN_BASELINE} earlier cycles"
+        else:
+            flagged = find_regressions(self.baseline, nodes, self.baseline_cycles, **self.options)
+            steps = max(len(step_ms), 1)
+            step_rise = statistics.median(step_ms) - statistics.median(self.medians) if step_ms and self.medians else 0.0
+            by_name = {s.name: s for s in nodes}
+            regular = (step_spread(step_ms) or 0.0) <= CONFIRM_SPREAD
+            for r in flagged:
+                stats = by_name[r.node]
+                fastest = stats.min_ms if r.direction == "forward" else stats.bwd_min_ms
+                calls = _calls(stats, r.direction)
+                added_per_step = (r.now_ms - r.baseline_ms) * calls / steps
+                clear = (r.ratio >= CONFIRM_RATIO and fastest >= (CONFIRM_RATIO - 1) * r.baseline_ms and regular
+                         and step_rise >= added_per_step / 2)
+                confirmed = clear or (r.node, r.direction) in self._flagged
+                (verdict.regressions if confirmed else verdict.unconfirmed).append(r)
+            self._flagged = {(r.node, r.direction) for r in flagged}
+        self.baseline = [*self.baseline, nodes][-self.history:]
+        self.medians = [*self.medians, statistics.median(step_ms or [0.0])][-self.history:]
+        if cpu is not None:
+            self.cpu = [*self.cpu, cpu][-self.history:]
+        return verdict

@@ -285,7 +285,9 @@ class CycleReport:
         ranges: FSDP2's ranges in the trace (all-gather, reduce-scatter... per module), slowest first.
         step_ms: wall time of each recorded step (from its start to the next step's start), rank 0's.
         step_cpu_ms: this process's CPU time (all threads) over each recorded step.
-        regressions: nodes slower than in the earlier cycles beyond the noise (``regressions.Regression``).
+        regressions: nodes slower than in the earlier cycles beyond the noise (``regressions.Regression``), confirmed
+            (flagged in the sound cycle before too, or beyond what noise can explain; ``regressions.Verdict``).
+        unconfirmed: nodes flagged for the first time: the next sound cycle confirms them or not.
         advice: what to try, one sentence each, most useful first (``advice``).
         distortion: why the cycle's numbers look distorted by other load (``trust.distortion``), or None.
         tracked: the nodes whose series the run logs as scalars: the same in every cycle of a run
@@ -312,6 +314,7 @@ class CycleReport:
     step_ms: list[float] = field(default_factory=list)
     step_cpu_ms: list[float] = field(default_factory=list)
     regressions: list[Any] = field(default_factory=list)
+    unconfirmed: list[Any] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
     distortion: str | None = None
     tracked: list[str] = field(default_factory=list)
@@ -336,7 +339,8 @@ class CycleReport:
             "forward_ms_per_step": self.forward_ms_per_step, "backward_ms_per_step": self.backward_ms_per_step,
             "backward_wall_ms": self.backward_wall_ms, "step_ms": self.step_ms, "step_cpu_ms": self.step_cpu_ms,
             "capture": self.capture.describe() if self.capture is not None else None,
-            "regressions": [asdict(r) for r in self.regressions], "advice": self.advice,
+            "regressions": [asdict(r) for r in self.regressions],
+            "unconfirmed": [asdict(r) for r in self.unconfirmed], "advice": self.advice,
             "distortion": self.distortion, "tracked": self.tracked,
             "trace_files": [p.name for p in self.trace_paths], "device": self.device, "peaks": self.peaks,
         }

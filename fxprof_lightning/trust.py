@@ -1,28 +1,29 @@
-"""How far a cycle's numbers can be trusted: the spread of its step times and its CPU time against wall time.
+"""How far a cycle's numbers can be trusted: load from other processes, told apart from a real slowdown.
 
 Per-node times measured while other processes compete for the cores are inflated, and by
-different amounts for different nodes. Two signs of that, computed from the wall time and the
-process CPU time of each recorded step (``CycleReport.step_ms``, ``step_cpu_ms``):
+different amounts for different nodes. Load has a signature, computed from the wall time and the
+process CPU time of each recorded step (``CycleReport.step_ms``, ``step_cpu_ms``) and from the nodes:
 
 - the **spread** of the recorded steps, ``(slowest - fastest) / median``: steps of one training
   run do the same work, so a spread above ``SPREAD_LIMIT`` (50 %) means something else ran;
 - a **jump** of the cycle's median step time to more than ``JUMP_LIMIT`` (2x) the median of the
-  earlier cycles (a run whose steps get slower for a reason of its own shows it as a regression
-  of the nodes that got slower, not of the whole step).
-
-``cpu_per_wall`` (CPU seconds per wall second, over all threads) is reported beside them: on an
-idle machine it stays near the number of threads the step keeps busy; when it drops in one cycle,
-the process waited for cores.
+  earlier cycles, or a drop of ``cpu_per_wall`` (CPU seconds per wall second, all threads) below
+  ``CPU_DROP`` (0.6x) of the earlier cycles' (the process waited for cores), *with the nodes slower
+  in proportion*: their median slowdown (``regressions.shared_factor``) at least ``SHARED_LOAD``
+  (1.5x) and at least half the step's. A step that got slower because a few nodes did is no load:
+  it shows as the regression of those nodes, however large.
 """
 
 from __future__ import annotations
 
 import statistics
 
-__all__ = ["JUMP_LIMIT", "SPREAD_LIMIT", "cpu_per_wall", "distortion", "step_spread"]
+__all__ = ["CPU_DROP", "JUMP_LIMIT", "SHARED_LOAD", "SPREAD_LIMIT", "cpu_per_wall", "distortion", "step_spread"]
 
 SPREAD_LIMIT = 0.5
 JUMP_LIMIT = 2.0
+CPU_DROP = 0.6
+SHARED_LOAD = 1.5
 
 
 def step_spread(step_ms: list[float]) -> float | None:
@@ -43,23 +44,39 @@ def cpu_per_wall(step_ms: list[float], step_cpu_ms: list[float]) -> float | None
     return sum(step_cpu_ms) / wall if wall > 0 and step_cpu_ms else None
 
 
-def distortion(step_ms: list[float], earlier_medians: list[float]) -> str | None:
+def distortion(step_ms: list[float], earlier_medians: list[float], shared: float = 1.0,
+               cpu: float | None = None, earlier_cpu: list[float] = ()) -> str | None:
     """Why a cycle's numbers look distorted by other load, or None when they look sound.
 
-    ``earlier_medians`` are the median step times of the run's earlier sound cycles.
+    ``earlier_medians`` are the median step times of the run's earlier sound cycles, ``earlier_cpu``
+    their ``cpu_per_wall``; ``cpu`` is this cycle's; ``shared`` how much slower its nodes ran as a
+    whole than in those cycles (``regressions.shared_factor``).
 
     >>> distortion([10.0, 10.5, 10.2], [10.1]) is None
     True
     >>> distortion([10.0, 31.0, 10.2], [])
     'its recorded steps took 10.0 to 31.0 ms (spread 206% of the median, limit 50%)'
+    >>> distortion([30.0, 30.2, 30.1], [10.0], shared=1.02) is None  # a few nodes got slower: their regression
+    True
+    >>> distortion([30.0, 30.2, 30.1], [10.0], shared=2.9)
+    "its median step took 30.1 ms, 3.0x the earlier cycles' 10.0 ms, with its nodes 2.9x slower as a whole"
     """
     reasons = []
     spread = step_spread(step_ms)
     if spread is not None and spread > SPREAD_LIMIT:
         reasons.append(f"its recorded steps took {min(step_ms):.1f} to {max(step_ms):.1f} ms "
                        f"(spread {100 * spread:.0f}% of the median, limit {100 * SPREAD_LIMIT:.0f}%)")
+    jump = 1.0
     if step_ms and earlier_medians:
         now, before = statistics.median(step_ms), statistics.median(earlier_medians)
-        if before > 0 and now > JUMP_LIMIT * before:
-            reasons.append(f"its median step took {now:.1f} ms, {now / before:.1f}x the earlier cycles' {before:.1f} ms")
+        jump = now / before if before > 0 else 1.0
+    in_proportion = shared >= SHARED_LOAD and shared >= 1 + (jump - 1) / 2
+    if jump > JUMP_LIMIT and in_proportion:
+        reasons.append(f"its median step took {now:.1f} ms, {jump:.1f}x the earlier cycles' {before:.1f} ms, "
+                       f"with its nodes {shared:.1f}x slower as a whole")
+    if cpu is not None and earlier_cpu and shared >= SHARED_LOAD:
+        before_cpu = statistics.median(earlier_cpu)
+        if before_cpu > 0 and cpu < CPU_DROP * before_cpu:
+            reasons.append(f"the process got {cpu:.2f} CPU s per wall s, {before_cpu:.2f} in the earlier cycles "
+                           f"(it waited for cores), with its nodes {shared:.1f}x slower as a whole")
     return "; ".join(reasons) or None

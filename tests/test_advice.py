@@ -66,4 +66,9 @@ def test_trust_figures():
     assert cpu_per_wall([10.0, 10.0], [15.0, 25.0]) == 2.0
     assert distortion([10.0, 10.4, 10.2], [10.0, 10.3]) is None
     assert "spread" in distortion([10.0, 40.0, 10.2], [])
-    assert "3.0x the earlier cycles'" in distortion([30.0, 30.2, 30.1], [10.0, 10.1])
+    # A 3x step with every node ~3x slower is load; with the nodes as before, it is the regression of a few nodes.
+    assert "3.0x the earlier cycles'" in distortion([30.0, 30.2, 30.1], [10.0, 10.1], shared=2.8)
+    assert distortion([30.0, 30.2, 30.1], [10.0, 10.1], shared=1.05) is None
+    # The process waited for cores (CPU per wall 0.65 where it had 1.98) and every node ran 1.7x slower: load.
+    assert "waited for cores" in distortion([17.0, 17.2, 17.1], [10.0], shared=1.7, cpu=0.65, earlier_cpu=[1.98])
+    assert distortion([17.0, 17.2, 17.1], [10.0], shared=1.1, cpu=0.65, earlier_cpu=[1.98]) is None
