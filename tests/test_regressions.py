@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from fxprof_lightning.regressions import Delta, Regression, compare, find_regressions, shared_factor
+from fxprof_lightning.regressions import Delta, Regression, RegressionWatch, compare, find_regressions, shared_factor
 from fxprof_lightning.report import NodeStats
 
 
@@ -195,3 +195,52 @@ def test_noise_matches_a_reference_computed_by_hand():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="baseline_cycles"):
         find_regressions([[node("fc", 1.0)]] * 3, [node("fc", 1.0)], baseline_cycles=0)
+
+
+# RegressionWatch: what the engine and ``fxprof report`` do cycle after cycle ------------------------------------------
+
+
+def watched(tables: list[list[NodeStats]], steps: list[list[float]], cpu: list[list[float]] | None = None):
+    watch = RegressionWatch()
+    return [watch.check(t, s, (cpu or [[]] * len(tables))[i]) for i, (t, s) in enumerate(zip(tables, steps))]
+
+
+def scaled(table: list[NodeStats], name: str, factor: float) -> list[NodeStats]:
+    return [node(n.name, factor * n.median_ms, n.mad_ms, n.bwd_median_ms, n.bwd_mad_ms) if n.name == name else n
+            for n in table]
+
+
+def test_a_layer_that_makes_the_step_29x_slower_is_its_regression_not_distortion():
+    """From cycle 4 one node takes 1000x (the step 29x): every node else as before, so the step's jump is that node's."""
+    tables = steady_tables(8)
+    steps = [[10.0, 10.1, 10.0]] * 4 + [[290.0, 291.0, 290.5]] * 4
+    tables = tables[:4] + [scaled(t, "n3", 1000.0) for t in tables[4:]]
+    verdicts = watched(tables, steps)
+    assert all(v.distortion is None for v in verdicts)
+    assert [r.node for r in verdicts[4].regressions] == ["n3"]  # clear in its first cycle: confirmed at once
+    assert verdicts[4].regressions[0].ratio > 900
+
+
+def test_load_on_every_node_is_distortion_not_a_regression():
+    tables = steady_tables(6)
+    loaded = [node(n.name, 2.8 * n.median_ms, n.mad_ms, 2.8 * n.bwd_median_ms, n.bwd_mad_ms) for n in tables[5]]
+    verdicts = watched([*tables[:5], loaded], [[10.0, 10.1, 10.0]] * 5 + [[30.0, 30.5, 30.2]],
+                       [[19.8, 19.9, 19.7]] * 5 + [[19.5, 20.0, 19.6]])
+    assert "2.8x slower as a whole" in verdicts[5].distortion and verdicts[5].regressions == []
+
+
+def test_a_flag_is_confirmed_by_the_next_sound_cycle():
+    """1.6x on one node without any step change (what noise could do once): unconfirmed, then confirmed when it stays."""
+    tables = steady_tables(7)
+    tables = tables[:4] + [scaled(t, "n9", 1.6) for t in tables[4:]]
+    verdicts = watched(tables, [[10.0, 10.1, 10.0]] * 7)
+    assert [r.node for r in verdicts[4].unconfirmed] == ["n9"] and verdicts[4].regressions == []
+    assert [r.node for r in verdicts[5].regressions] == ["n9"]
+
+
+def test_a_one_cycle_blip_is_never_reported():
+    tables = steady_tables(8)
+    tables[4] = scaled(tables[4], "n9", 1.6)
+    verdicts = watched(tables, [[10.0, 10.1, 10.0]] * 8)
+    assert [r.node for r in verdicts[4].unconfirmed] == ["n9"]
+    assert all(v.regressions == [] for v in verdicts)
