@@ -273,6 +273,11 @@ class Profiler:
         self._finish_step(self._current)
         self.end_stage("train")
         self.end_run()
+        if not self._train.cycles and self.rank == 0:
+            first = self.schedule.recorded_steps(0)
+            self.warn(f"stopped after {self._train.step} step(s), before any recorded step (the first is step "
+                      f"{first[0] if first else '?'}: skip_first={self.schedule.skip_first}, wait={self.schedule.wait}, "
+                      f"warmup={self.schedule.warmup}), so prof.cycles is empty; run more steps or lower wait/skip_first")
 
     def __enter__(self) -> Profiler:
         self.start()
