@@ -779,30 +779,6 @@ def quiet() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def timed_captures() -> Iterator[list[float]]:
-    """Seconds of each ``capture`` the callback runs (wrapped where the callback module looks it up)."""
-    import fxprof_lightning.callback as callback_module
-
-    seconds: list[float] = []
-    original = getattr(callback_module, "capture", None)
-    if original is None:
-        yield seconds
-        return
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            seconds.append(time.perf_counter() - start)
-
-    callback_module.capture = timed
-    try:
-        yield seconds
-    finally:
-        callback_module.capture = original
-
-
 @dataclass
 class HFRow:
     family: str
@@ -861,6 +837,7 @@ def read_cycle(row: HFRow, callback: Any) -> None:
     cycle = callback.cycles[0]
     how = cycle.capture
     row.method, row.guards, row.leaves = how.method, how.guards, dict(how.leaves)
+    row.capture_s = sum(how.capture_s) if how.capture_s else None
     row.nodes = len(cycle.nodes)
     row.with_bwd = sum(1 for n in cycle.nodes if n.bwd_calls > 0)
     total = sum(n.total_ms for n in cycle.nodes)
@@ -885,10 +862,9 @@ def run_hf(spec: HFSpec, attention: str | None, limit_s: int) -> HFRow:
             plain = train(spec, attention, [])
             stage = "with the callback"
             callback = FXProfilerCallback(**HF_SCHEDULE, module="model", dirpath=directory)
-            with warnings.catch_warnings(record=True) as caught, timed_captures() as seconds:
+            with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 profiled = train(spec, attention, [callback])
-            row.capture_s = sum(seconds) if seconds else None
             row.warnings = callback_warnings(caught)
             equal, differ = bitwise_equal(plain, profiled)
             row.equal = "yes" if equal else "NO"

@@ -46,7 +46,8 @@ class Capture:
         graph_breaks: ``compiled`` and ``dynamo``: Dynamo's graph breaks, by reason, with their counts.
         graphs: ``dynamo``: the graphs captured so far (one per graph break and per recapture).
         recaptures: ``dynamo``: why each capture after the first was made (the guard that failed).
-        capture_s: ``dynamo``: seconds of each capture (Dynamo, the check against eager, the call).
+        capture_s: seconds of each capture: ``dynamo``: Dynamo, the check against eager, the call; the torch.fx ladder:
+            the tracing (with its retries and checks).
     """
 
     method: str

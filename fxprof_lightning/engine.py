@@ -744,7 +744,9 @@ class Profiler:
                                 on_refused=functools.partial(self._warn_refused, module, training), **ranges)
             return timer, Capture("dynamo", error=DYNAMO)
         example = self._examples.pop(training, None)
+        started = time.perf_counter()
         how = capture(module, example)
+        how.capture_s = [time.perf_counter() - started]
         if how.graph_module is None and example is None:  # no warning yet: the recorded call may do better
             if training not in self._observers:
                 self._observers[training] = observe_first_call(module, training, functools.partial(self._observed, training))
