@@ -41,7 +41,7 @@ from fxprof_lightning.regressions import (
     compare,
     shared_factor,
 )
-from fxprof_lightning.report import CycleReport
+from fxprof_lightning.report import CycleReport, shorten
 from fxprof_lightning.runs import RunError, find_cycles, load_cycle
 from fxprof_lightning.trust import step_spread
 
@@ -416,18 +416,6 @@ def legend_report(options: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------ formatting
-
-
-def shorten(text: str, width: int) -> str:
-    """``text`` cut in the middle to at most ``width`` characters.
-
-    >>> shorten("layers.10.attention.self.query", 20)
-    'layers.10...lf.query'
-    """
-    if len(text) <= width:
-        return text
-    keep = width - 3
-    return text[: (keep + 1) // 2] + "..." + text[len(text) - keep // 2:]
 
 
 def _steps(report: CycleReport) -> str:

@@ -8,8 +8,8 @@
 - ``trend(cycles)``: forward + backward ms per step of the last cycle's slowest nodes over the cycles (x: each cycle's
   last step; a node missing from a cycle is a gap), under the total of all nodes.
 
-``png_bytes(fig)`` renders a figure for a PNG file, ``image_array(fig)`` for ``SummaryWriter.add_image(tag, array,
-step, dataformats="HWC")``. Figures use matplotlib's object API, not pyplot: any thread may draw them, and nothing
+``png_bytes(fig)`` renders a figure for a PNG file (``sinks.png_to_array`` turns it into what
+``SummaryWriter.add_image(tag, array, step, dataformats="HWC")`` takes). Figures use matplotlib's object API, not pyplot: any thread may draw them, and nothing
 keeps them alive once dropped. Every figure is 1000 pixels wide.
 """
 
@@ -19,13 +19,12 @@ import io
 import math
 from typing import TYPE_CHECKING
 
-from fxprof_lightning.report import CycleReport, ModuleStats
+from fxprof_lightning.report import CycleReport, ModuleStats, shorten
 
 if TYPE_CHECKING:
-    import numpy as np
     from matplotlib.figure import Figure
 
-__all__ = ["image_array", "module_icicle", "png_bytes", "slowest_layers", "trend"]
+__all__ = ["module_icicle", "png_bytes", "slowest_layers", "trend"]
 
 WIDTH_IN, DPI = 7.0, 100  # 700 px: readable when TensorBoard shows it in a narrow card
 FORWARD, BACKWARD, GREY = "#4c72b0", "#dd8452", "#777777"
@@ -37,14 +36,6 @@ def _figure(height_in: float) -> Figure:
     except ImportError as e:
         raise ImportError("fxprof-lightning's pictures need matplotlib: pip install 'fxprof-lightning[plots]'") from e
     return Figure(figsize=(WIDTH_IN, height_in), dpi=DPI, layout="constrained")
-
-
-def _shorten(text: str, width: int) -> str:
-    """``text`` cut in the middle to ``width`` characters, keeping its start and end."""
-    if len(text) <= width:
-        return text
-    head = (width - 1) // 2
-    return text[:head] + "…" + text[len(text) - (width - 1 - head):]
 
 
 def _cycle_title(report: CycleReport) -> str:
@@ -76,13 +67,13 @@ def slowest_layers(report: CycleReport, top: int = 15) -> Figure:
     ax.barh(rows, fwd, height=0.7, color=FORWARD, label="forward")
     if any(bwd):  # validation cycles have none
         ax.barh(rows, bwd, height=0.7, left=fwd, color=BACKWARD, label="backward")
-    ax.set_yticks(rows, [_shorten(n.name, 36) for n in shown], fontsize=9)
+    ax.set_yticks(rows, [shorten(n.name, 36, "…") for n in shown], fontsize=9)
     from matplotlib.transforms import ScaledTranslation
     up = ScaledTranslation(0, 6 / 72, fig.dpi_scale_trans)
     for row, (n, label) in enumerate(zip(shown, ax.get_yticklabels())):
         if n.module_path.replace(".", "_") != n.name:  # the module a function ran in, not one the name spells
             label.set_transform(label.get_transform() + up)
-            ax.annotate(_shorten(n.module_path or "(root)", 44), (0, row), xycoords=("axes fraction", "data"),
+            ax.annotate(shorten(n.module_path or "(root)", 44, "…"), (0, row), xycoords=("axes fraction", "data"),
                         xytext=(-3.5, -8.5), textcoords="offset points", ha="right", va="center", fontsize=7.5, color=GREY)
     for row, (f, b) in enumerate(zip(fwd, bwd)):
         ax.annotate(f"{f + b:.3g}", (f + b, row), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
@@ -189,7 +180,7 @@ def trend(cycles: list[CycleReport], top: int = 8, stage: str = "train") -> Figu
         for c in shown:
             n = next((n for n in c.nodes if n.name == node.name), None)
             ys.append((n.total_ms + n.bwd_total_ms) / len(c.steps) if n else math.nan)
-        ax.plot(steps, ys, "o-", linewidth=1.5, markersize=4, label=_shorten(node.name, 30))
+        ax.plot(steps, ys, "o-", linewidth=1.5, markersize=4, label=shorten(node.name, 30, "…"))
     ax.set_ylabel("ms per step")
     ax.set_xlabel("step (last of the cycle)")
     ax.xaxis.get_major_locator().set_params(integer=True)
@@ -207,12 +198,3 @@ def png_bytes(fig: Figure) -> bytes:
     buffer = io.BytesIO()
     FigureCanvasAgg(fig).print_png(buffer)
     return buffer.getvalue()
-
-
-def image_array(fig: Figure) -> np.ndarray:
-    """The figure as an RGB ``uint8`` array, height x width x 3."""
-    import numpy as np
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    canvas = FigureCanvasAgg(fig)
-    canvas.draw()
-    return np.asarray(canvas.buffer_rgba())[..., :3].copy()

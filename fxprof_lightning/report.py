@@ -18,6 +18,20 @@ __all__ = ["CycleReport", "ModuleStats", "NodeStats", "RangeStats", "merge_ranks
 NS_PER_MS = 1e6
 
 
+def shorten(text: str, width: int, ellipsis: str = "...") -> str:
+    """``text`` cut in the middle to at most ``width`` characters, keeping its start and end.
+
+    >>> shorten("layers.10.attention.self.query", 20)
+    'layers.10...lf.query'
+    >>> shorten("layers.10.attention.self.query", 12, "…")
+    'layers…query'
+    """
+    if len(text) <= width:
+        return text
+    keep = width - len(ellipsis)
+    return text[: (keep + 1) // 2] + ellipsis + text[len(text) - keep // 2:]
+
+
 @dataclass(frozen=True)
 class NodeStats:
     """Forward and backward time of one node over a cycle's recorded steps, with its costs.

@@ -18,9 +18,9 @@ from conftest import SmallNet, image_loader
 from torch.nn import functional as F
 
 from fxprof_lightning import CsvSink, Profiler
-from fxprof_lightning.cli import main, shorten
+from fxprof_lightning.cli import main
 from fxprof_lightning.regressions import Regression
-from fxprof_lightning.report import ModuleStats, NodeStats
+from fxprof_lightning.report import ModuleStats, NodeStats, shorten
 from fxprof_lightning.runs import RunError, find_cycles, load_cycle, load_run
 
 SUMMARY = "cycle.jsonl"
@@ -368,7 +368,7 @@ def test_help_names_the_exit_status():
                             timeout=120, check=False)
     assert result.returncode == 0
     assert "compare" in result.stdout and "report" in result.stdout
-    assert "exit status:" in result.stdout and "1  regressions found" in result.stdout
+    assert "exit status:" in result.stdout and "1  confirmed regressions found" in result.stdout
 
 
 def test_shorten_cuts_long_names_in_the_middle():

@@ -19,7 +19,8 @@ from torch import nn
 
 import fxprof_lightning
 from fxprof_lightning import Profiler
-from fxprof_lightning.plots import image_array, module_icicle, png_bytes, slowest_layers, trend
+from fxprof_lightning.plots import module_icicle, png_bytes, slowest_layers, trend
+from fxprof_lightning.sinks import png_to_array
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 pytestmark = pytest.mark.filterwarnings("ignore:.*look distorted by other load")  # a busy test machine
@@ -190,7 +191,7 @@ def test_trend_follows_the_last_cycles_slowest_nodes_leaving_gaps(nested):
 
 
 def test_image_array_is_rgb_for_tensorboard(mlp):
-    array = image_array(slowest_layers(mlp.cycles[0]))
+    array = png_to_array(png_bytes(slowest_layers(mlp.cycles[0])))
     assert array.dtype == np.uint8 and array.ndim == 3 and array.shape[1:] == (700, 3)
     assert colours(array) > 50
     assert np.array_equal(array, (decoded(slowest_layers(mlp.cycles[0]))[..., :3] * 255).round().astype(np.uint8))
