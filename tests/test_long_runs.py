@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import pickle
 
 import lightning.pytorch as pl
@@ -27,6 +29,12 @@ class TinyLit(pl.LightningModule):
 
 
 def rss_bytes() -> int:
+    """Resident memory after glibc hands its free memory back (``malloc_trim``): what is kept, not how the
+    allocator's heap happens to be laid out. Without the trim, after torch.compile'd tests in the same process,
+    resident memory swung by 120 MB between steps 500 and 1500 of this run and back (2026-11-24), with no
+    Python object growing (tracemalloc: 4 KB)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
 
