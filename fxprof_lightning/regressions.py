@@ -20,6 +20,11 @@ which delays some calls by whole scheduler time slices or slows every node at on
 * ``check_fastest``: the cycle's fastest call (``min_ms``, ``bwd_min_ms``) must pass the same test
   against the baseline cycles' fastest calls. Work that a layer really added slows every call;
   a busy machine slows some, so a median moved by two delayed calls of three is not flagged.
+* A node back at a level one of the baseline cycles had (within ``min_relative``) is not flagged slower.
+  Some nodes have two modes that last many steps: the weight gradient of ResNet18's ``layer4.0.conv2``
+  is a fresh 9.4 MB buffer each backward, and glibc either reuses touched memory (6.5 ms) or extends the
+  heap (2304 first-touch page faults, 9.2 ms), the same for hundreds of steps; in identical runs the
+  return to the slower mode was flagged 1.4-1.8x (2026-11-24, see benchmarks/README.md).
 * ``discount_shared``: when the cycle's nodes ran slower as a whole (the median of now/baseline
   over every node and direction compared, from 5 of them), the baselines are scaled by that
   factor before the tests (and by a factor below 1 for "faster"). A slowdown shared by most
@@ -97,11 +102,13 @@ class Delta:
 
 @dataclass(frozen=True)
 class _Side:
-    """One statistic of one node and direction: baseline, now and spread (ms per call)."""
+    """One statistic of one node and direction: baseline, now and spread (ms per call), and the highest
+    baseline cycle's value."""
 
     baseline: float
     now: float
     noise: float
+    highest: float = math.inf
 
     def beyond(self, factor: float, k: float, min_relative: float, min_ms: float) -> bool:
         base = self.baseline * factor
@@ -123,7 +130,7 @@ def _calls(stats: NodeStats, direction: str) -> int:
 def _side(earlier: list[float], now: float, within: float) -> _Side:
     base = statistics.median(earlier)
     cycle_to_cycle = MAD_TO_SIGMA * statistics.median(abs(v - base) for v in earlier) if len(earlier) >= 3 else 0.0
-    return _Side(base, now, math.sqrt(cycle_to_cycle**2 + within**2))
+    return _Side(base, now, math.sqrt(cycle_to_cycle**2 + within**2), max(earlier))
 
 
 Pair = tuple[NodeStats, str, _Side, _Side]  # the node's stats now, direction, median side, fastest-call side
@@ -204,6 +211,8 @@ def compare(
         cost = abs(median.now - median.baseline * scale) * _calls(stats, direction)
         beyond = ((slower or median.now < median.baseline * down) and cost > min_share * node_time
                   and median.beyond(scale, k, min_relative, min_ms))
+        if beyond and slower and median.now <= median.highest * (1 + min_relative):
+            beyond = False  # back at a level a baseline cycle had: a change of mode (the allocator's), not a regression
         if beyond and check_fastest:  # the fastest call moved too, the same way
             same_way = (fastest.now > fastest.baseline * scale) == slower
             beyond = same_way and fastest.beyond(scale, k, min_relative, min_ms)
@@ -269,7 +278,9 @@ class RegressionWatch:
 
     Each cycle is checked against the last ``baseline_cycles`` sound cycles before it (once there are
     ``MIN_BASELINE``); a sound cycle (complete, not distorted by load, ``trust.distortion``) then joins the
-    baseline. A flag is reported once confirmed (see ``Verdict``).
+    baseline. A flag is reported once confirmed (see ``Verdict``); a cycle whose only flags are unconfirmed
+    joins the baseline only if the next sound cycle confirms them (a blip must not raise the baseline, nor
+    hide the regression it was the start of).
 
     >>> from fxprof_lightning.report import NodeStats
     >>> def table(fc, other=1.0):
@@ -291,6 +302,7 @@ class RegressionWatch:
         self.medians: list[float] = []  # and their median step ms
         self.cpu: list[float] = []  # and their CPU s per wall s
         self._flagged: set[tuple[str, str]] = set()  # flagged in the last sound cycle
+        self._held: tuple[Sequence[NodeStats], float, float | None] | None = None  # that cycle, if only flags in question
 
     def check(self, nodes: Sequence[NodeStats], step_ms: list[float], step_cpu_ms: list[float] = (),
               partial: bool = False) -> Verdict:
@@ -321,8 +333,14 @@ class RegressionWatch:
                 confirmed = clear or (r.node, r.direction) in self._flagged
                 (verdict.regressions if confirmed else verdict.unconfirmed).append(r)
             self._flagged = {(r.node, r.direction) for r in flagged}
-        self.baseline = [*self.baseline, nodes][-self.history:]
-        self.medians = [*self.medians, statistics.median(step_ms or [0.0])][-self.history:]
-        if cpu is not None:
-            self.cpu = [*self.cpu, cpu][-self.history:]
+        entry = (nodes, statistics.median(step_ms or [0.0]), cpu)
+        if verdict.unconfirmed and not verdict.regressions:
+            self._held = entry  # in question: kept out of the baseline until the next sound cycle decides
+            return verdict
+        held, self._held = self._held, None
+        for table, median, used in ([held] if held is not None and verdict.regressions else []) + [entry]:
+            self.baseline = [*self.baseline, table][-self.history:]
+            self.medians = [*self.medians, median][-self.history:]
+            if used is not None:
+                self.cpu = [*self.cpu, used][-self.history:]
         return verdict
