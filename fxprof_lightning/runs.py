@@ -189,7 +189,7 @@ def _read_table(path: Path, record_type: type) -> list:
             return records
     except OSError as error:
         raise RunError(f"{path}: {error.strerror or error}") from error
-    except csv.Error as error:
+    except (csv.Error, UnicodeDecodeError) as error:
         raise RunError(f"{path}: not a CSV file ({error})") from error
 
 

@@ -361,6 +361,9 @@ def test_bad_input_exits_2_with_a_message(capsys, tmp_path, steady_and_slow, pro
                {"calls": lambda row: "many"})
     status, _, err = run_cli(capsys, "compare", str(steady), str(slow))
     assert status == 2 and "fx_nodes.csv, line" in err and "column calls" in err
+    (slow / "cycle_0004" / "fx_nodes.csv").write_bytes(bytes(range(256)) * 8)  # binary garbage
+    status, _, err = run_cli(capsys, "report", str(slow))
+    assert status == 2 and "fx_nodes.csv: not a CSV file" in err and "Traceback" not in err
 
 
 def test_help_names_the_exit_status():
