@@ -20,7 +20,7 @@ which delays some calls by whole scheduler time slices or slows every node at on
 * ``check_fastest``: the cycle's fastest call (``min_ms``, ``bwd_min_ms``) must pass the same test
   against the baseline cycles' fastest calls. Work that a layer really added slows every call;
   a busy machine slows some, so a median moved by two delayed calls of three is not flagged.
-* A node back at a level one of the baseline cycles had (within ``min_relative``) is not flagged slower.
+* A node back at a level one of the baseline cycles had (within ``MODE_MARGIN``, 5 %) is not flagged slower.
   Some nodes have two modes that last many steps: the weight gradient of ResNet18's ``layer4.0.conv2``
   is a fresh 9.4 MB buffer each backward, and glibc either reuses touched memory (6.5 ms) or extends the
   heap (2304 first-touch page faults, 9.2 ms), the same for hundreds of steps; in identical runs the
@@ -55,6 +55,7 @@ DEFAULT_MIN_RELATIVE = 0.15
 DEFAULT_MIN_MS = 0.002
 DEFAULT_MIN_SHARE = 0.005
 MIN_BASELINE = 3  # find_regressions: earlier cycles needed before any flag (the cycle-to-cycle spread needs 3)
+MODE_MARGIN = 0.05  # a node within this of its highest baseline cycle is back at a level it had: not slower
 SHARED_FROM = 5  # compared (node, direction) pairs needed to estimate a shared slowdown
 DIRECTIONS = ("forward", "backward")
 
@@ -211,7 +212,7 @@ def compare(
         cost = abs(median.now - median.baseline * scale) * _calls(stats, direction)
         beyond = ((slower or median.now < median.baseline * down) and cost > min_share * node_time
                   and median.beyond(scale, k, min_relative, min_ms))
-        if beyond and slower and median.now <= median.highest * (1 + min_relative):
+        if beyond and slower and median.now <= median.highest * (1 + MODE_MARGIN):
             beyond = False  # back at a level a baseline cycle had: a change of mode (the allocator's), not a regression
         if beyond and check_fastest:  # the fastest call moved too, the same way
             same_way = (fastest.now > fastest.baseline * scale) == slower
