@@ -12,13 +12,16 @@ from dataclasses import dataclass
 
 from fxprof_lightning.report import NodeStats
 
-__all__ = ["Advice", "advise", "elementwise_share", "heavy_backward", "low_peak", "regressed", "slow_rank"]
+__all__ = ["Advice", "advise", "elementwise_share", "heavy_backward", "low_peak", "model_share", "regressed", "slow_rank",
+           "whole_step"]
 
 MIN_SHARE = 5.0  # % of the step's node time: smaller nodes are not worth advice
 LOW_PEAK = 30.0  # % of the roofline's attainable rate below which a large matmul or conv is "low"
 BACKWARD_RATIO = 3.0  # backward this many times its forward is suspicious (2x is normal for matmuls)
 ELEMENTWISE_SHARE = 15.0  # % of the step's node time in one module's elementwise nodes
 SLOW_RANK_SHARE = 2 / 3  # the same rank slowest in this share of the cycles
+STEP_SHARE = 25.0  # % of the whole step in data, optimizer or other callbacks worth saying first
+MODEL_SHARE = 40.0  # % of the whole step in training_step + backward below which node-level advice is left out
 PER_RULE = 2  # findings of one rule kept, so that the few lines cover different problems
 
 
@@ -44,12 +47,12 @@ def low_peak(nodes: list[NodeStats]) -> list[Advice]:
     for n in nodes:
         if not n.fwd_flops or n.pct_of_peak is None or n.pct_of_peak >= LOW_PEAK or _share(n, grand) < MIN_SHARE:
             continue
-        what = "batch size or matrix sizes (multiples of 8/64), bf16 autocast or TF32" if n.bound == "compute" else \
+        what = "a larger batch or matrix sizes (multiples of 8/64), bf16 autocast or TF32" if n.bound == "compute" else \
             "a larger batch (more work per byte), fusing it with its neighbours (torch.compile), or a lower precision"
         found.append(Advice(_share(n, grand), (
             f"`{n.name}` ({n.target}, {_share(n, grand):.0f}% of node time) reaches {n.pct_of_peak:.0f}% of what the "
             f"device allows at its {n.intensity:.1f} FLOP/byte ({n.bound}-bound, {n.fwd_gflops_per_s or 0:.1f} GFLOP/s): "
-            f"try a larger {what}.")))
+            f"try {what}.")))
     return found
 
 
@@ -106,6 +109,37 @@ def slow_rank(history: list[list[NodeStats]], ranks: int) -> list[Advice]:
         "collective. Check its data loading, its GPU (clocks, other processes) and uneven inputs (sequence lengths)."))]
 
 
+def whole_step(phases: dict[str, float]) -> list[Advice]:
+    """A part of the step outside the model (waiting for data, the optimizer, other callbacks) that takes a large
+    share of it (``CycleReport.phases``)."""
+    total = sum(phases.values())
+    if total <= 0:
+        return []
+    texts = {
+        "data": "waits for its next batch {share} of the time ({ms}): more DataLoader workers (num_workers), "
+                "pin_memory=True and persistent_workers=True, or less work per sample in the Dataset; the model's "
+                "layers are not what the step waits for",
+        "optimizer": "spends {share} of its time in the optimizer step ({ms}): a fused or foreach implementation "
+                     "(e.g. torch.optim.AdamW(fused=True) on CUDA, foreach=True), fewer parameter groups, or a "
+                     "lighter optimizer",
+        "callbacks": "spends {share} of its time in other callbacks' hooks ({ms}): see which with Lightning's "
+                     "SimpleProfiler, and run them less often",
+    }
+    found = []
+    for phase, text in texts.items():
+        share = 100.0 * phases.get(phase, 0.0) / total
+        if share >= STEP_SHARE:
+            found.append(Advice(share + 100.0, "The step " + text.format(share=f"{share:.0f}%",
+                                                                         ms=f"{phases[phase]:.1f} of {total:.1f} ms") + "."))
+    return found
+
+
+def model_share(phases: dict[str, float]) -> float | None:
+    """The share (%) of the step in training_step, zero_grad and backward: what node-level advice can act on."""
+    total = sum(phases.values())
+    return 100.0 * sum(phases.get(p, 0.0) for p in ("training_step", "zero_grad", "backward")) / total if total > 0 else None
+
+
 def regressed(regressions: list) -> list[Advice]:
     """A node that got slower than in the earlier cycles, beyond the noise (``regressions.Regression``)."""
     return [Advice(100.0 * (r.ratio - 1), (
@@ -115,14 +149,19 @@ def regressed(regressions: list) -> list[Advice]:
 
 
 def advise(nodes: list[NodeStats], history: list[list[NodeStats]] = (), regressions: list = (), ranks: int = 1,
-           top: int = 5) -> list[str]:
+           top: int = 5, phases: dict[str, float] | None = None) -> list[str]:
     """The ``top`` findings (at most ``PER_RULE`` of each rule), most at stake first.
 
     ``history`` holds the node tables of the cycles so far (this one last), ``regressions`` this
-    cycle's regressions, ``ranks`` how many ranks were merged.
+    cycle's regressions, ``ranks`` how many ranks were merged, ``phases`` where the whole step went
+    (``CycleReport.phases``): read first; a large share outside the model comes first, and advice about
+    the model's nodes is given only when the model is what the step waits for (``MODEL_SHARE`` of it).
     """
-    rules = (regressed(list(regressions)), low_peak(nodes), heavy_backward(nodes), elementwise_share(nodes),
-             slow_rank(list(history), ranks))
+    step = whole_step(phases or {})
+    share = model_share(phases or {})
+    node_level = share is None or share >= MODEL_SHARE
+    rules = (step, regressed(list(regressions)), *((low_peak(nodes), heavy_backward(nodes), elementwise_share(nodes))
+                                                  if node_level else ()), slow_rank(list(history), ranks))
     found = [a for items in rules for a in sorted(items, key=lambda a: a.weight, reverse=True)[:PER_RULE]]
     found.sort(key=lambda a: a.weight, reverse=True)
     return [a.text for a in found[:top]]

@@ -31,6 +31,7 @@ from fxprof_lightning.sinks import (
     log_to_summary_writer,
     log_trend_to_summary_writer,
 )
+from fxprof_lightning.step_phases import PhaseClock
 
 __all__ = ["FXProfilerCallback", "LoggerSink"]
 
@@ -106,6 +107,7 @@ class FXProfilerCallback(Callback):
         )
         self.profiler.name = type(self).__name__
         self._pl_module: pl.LightningModule | None = None
+        self._clock: PhaseClock | None = None  # times the phases of the whole step while a cycle records
 
     def __getattr__(self, name: str) -> Any:
         """The settings (``schedule``, ``top_k``, ``torch_profiler``...) are the engine's."""
@@ -179,7 +181,20 @@ class FXProfilerCallback(Callback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._clock is not None:
+            self.profiler.add_step_phases(self._clock.lap())
         self.profiler.end_step("train")
+        # Time the whole of each recorded step, from the end of the step before (so its wait for data is in it).
+        if self.profiler.recording("train") and self._clock is None:
+            self._clock = PhaseClock(trainer.profiler, f"[Callback]{self.state_key}",
+                                     inside=f"[Callback]{self.state_key}.on_train_batch_end")
+        elif not self.profiler.recording("train"):
+            self._close_clock()
+
+    def _close_clock(self) -> None:
+        if self._clock is not None:
+            self._clock.close()
+            self._clock = None
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -211,6 +226,7 @@ class FXProfilerCallback(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close_clock()
         self.profiler.end_stage("train")  # training stopped inside a cycle (max_steps, early stopping)
 
     @override
@@ -219,10 +235,12 @@ class FXProfilerCallback(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close_clock()
         self.profiler.abort()  # Lightning calls no teardown after an exception
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._close_clock()
         self.profiler.stop_observing()  # a mode whose first call never came
 
     @override

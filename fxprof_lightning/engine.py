@@ -86,6 +86,7 @@ class _OpenCycle:
     step_ms: list[float] = field(default_factory=list)
     step_cpu_ms: list[float] = field(default_factory=list)
     device: dict[str, float] | None = None  # where the trace's GPU time went (gpu_trace.summary)
+    phases: list[dict[str, int]] = field(default_factory=list)  # ns per phase of each recorded step (step_phases)
 
 
 @dataclass
@@ -368,6 +369,17 @@ class Profiler:
             return
         self._safely("starting a profiled step", self._start_collecting, state, action)
 
+    def recording(self, stage: str = "train") -> bool:
+        """Whether the step in progress of ``stage`` (between ``end_step`` calls: the next one) is a recorded step."""
+        state = self._stage(stage)
+        return state is not None and self._enabled and self.schedule.action(state.step) in RECORDING
+
+    def add_step_phases(self, phases_ns: dict[str, int], stage: str = "train") -> None:
+        """Where the recorded step in progress went, ns per phase (``step_phases.PhaseClock.lap``); before ``end_step``."""
+        state = self._stage(stage)
+        if state is not None and state.open is not None and self.recording(stage):
+            state.open.phases.append(phases_ns)
+
     def end_step(self, stage: str = "train") -> None:
         """A step of ``stage`` ends: count it, and write the cycle at its last recorded step."""
         state = self._stage(stage)
@@ -588,7 +600,8 @@ class Profiler:
                              partial=cycle.recorded != self.schedule.recorded_steps(cycle.index),
                              ranks=max(ranks, 1), stage=stage.name, nodes=nodes or [], capture=_capture_now(cycle),
                              trace_paths=list(cycle.trace.paths) if cycle.trace is not None else [],
-                             step_ms=cycle.step_ms, step_cpu_ms=cycle.step_cpu_ms, device=cycle.device)
+                             step_ms=cycle.step_ms, step_cpu_ms=cycle.step_cpu_ms, device=cycle.device,
+                             phases=_mean_phases(cycle.phases))
         report.ranges = summarize_ranges(ranges, len(cycle.recorded))
         if cycle.backward_wall_ns:
             report.backward_wall_ms = sum(cycle.backward_wall_ns) / len(cycle.backward_wall_ns) / 1e6
@@ -623,7 +636,7 @@ class Profiler:
         verdict = stage.watch.check(report.nodes, report.step_ms, report.step_cpu_ms, report.partial)
         report.distortion, report.regressions, report.unconfirmed = verdict.distortion, verdict.regressions, verdict.unconfirmed
         stage.history = [*stage.history, report.nodes][-HISTORY:]
-        report.advice = advise(report.nodes, stage.history, report.regressions, report.ranks)
+        report.advice = advise(report.nodes, stage.history, report.regressions, report.ranks, phases=report.phases)
 
     def _device_peaks(self) -> Peaks | None:
         """The given peaks, or the target's device's, measured once (and cached across runs). A known GPU
@@ -868,6 +881,11 @@ def _node_ranges(cycle: _OpenCycle) -> tuple[list[tuple[int, int, int]], list[tu
     if not isinstance(timer, NodeTimer) or not timer.trace_ranges:
         return None
     return list(timer.anchors), timer.range_spans(), timer.backward_calls() if timer.uses_backward_events else []
+
+
+def _mean_phases(steps: list[dict[str, int]]) -> dict[str, float]:
+    """Mean ms per step of each phase over the steps that have them."""
+    return {phase: sum(step[phase] for step in steps) / len(steps) / 1e6 for phase in steps[0]} if steps else {}
 
 
 def _mean_ms(ns: list[int]) -> float | None:

@@ -20,7 +20,8 @@ which delays some calls by whole scheduler time slices or slows every node at on
 * ``check_fastest``: the cycle's fastest call (``min_ms``, ``bwd_min_ms``) must pass the same test
   against the baseline cycles' fastest calls. Work that a layer really added slows every call;
   a busy machine slows some, so a median moved by two delayed calls of three is not flagged.
-* A node back at a level one of the baseline cycles had (within ``MODE_MARGIN``, 5 %) is not flagged slower.
+* A node back at a level it had in one of the run's earlier sound cycles (within ``MODE_MARGIN``, 5 %; the
+  baseline's and, with ``levels``, older ones: ``find_regressions`` gives its whole history) is not flagged slower.
   Some nodes have two modes that last many steps: the weight gradient of ResNet18's ``layer4.0.conv2``
   is a fresh 9.4 MB buffer each backward, and glibc either reuses touched memory (6.5 ms) or extends the
   heap (2304 first-touch page faults, 9.2 ms), the same for hundreds of steps; in identical runs the
@@ -176,6 +177,7 @@ def compare(
     min_share: float = DEFAULT_MIN_SHARE,
     check_fastest: bool = True,
     discount_shared: bool = True,
+    levels: Sequence[Sequence[NodeStats]] = (),
 ) -> list[Delta]:
     """Every node and direction timed in ``now`` and in at least one baseline table, in ``now``'s order.
 
@@ -189,6 +191,8 @@ def compare(
             backward, all calls), that counts.
         check_fastest: the fastest call must have moved beyond the noise too.
         discount_shared: measure changes against baselines scaled by the cycle's shared slowdown.
+        levels: more earlier cycles (the run's sound cycles before the baseline's) whose per-call medians a node
+            may return to without being flagged slower (a change of mode), besides the baseline's own.
 
     ``Delta.baseline_ms``, ``now_ms`` and ``ratio`` are the plain medians, unscaled. See the module
     docstring for the noise model.
@@ -201,6 +205,14 @@ def compare(
         True
     """
     pairs = _pairs(baseline, now)
+    reached: dict[tuple[str, str], float] = {}
+    for table in levels:
+        for stats in table:
+            for direction in DIRECTIONS:
+                sample = _samples(stats, direction)
+                if sample is not None:
+                    key = (stats.name, direction)
+                    reached[key] = max(reached.get(key, 0.0), sample[0])
     factor = _factor(pairs) if discount_shared else 1.0
     up, down = max(factor, 1.0), min(factor, 1.0)  # slower than a shared slowdown, faster than a shared speedup
     node_time = sum(s.total_ms + s.bwd_total_ms for s in now)
@@ -212,7 +224,8 @@ def compare(
         cost = abs(median.now - median.baseline * scale) * _calls(stats, direction)
         beyond = ((slower or median.now < median.baseline * down) and cost > min_share * node_time
                   and median.beyond(scale, k, min_relative, min_ms))
-        if beyond and slower and median.now <= median.highest * (1 + MODE_MARGIN):
+        highest = max(median.highest, reached.get((name, direction), 0.0))
+        if beyond and slower and median.now <= highest * (1 + MODE_MARGIN):
             beyond = False  # back at a level a baseline cycle had: a change of mode (the allocator's), not a regression
         if beyond and check_fastest:  # the fastest call moved too, the same way
             same_way = (fastest.now > fastest.baseline * scale) == slower
@@ -246,7 +259,8 @@ def find_regressions(
     if len(history) < min_baseline:
         return []
     deltas = compare(history[-baseline_cycles:], now, k=k, min_relative=min_relative, min_ms=min_ms,
-                     min_share=min_share, check_fastest=check_fastest, discount_shared=discount_shared)
+                     min_share=min_share, check_fastest=check_fastest, discount_shared=discount_shared,
+                     levels=history)
     return sorted((d.regression() for d in deltas if d.slower), key=lambda r: r.ratio, reverse=True)
 
 

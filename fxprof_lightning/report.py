@@ -18,6 +18,18 @@ __all__ = ["CycleReport", "ModuleStats", "NodeStats", "RangeStats", "merge_ranks
 NS_PER_MS = 1e6
 
 
+def describe_phases(phases: dict[str, float]) -> str:
+    """The step's phases in one line, largest first, with their shares.
+
+    >>> describe_phases({"data": 30.0, "training_step": 50.0, "backward": 20.0, "other": 0.0})
+    '100.0 ms per step: training_step 50.0 ms (50%), data 30.0 ms (30%), backward 20.0 ms (20%)'
+    """
+    total = sum(phases.values()) or 1.0
+    parts = [f"{name} {ms:.1f} ms ({100 * ms / total:.0f}%)" for name, ms in sorted(phases.items(), key=lambda p: -p[1])
+             if ms >= 0.0005 * total]
+    return f"{total:.1f} ms per step: " + ", ".join(parts)
+
+
 def shorten(text: str, width: int, ellipsis: str = "...") -> str:
     """``text`` cut in the middle to at most ``width`` characters, keeping its start and end.
 
@@ -308,6 +320,9 @@ class CycleReport:
             (the first cycle's ``top_k`` slowest), so the series have no gaps.
         device: where the trace's GPU time went (``gpu_trace.summary``: kernels, device_ms, in_nodes_ms,
             outside_ms, unlaunched, orphan_flows) when the node times are device times from the trace, else None.
+        phases: where the whole step went, ms per recorded step by phase (``step_phases.PHASES``: data,
+            training_step, zero_grad, backward, optimizer, callbacks, fxprof, other), adding up to the step's wall
+            time from the end of the step before; Lightning only (from its profiler's actions), else empty.
         peaks: the roofline's peaks and where they come from (measured, cached, given, spec sheet), or None.
         pictures: PNG images by tag (``fxprof/slowest_layers``...), rendered once for every sink that wants them
             and emptied when the sinks are done (the PNG files stay in ``directory``).
@@ -335,6 +350,7 @@ class CycleReport:
     pictures: dict[str, bytes] = field(default_factory=dict, repr=False)
     device: dict[str, float] | None = None
     peaks: str | None = None
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def forward_ms_per_step(self) -> float:
@@ -356,7 +372,7 @@ class CycleReport:
             "regressions": [asdict(r) for r in self.regressions],
             "unconfirmed": [asdict(r) for r in self.unconfirmed], "advice": self.advice,
             "distortion": self.distortion, "tracked": self.tracked,
-            "trace_files": [p.name for p in self.trace_paths], "device": self.device, "peaks": self.peaks,
+            "trace_files": [p.name for p in self.trace_paths], "device": self.device, "peaks": self.peaks, "phases": self.phases,
         }
 
     def to_markdown(self, top_k: int | None = None) -> str:
@@ -385,6 +401,8 @@ class CycleReport:
                 header += f", {d['unlaunched']:.0f} with no launch in the trace, {d['orphan_flows']:.0f} flows naming no launch"
         if self.peaks is not None:
             header += f". Roofline peaks: {self.peaks}"
+        if self.phases:
+            header += f". The whole step: {describe_phases(self.phases)}"
         grand = sum(n.total_ms + n.bwd_total_ms for n in self.nodes) or 1.0
         lines = [
             header,

@@ -93,16 +93,16 @@ def slowest(nodes: list[NodeStats]) -> str:
 
 @pytest.fixture
 def steady_and_slow(profiled, tmp_path):
-    """Two runs of 5 identical cycles (copies of a real one); in ``slow`` the last has one node 3x slower, and its
+    """Two runs of 5 identical cycles (copies of a real one); in ``slow`` the last has one node 3.5x slower, and its
     steps slower by that node's added time (a real regression); in ``blip`` the same node, steps unchanged."""
     _, prof = profiled
     source = prof.cycles[0].directory
     node = slowest(prof.cycles[0].nodes)
     stats = next(n for n in prof.cycles[0].nodes if n.name == node)
-    added = 2 * stats.median_ms * stats.calls / len(prof.cycles[0].steps)
+    added = 2.5 * stats.median_ms * stats.calls / len(prof.cycles[0].steps)
     for name in ("steady", "slow", "blip"):
         for i in range(5):
-            slower = {node: 3.0} if name != "steady" and i == 4 else None
+            slower = {node: 3.5} if name != "steady" and i == 4 else None
             copy_cycle(source, tmp_path / name / f"cycle_{i:04d}", i, slower, 10.0 + added if slower and name == "slow" else 10.0)
     return tmp_path / "steady", tmp_path / "slow", node
 
@@ -230,7 +230,7 @@ def test_compare_flags_a_node_made_slower(capsys, steady_and_slow):
     assert lines[header].split() == ["node", "direction", "A", "ms/call", "B", "ms/call", "delta", "ms", "ratio",
                                      "mark"]
     first = lines[header + 1].split()  # flagged rows come first
-    assert first[:2] == [node, "forward"] and first[-2:] == ["3.00x", "SLOWER"]
+    assert first[:2] == [node, "forward"] and first[-2:] == ["3.50x", "SLOWER"]
     assert "1 node direction(s) of B slower than A beyond the noise." in out
     assert "SLOWER / faster: beyond the noise" in out
     assert_narrow(out)
@@ -311,13 +311,13 @@ def test_report_finds_the_regression_of_a_slower_cycle(capsys, steady_and_slow):
     status, out, _ = run_cli(capsys, "report", str(slow))
     assert status == 1
     (line,) = [line for line in out.splitlines() if line.startswith("  cycle 4")]
-    assert line.split()[2:4] == [node, "forward"] and "3.00x" in line
+    assert line.split()[2:4] == [node, "forward"] and "3.50x" in line
     (row,) = [line for line in out.splitlines() if line.split()[:2] == ["4", "40-42"]]
     assert row.split()[-1] == "1"  # one regression in the cycles table
 
 
 def test_report_waits_for_confirmation_of_a_slowdown_the_step_does_not_show(capsys, steady_and_slow):
-    """One node 3x slower in the last cycle while the step took as long as before: what load delaying some calls
+    """One node 3.5x slower in the last cycle while the step took as long as before: what load delaying some calls
     looks like. Flagged, not confirmed: exit 0, and the report says the next cycle decides."""
     steady, _, node = steady_and_slow
     status, out, _ = run_cli(capsys, "report", str(steady.parent / "blip"))

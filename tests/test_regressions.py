@@ -124,8 +124,10 @@ def test_too_short_a_history_flags_nothing():
 def test_only_the_last_baseline_cycles_count():
     old, recent = [node("fc", 2.0)], [node("fc", 1.0)]
     now = [node("fc", 1.5)]
-    assert find_regressions([old] * 10 + [recent] * 5, now)  # 1.0 -> 1.5 against the last 5
+    assert find_regressions([old] * 10 + [recent] * 5, [node("fc", 2.3)])  # 1.0 -> 2.3 against the last 5
     assert not find_regressions([recent] * 5 + [old] * 5, now)
+    # 1.0 -> 1.5 against the last 5, but the run had 2.0 before them: back at a level it had, no regression
+    assert not find_regressions([old] * 10 + [recent] * 5, now)
 
 
 def test_regressions_come_largest_ratio_first():
