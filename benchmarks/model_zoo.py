@@ -778,7 +778,6 @@ def quiet() -> Iterator[None]:
         os.close(saved[1])
 
 
-@contextlib.contextmanager
 @dataclass
 class HFRow:
     family: str

@@ -57,7 +57,7 @@ class Probe(pl.Callback):
 
 def test_retained_data_does_not_grow_over_2000_steps(tmp_path):
     profiler = FXProfilerCallback(skip_first=0, wait=5, warmup=1, active=4, keep_cycles=3, module="model")
-    probe = Probe(profiler, {500, 1000, 2000})
+    probe = Probe(profiler, {500, 750, 1000, 1500, 1750, 2000})
     loader = DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=4)
     make_trainer(tmp_path, [profiler, probe], max_steps=2000, max_epochs=-1).fit(TinyLit(), loader)
 
@@ -66,7 +66,10 @@ def test_retained_data_does_not_grow_over_2000_steps(tmp_path):
     assert all(samples == 0 for _, samples in probe.retained.values())  # no per-step samples kept between cycles
     # same 3 reports whatever the cycle count (their advice and regressions vary by a few sentences)
     assert max(sizes.values()) - min(sizes.values()) <= 4096, sizes
-    assert probe.rss[2000] - probe.rss[500] < 64 * 2**20, probe.rss  # process memory flat (generous for allocator noise)
+    # Process memory flat: no higher in the second half of the run than in the first (a leak of 1 MB per cycle would
+    # add 75 MB). After other tests in the same process, resident memory swings by 100+ MB either way.
+    first, second = max(probe.rss[s] for s in (500, 750, 1000)), max(probe.rss[s] for s in (1500, 1750, 2000))
+    assert second - first < 48 * 2**20, probe.rss
 
     fxprof = tmp_path / "logs" / "version_0" / "fxprof"
     assert sorted(p.name for p in fxprof.iterdir()) == ["cycle_0197", "cycle_0198", "cycle_0199"]
