@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from fxprof_lightning.report import NodeStats
 
-__all__ = ["Advice", "advise", "elementwise_share", "heavy_backward", "low_peak", "model_share", "regressed", "slow_rank",
-           "whole_step"]
+__all__ = ["Advice", "advise", "elementwise_share", "heavy_backward", "low_peak", "model_share", "overhead_bound",
+           "regressed", "slow_rank", "whole_step"]
 
 MIN_SHARE = 5.0  # % of the step's node time: smaller nodes are not worth advice
 LOW_PEAK = 30.0  # % of the roofline's attainable rate below which a large matmul or conv is "low"
@@ -45,7 +45,8 @@ def low_peak(nodes: list[NodeStats]) -> list[Advice]:
     """A matmul or conv with a large share of the time that reaches a small fraction of the device's peak."""
     grand, found = _grand(nodes), []
     for n in nodes:
-        if not n.fwd_flops or n.pct_of_peak is None or n.pct_of_peak >= LOW_PEAK or _share(n, grand) < MIN_SHARE:
+        if not n.fwd_flops or n.pct_of_peak is None or n.pct_of_peak >= LOW_PEAK or _share(n, grand) < MIN_SHARE \
+                or n.bound == "overhead":
             continue
         what = "a larger batch or matrix sizes (multiples of 8/64), bf16 autocast or TF32" if n.bound == "compute" else \
             "a larger batch (more work per byte), fusing it with its neighbours (torch.compile), or a lower precision"
@@ -53,6 +54,21 @@ def low_peak(nodes: list[NodeStats]) -> list[Advice]:
             f"`{n.name}` ({n.target}, {_share(n, grand):.0f}% of node time) reaches {n.pct_of_peak:.0f}% of what the "
             f"device allows at its {n.intensity:.1f} FLOP/byte ({n.bound}-bound, {n.fwd_gflops_per_s or 0:.1f} GFLOP/s): "
             f"try {what}.")))
+    return found
+
+
+def overhead_bound(nodes: list[NodeStats]) -> list[Advice]:
+    """A node that takes a large share of the time while its work is far below one op's fixed cost (``roofline``)."""
+    grand, found = _grand(nodes), []
+    for n in nodes:
+        if n.bound != "overhead" or _share(n, grand) < MIN_SHARE or n.pct_of_peak is None:
+            continue
+        needs_us = 1e3 * n.mean_ms * n.pct_of_peak / 100
+        found.append(Advice(_share(n, grand), (
+            f"`{n.name}` ({n.target}, {_share(n, grand):.0f}% of node time) takes {1e3 * n.mean_ms:.1f} us per call where "
+            f"its compute and memory traffic need {needs_us:.2f} us: it is bound by the fixed cost of each op (dispatch, "
+            "kernel launch, Python), not by the device. Fewer, larger ops help: batch the work or vectorise a Python "
+            "loop, CUDA graphs or torch.compile(mode='reduce-overhead'), and no .item() or other host sync inside.")))
     return found
 
 
@@ -160,7 +176,8 @@ def advise(nodes: list[NodeStats], history: list[list[NodeStats]] = (), regressi
     step = whole_step(phases or {})
     share = model_share(phases or {})
     node_level = share is None or share >= MODEL_SHARE
-    rules = (step, regressed(list(regressions)), *((low_peak(nodes), heavy_backward(nodes), elementwise_share(nodes))
+    rules = (step, regressed(list(regressions)), *((low_peak(nodes), overhead_bound(nodes), heavy_backward(nodes),
+                                                    elementwise_share(nodes))
                                                   if node_level else ()), slow_rank(list(history), ranks))
     found = [a for items in rules for a in sorted(items, key=lambda a: a.weight, reverse=True)[:PER_RULE]]
     found.sort(key=lambda a: a.weight, reverse=True)

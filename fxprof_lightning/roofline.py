@@ -33,6 +33,8 @@ __all__ = ["SPEC_SHEET", "Peaks", "default_cache_path", "describe_peaks", "devic
            "spec_sheet_peaks", "with_roofline"]
 
 SOURCES = ("measured", "cached", "given", "spec sheet")
+DEFAULT_OP_FLOOR_US = 5.0  # when not measured: about what a tiny op costs on a CPU (and a kernel launch on a GPU)
+OVERHEAD_PCT = 10.0  # a node under this % of its roofline whose roofline time is under one op's floor: overhead-bound
 
 # Data-centre GPUs' spec-sheet peaks, dense (without 2:4 sparsity): TFLOP/s per dtype and memory TB/s, from NVIDIA's
 # data sheets (H100/H200: "NVIDIA H100 Tensor Core GPU" and "NVIDIA H200" product pages; A100: "NVIDIA A100 Tensor
@@ -58,7 +60,8 @@ _CACHE_FORMAT = 1
 class Peaks:
     """Peak compute (GFLOP/s) and memory bandwidth (GB/s, 1e9 bytes/s) of a device.
 
-    ``device`` names what they were measured on ('' when given), ``source`` says where they come
+    ``op_floor_us`` is the fixed cost of one op (the time of an op with next to no work: dispatch, kernel
+    launch, Python), measured with the peaks. ``device`` names what they were measured on ('' when given), ``source`` says where they come
     from: ``"measured"``, ``"cached"`` (measured on an earlier run), ``"given"`` or ``"spec sheet"``
     (a known GPU's data-sheet numbers, ``SPEC_SHEET``, before any measurement).
 
@@ -70,9 +73,10 @@ class Peaks:
     gbytes_per_s: float
     device: str = ""
     source: str = "given"
+    op_floor_us: float = DEFAULT_OP_FLOOR_US  # the fixed cost of one op (dispatch, launch): an empty op's time
 
     def __post_init__(self) -> None:
-        for name in ("gflops_per_s", "gbytes_per_s"):
+        for name in ("gflops_per_s", "gbytes_per_s", "op_floor_us"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"Peaks: {name} must be a positive finite number, got {value!r}")
@@ -89,9 +93,10 @@ def describe_peaks(peaks: Peaks) -> str:
     """The peaks in one line, with where they come from.
 
     >>> describe_peaks(Peaks(1000.0, 50.0))
-    '1000 GFLOP/s, 50 GB/s (given)'
+    '1000 GFLOP/s, 50 GB/s, 5.0 us per op (given)'
     """
-    return f"{peaks.gflops_per_s:.0f} GFLOP/s, {peaks.gbytes_per_s:.0f} GB/s ({peaks.source}{': ' + peaks.device if peaks.device else ''})"
+    return (f"{peaks.gflops_per_s:.0f} GFLOP/s, {peaks.gbytes_per_s:.0f} GB/s, {peaks.op_floor_us:.1f} us per op "
+            f"({peaks.source}{': ' + peaks.device if peaks.device else ''})")
 
 
 def raised_to(peaks: Peaks, stats: list[NodeStats]) -> Peaks:
@@ -101,7 +106,7 @@ def raised_to(peaks: Peaks, stats: list[NodeStats]) -> Peaks:
     >>> from fxprof_lightning.report import NodeStats
     >>> fast = NodeStats("mm", "call_function", "mm", "", 1, 1.0, 1.0, 1.0, 1.0, 1.0, 100.0, fwd_gflops_per_s=80.0)
     >>> raised_to(Peaks(50.0, 10.0, source="measured"), [fast])
-    Peaks(gflops_per_s=80.0, gbytes_per_s=10.0, device='', source='measured')
+    Peaks(gflops_per_s=80.0, gbytes_per_s=10.0, device='', source='measured', op_floor_us=5.0)
     """
     flops = max([peaks.gflops_per_s, *(s.fwd_gflops_per_s for s in stats if s.fwd_gflops_per_s)])
     bandwidth = max([peaks.gbytes_per_s, *(s.fwd_gbytes_per_s for s in stats if s.fwd_gbytes_per_s)])
@@ -113,7 +118,10 @@ def with_roofline(stats: list[NodeStats], peaks: Peaks) -> list[NodeStats]:
 
     Per node: achieved GB/s is ``fwd_bytes`` over ``mean_ms``; ``intensity`` is
     ``fwd_flops / fwd_bytes`` (None without FLOPs); ``bound`` is ``"compute"`` at or above the
-    ridge (``peaks.ridge``), else ``"memory"`` (a node that counts no FLOPs only moves bytes);
+    ridge (``peaks.ridge``), else ``"memory"`` (a node that counts no FLOPs only moves bytes), or
+    ``"overhead"`` for a node below ``OVERHEAD_PCT`` of its roofline whose roofline time (its compute or
+    memory time, the larger) is under one op's fixed cost (``peaks.op_floor_us``): what it waits for is
+    dispatch, launch and Python, not the device;
     ``pct_of_peak`` is the achieved GFLOP/s as a percentage of the attainable
     ``min(peak GFLOP/s, intensity * peak GB/s)``, or for a node without FLOPs the achieved GB/s as
     a percentage of the peak GB/s. Unknown or zero bytes leave all four empty, a zero ``mean_ms``
@@ -141,6 +149,9 @@ def _roofline_fields(s: NodeStats, peaks: Peaks) -> dict[str, Any]:
     else:
         attainable = min(peaks.gflops_per_s, intensity * peaks.gbytes_per_s)
         pct = 100.0 * (s.fwd_flops / (s.mean_ms * 1e6)) / attainable
+    roofline_us = 1e3 * s.mean_ms * pct / 100.0  # the time the roofline allows: max(compute time, memory time)
+    if pct < OVERHEAD_PCT and roofline_us < peaks.op_floor_us:
+        bound = "overhead"  # far above both its compute and its memory time, and too small for either to matter
     return {"fwd_gbytes_per_s": gbytes_per_s, "intensity": intensity, "bound": bound, "pct_of_peak": pct}
 
 
@@ -233,7 +244,8 @@ def measure_peaks(device: torch.device | str = "cpu", dtype: torch.dtype = torch
 
     FLOP/s: the best of several ``n x n`` matmuls (``2 n^3`` FLOPs; n = 1024 on CPU, 4096 on a GPU).
     Bytes/s: the best of several ``dst.copy_(src)`` of a buffer too large for caches (64 MB on CPU,
-    256 MB on a GPU), counting the read and the write. Runs without autograd, draws no random
+    256 MB on a GPU), counting the read and the write. The op floor: the best of 100 in-place adds to
+    a one-element tensor, per add. Runs without autograd, draws no random
     numbers and leaves torch's thread settings alone; on CUDA timed with events.
     """
     device = _resolve(device)
@@ -245,8 +257,10 @@ def measure_peaks(device: torch.device | str = "cpu", dtype: torch.dtype = torch
     with torch.no_grad(), context:
         matmul_s = _matmul_seconds(seconds, n, device, dtype)
         copy_s = _copy_seconds(seconds, copy_bytes, device, dtype)
+        tiny = torch.zeros(1, device=device, dtype=dtype)
+        floor_s = _best(seconds, lambda: [tiny.add_(0) for _ in range(100)], budget_s=0.05) / 100
     return Peaks(gflops_per_s=2 * n**3 / matmul_s / 1e9, gbytes_per_s=2 * copy_bytes / copy_s / 1e9,
-                 device=device_name(device), source="measured")
+                 device=device_name(device), source="measured", op_floor_us=floor_s * 1e6)
 
 
 # Caching --------------------------------------------------------------------------------------------------------------
@@ -290,7 +304,7 @@ def spec_sheet_peaks(name: str, dtype: torch.dtype = torch.float32, tf32: bool =
     """A known GPU's data-sheet peaks for ``dtype`` (``tf32``: float32 matmuls on TF32 tensor cores), or None.
 
     >>> spec_sheet_peaks("NVIDIA H100 80GB HBM3", torch.bfloat16)
-    Peaks(gflops_per_s=989400.0, gbytes_per_s=3350.0, device='NVIDIA H100 80GB HBM3 (H100 SXM spec sheet)', source='spec sheet')
+    Peaks(gflops_per_s=989400.0, gbytes_per_s=3350.0, device='NVIDIA H100 80GB HBM3 (H100 SXM spec sheet)', source='spec sheet', op_floor_us=5.0)
     >>> spec_sheet_peaks("AMD EPYC 7B13") is None
     True
     """
@@ -320,14 +334,16 @@ def device_peaks(device: torch.device | str = "cpu", cache_path: Path | str | No
     if isinstance(entry, dict):
         with contextlib.suppress(KeyError, TypeError, ValueError):
             return Peaks(gflops_per_s=entry["gflops_per_s"], gbytes_per_s=entry["gbytes_per_s"],
-                         device=str(entry.get("device", "")), source="cached")
-    if not calibrate and device.type == "cuda":
+                         device=str(entry.get("device", "")), source="cached",
+                         op_floor_us=float(entry.get("op_floor_us", DEFAULT_OP_FLOOR_US)))
+    if not calibrate and device.type == "cuda":  # (a kernel launch and dispatch: DEFAULT_OP_FLOOR_US)
         known = spec_sheet_peaks(torch.cuda.get_device_name(device), dtype, torch.backends.cuda.matmul.allow_tf32)
         if known is not None:
             return known
     peaks = measure_peaks(device, dtype)
     entries = _read_cache(path)  # again: another process may have added its device meanwhile
     entries[key] = {"gflops_per_s": peaks.gflops_per_s, "gbytes_per_s": peaks.gbytes_per_s, "device": peaks.device,
+                    "op_floor_us": peaks.op_floor_us,
                     "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:
         _write_cache(path, entries)

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from fxprof_lightning.advice import advise, elementwise_share, heavy_backward, low_peak, regressed, slow_rank
+from fxprof_lightning.advice import (
+    advise,
+    elementwise_share,
+    heavy_backward,
+    low_peak,
+    overhead_bound,
+    regressed,
+    slow_rank,
+    whole_step,
+)
 from fxprof_lightning.regressions import Regression
 from fxprof_lightning.report import NodeStats
 from fxprof_lightning.trust import cpu_per_wall, distortion, step_spread
@@ -24,6 +33,29 @@ def test_low_peak_names_a_large_slow_matmul_only():
     found = low_peak([slow, fast, tiny])
     assert len(found) == 1
     assert "`fc1`" in found[0].text and "6% of what the device allows" in found[0].text and "compute-bound" in found[0].text
+
+
+def test_an_overhead_bound_node_is_told_so_not_called_compute_bound():
+    """A 64-wide Linear taking 40 us for 0.2 us of work: the advice names per-op overhead and what helps, never
+    'compute-bound' or 'a larger a larger batch'."""
+    fc1 = node("fc1", 0.04, 0.08, fwd_flops=65_536, pct_of_peak=0.5, intensity=3.0, bound="overhead")
+    other = node("fc2", 0.04, 0.08, fwd_flops=10**6, pct_of_peak=60.0, intensity=3.0, bound="memory")
+    (found,) = overhead_bound([fc1, other])
+    assert "`fc1`" in found.text and "fixed cost of each op" in found.text and "reduce-overhead" in found.text
+    assert low_peak([fc1, other]) == []
+    assert not any("compute-bound" in line or "a larger a larger" in line for line in advise([fc1, other]))
+
+
+def test_whole_step_says_what_the_step_waits_for_first():
+    data_bound = {"data": 60.0, "training_step": 20.0, "backward": 15.0, "optimizer": 5.0}
+    (found,) = whole_step(data_bound)
+    assert found.text.startswith("The step waits for its next batch 60% of the time")
+    slow = node("fc1", 4.0, 8.0, fwd_flops=10**9, pct_of_peak=6.0, intensity=40.0, bound="compute", fwd_gflops_per_s=250.0)
+    advice = advise([slow], phases=data_bound)
+    assert advice[0].startswith("The step waits") and not any("fc1" in line for line in advice)  # not what it waits for
+    optimizer_bound = {"data": 1.0, "training_step": 30.0, "backward": 30.0, "optimizer": 39.0}
+    assert advise([slow], phases=optimizer_bound)[0].startswith("The step spends 39% of its time in the optimizer")
+    assert any("fc1" in line for line in advise([slow], phases=optimizer_bound))  # the model is 60%: layers too
 
 
 def test_heavy_backward_needs_a_large_ratio_and_share():

@@ -25,7 +25,20 @@ def node(name: str = "n", mean_ms: float = 1.0, fwd_flops: int | None = None, fw
 
 # with_roofline --------------------------------------------------------------------------------------------------------
 
-PEAKS = Peaks(gflops_per_s=1000.0, gbytes_per_s=100.0)  # ridge: 10 FLOPs per byte
+PEAKS = Peaks(gflops_per_s=1000.0, gbytes_per_s=100.0, op_floor_us=1e-6)  # ridge: 10 FLOPs per byte; no op floor
+
+
+def test_a_small_node_far_from_its_roofline_is_overhead_bound():
+    """A 64-wide Linear on a batch of 8 (65 kFLOP, 18 kB): its compute and memory times are well under a microsecond,
+    it takes 40 us. That is the fixed cost of ops (dispatch, Python), neither compute- nor memory-bound."""
+    peaks = Peaks(gflops_per_s=100.0, gbytes_per_s=20.0, op_floor_us=5.0)
+    small = node("fc1", mean_ms=0.04, fwd_flops=2 * 8 * 64 * 64, fwd_bytes=4 * (8 * 64 * 2 + 64 * 64 + 64))
+    big = node("fc2", mean_ms=500.0, fwd_flops=2 * 1024**3, fwd_bytes=4 * 3 * 1024**2)  # 4% of peak, but big: compute
+    (row, big_row) = with_roofline([small, big], peaks)
+    assert row.bound == "overhead" and row.pct_of_peak < 10
+    assert big_row.bound == "compute" and big_row.pct_of_peak < 10
+    (fast,) = with_roofline([node("fc1", mean_ms=0.0008, fwd_flops=small.fwd_flops, fwd_bytes=small.fwd_bytes)], peaks)
+    assert fast.bound == "memory"  # near its roofline: not overhead
 
 
 def test_compute_bound_node():
