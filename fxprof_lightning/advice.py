@@ -7,6 +7,7 @@ important. A sentence names the node or module, gives the evidence, and says wha
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ ELEMENTWISE_SHARE = 15.0  # % of the step's node time in one module's elementwis
 SLOW_RANK_SHARE = 2 / 3  # the same rank slowest in this share of the cycles
 STEP_SHARE = 25.0  # % of the whole step in data, optimizer or other callbacks worth saying first
 MODEL_SHARE = 40.0  # % of the whole step in training_step + backward below which node-level advice is left out
+LOOP_NODES = 16  # FLOP-less nodes of one module, a quarter of them indexing: a Python loop over a tensor's slices
 PER_RULE = 2  # findings of one rule kept, so that the few lines cover different problems
 
 
@@ -99,6 +101,13 @@ def elementwise_share(nodes: list[NodeStats]) -> list[Advice]:
         if len(group) < 2 or share < ELEMENTWISE_SHARE:
             continue
         names = ", ".join(f"`{n.name}`" for n in group[:4]) + (", ..." if len(group) > 4 else "")
+        indexing = sum(1 for n in group if re.sub(r"_\d+$", "", n.name).endswith(("getitem", "select", "unbind")))
+        if len(group) >= LOOP_NODES and indexing >= len(group) / 4:  # ops on one slice at a time: a Python loop
+            found.append(Advice(share, (
+                f"`{module or '(root)'}` runs {len(group)} small ops per call on slices of a tensor ({names}), "
+                f"{share:.0f}% of node time: a Python loop over rows, each op paying the fixed cost of an op "
+                "(overhead-bound). Vectorise it: one batched op over the whole tensor instead of one per row.")))
+            continue
         found.append(Advice(share, (
             f"{len(group)} elementwise nodes of `{module or '(root)'}` ({names}) take {share:.0f}% of node time, each "
             "reading and writing whole tensors: fusing them (torch.compile, or a fused kernel for the pattern) "

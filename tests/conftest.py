@@ -85,3 +85,15 @@ def read_events(log_dir) -> EventAccumulator:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# The slow tier: files whose tests run whole trainings of thousands of steps, subprocesses or process groups.
+# `pytest -m "not slow"` is the quick edit-test loop; CI runs everything.
+SLOW_FILES = {"test_long_runs.py", "test_model_zoo.py", "test_benchmarks.py", "test_distributed.py", "test_fsdp2.py",
+              "test_quiet.py", "test_browser.py", "test_compiled.py", "test_tensorboard_plugin.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
