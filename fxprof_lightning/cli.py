@@ -361,7 +361,8 @@ def check_cycles(cycles: list[CycleReport], options: dict) -> dict[int, Verdict]
     (once there are 3); a flag counts once confirmed (in the next sound cycle too, or beyond what noise explains).
     """
     watch = RegressionWatch(BASELINE_CYCLES, **options)
-    return {id(cycle): watch.check(cycle.nodes, cycle.step_ms, cycle.step_cpu_ms, cycle.partial) for cycle in cycles}
+    return {id(cycle): watch.check(cycle.nodes, cycle.step_ms, cycle.step_cpu_ms, cycle.partial, cycle.modules)
+            for cycle in cycles}
 
 
 def cycle_table(cycles: list[CycleReport], found: dict[int, Verdict]) -> list[str]:

@@ -633,7 +633,7 @@ class Profiler:
                 self.peaks = peaks = raised_to(peaks, report.nodes)  # a measured peak a node beat was too low
                 report.nodes = with_roofline(report.nodes, peaks)
                 report.peaks = describe_peaks(peaks)
-        verdict = stage.watch.check(report.nodes, report.step_ms, report.step_cpu_ms, report.partial)
+        verdict = stage.watch.check(report.nodes, report.step_ms, report.step_cpu_ms, report.partial, report.modules)
         report.distortion, report.regressions, report.unconfirmed = verdict.distortion, verdict.regressions, verdict.unconfirmed
         stage.history = [*stage.history, report.nodes][-HISTORY:]
         report.advice = advise(report.nodes, stage.history, report.regressions, report.ranks, phases=report.phases)

@@ -44,11 +44,11 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from fxprof_lightning.report import NodeStats
+from fxprof_lightning.report import ModuleStats, NodeStats
 from fxprof_lightning.trust import cpu_per_wall, distortion, step_spread
 
 __all__ = ["DEFAULT_K", "DEFAULT_MIN_MS", "DEFAULT_MIN_RELATIVE", "DEFAULT_MIN_SHARE", "MIN_BASELINE", "Delta",
-           "Regression", "RegressionWatch", "Verdict", "compare", "find_regressions", "shared_factor"]
+           "Regression", "RegressionWatch", "Verdict", "compare", "find_regressions", "module_rows", "shared_factor"]
 
 MAD_TO_SIGMA = 1.4826  # MAD x this estimates the standard deviation of normal samples
 DEFAULT_K = 4.0
@@ -235,6 +235,18 @@ def compare(
     return deltas
 
 
+def module_rows(modules: Sequence[ModuleStats]) -> list[NodeStats]:
+    """Each module below the root as a row named ``"module <path>"``: its forward and backward ms per step (with its
+    submodules) as one call each, for ``compare``. A module whose time grows through nodes of its own that are new
+    (a Python loop run more times is unrolled into new nodes, which are never regressions) shows here."""
+    return [NodeStats(name=f"module {m.path}", op="module", target=m.type_name, module_path=m.path, calls=1,
+                      mean_ms=m.total_fwd_ms, median_ms=m.total_fwd_ms, min_ms=m.total_fwd_ms, max_ms=m.total_fwd_ms,
+                      total_ms=m.total_fwd_ms, pct=0.0, bwd_calls=1 if m.total_bwd_ms > 0 else 0,
+                      bwd_mean_ms=m.total_bwd_ms, bwd_median_ms=m.total_bwd_ms, bwd_min_ms=m.total_bwd_ms,
+                      bwd_max_ms=m.total_bwd_ms, bwd_total_ms=m.total_bwd_ms)
+            for m in modules if m.depth >= 1]
+
+
 def find_regressions(
     history: Sequence[Sequence[NodeStats]],
     now: Sequence[NodeStats],
@@ -320,7 +332,9 @@ class RegressionWatch:
         self._held: tuple[Sequence[NodeStats], float, float | None] | None = None  # that cycle, if only flags in question
 
     def check(self, nodes: Sequence[NodeStats], step_ms: list[float], step_cpu_ms: list[float] = (),
-              partial: bool = False) -> Verdict:
+              partial: bool = False, modules: Sequence[ModuleStats] = ()) -> Verdict:
+        """``modules``: the cycle's module tree; a module slower per step that has nodes the last baseline cycle
+        did not (a loop run more times, a branch taken) is flagged as ``"module <path>"`` (see ``module_rows``)."""
         if partial:
             return Verdict(skipped="partial")
         recent = self.baseline[-self.baseline_cycles:]
@@ -330,13 +344,18 @@ class RegressionWatch:
         if load is not None:
             return Verdict(skipped="distorted", distortion=load)
         verdict = Verdict()
+        rows = [*nodes, *module_rows(modules)]
         if len(self.baseline) < MIN_BASELINE:
             verdict.skipped = f"baseline: {len(self.baseline)} of {MIN_BASELINE} earlier cycles"
         else:
-            flagged = find_regressions(self.baseline, nodes, self.baseline_cycles, **self.options)
+            flagged = find_regressions(self.baseline, rows, self.baseline_cycles, **self.options)
+            before = {s.name for s in self.baseline[-1] if s.op != "module"}
+            new_in = {s.module_path for s in nodes if s.name not in before}  # modules with nodes the baseline lacks
+            flagged = [r for r in flagged if not r.node.startswith("module ") or any(
+                p == r.node[7:] or p.startswith(r.node[7:] + ".") for p in new_in)]  # else its nodes tell it better
             steps = max(len(step_ms), 1)
             step_rise = statistics.median(step_ms) - statistics.median(self.medians) if step_ms and self.medians else 0.0
-            by_name = {s.name: s for s in nodes}
+            by_name = {s.name: s for s in rows}
             regular = (step_spread(step_ms) or 0.0) <= CONFIRM_SPREAD
             for r in flagged:
                 stats = by_name[r.node]
@@ -348,7 +367,7 @@ class RegressionWatch:
                 confirmed = clear or (r.node, r.direction) in self._flagged
                 (verdict.regressions if confirmed else verdict.unconfirmed).append(r)
             self._flagged = {(r.node, r.direction) for r in flagged}
-        entry = (nodes, statistics.median(step_ms or [0.0]), cpu)
+        entry = (rows, statistics.median(step_ms or [0.0]), cpu)
         if verdict.unconfirmed and not verdict.regressions:
             self._held = entry  # in question: kept out of the baseline until the next sound cycle decides
             return verdict

@@ -104,3 +104,14 @@ def test_trust_figures():
     # The process waited for cores (CPU per wall 0.65 where it had 1.98) and every node ran 1.7x slower: load.
     assert "waited for cores" in distortion([17.0, 17.2, 17.1], [10.0], shared=1.7, cpu=0.65, earlier_cpu=[1.98])
     assert distortion([17.0, 17.2, 17.1], [10.0], shared=1.1, cpu=0.65, earlier_cpu=[1.98]) is None
+
+
+def test_a_python_loop_over_rows_is_told_apart_from_an_unfused_chain():
+    rows = [node(f"loop_getitem_{i}", 0.01, op="call_function") for i in range(40)]
+    rows += [node(f"loop_mul_{i}", 0.01, op="call_function", module_path="loop") for i in range(40)]
+    rows = [NodeStats(**{**n.__dict__, "module_path": "loop"}) for n in rows]
+    (loop,) = elementwise_share(rows)
+    assert "Python loop over rows" in loop.text and "Vectorise" in loop.text and "fusing" not in loop.text
+    chain = [NodeStats(**{**node(f"sin_{i}", 0.1, op="call_function").__dict__, "module_path": "act"}) for i in range(18)]
+    (fused,) = elementwise_share(chain)
+    assert "fusing them" in fused.text

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 
 import pytest
 
-from fxprof_lightning.regressions import Delta, Regression, RegressionWatch, compare, find_regressions, shared_factor
+from fxprof_lightning.regressions import (
+    Delta,
+    Regression,
+    RegressionWatch,
+    compare,
+    find_regressions,
+    module_rows,
+    shared_factor,
+)
 from fxprof_lightning.report import NodeStats
 
 
@@ -258,3 +267,24 @@ def test_a_return_to_a_level_the_baseline_had_is_a_change_of_mode_not_a_regressi
     assert all(v.regressions == [] and v.unconfirmed == [] for v in watched(tables, [[10.0, 10.1, 10.0]] * 8))
     # A new level above every baseline cycle's is still a regression.
     assert [r.node for r in find_regressions(tables[:6], scaled(tables[7], "n9", 1.4))] == ["n9"]
+
+
+def test_a_module_slower_through_new_nodes_is_flagged_as_the_module():
+    """A loop run 12 times instead of once is unrolled into new nodes (never regressions): its module's time per step
+    shows it, as "module <path>"; a module with the same nodes as before is left to its nodes."""
+    from fxprof_lightning.report import ModuleStats
+
+    def modules(ms: float) -> list[ModuleStats]:
+        return [ModuleStats("", "Net", 0, 1.0, 0.0, ms + 3.0, 0.0, 2 * ms + 6.0),
+                ModuleStats("block", "Block", 1, 1.0, ms, ms, 2 * ms, 2 * ms),
+                ModuleStats("head", "Linear", 1, 1.0, 1.0, 1.0, 2.0, 2.0)]
+
+    tables = steady_tables(6)
+    watch = RegressionWatch()
+    verdicts = [watch.check(t, [10.0, 10.1, 10.0], modules=modules(1.0 + 0.01 * i)) for i, t in enumerate(tables[:4])]
+    unrolled = [*tables[4], NodeStats("block_mul_1", "call_function", "mul", "block", 3, 1.0, 1.0, 1.0, 1.0, 3.0, 0.0)]
+    same_nodes = copy.deepcopy(watch).check(tables[4], [40.0, 40.1, 40.0], modules=modules(12.0))
+    assert same_nodes.regressions == [] and same_nodes.unconfirmed == []  # its nodes would tell (none slower here)
+    verdicts.append(watch.check(unrolled, [40.0, 40.1, 40.0], modules=modules(12.0)))
+    assert {(r.node, r.direction) for r in verdicts[-1].regressions} == {("module block", "forward"), ("module block", "backward")}
+    assert module_rows(modules(1.0))[0].name == "module block" and len(module_rows(modules(1.0))) == 2  # not the root
