@@ -39,7 +39,17 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from fxprof_lightning.node_timing import JOINS, ROW, NodeInfo, NodeTimer, describe_target, mark_untimed
+from fxprof_lightning.flops import NodeCosts, count_costs
+from fxprof_lightning.node_timing import (
+    JOINS,
+    ROW,
+    NodeInfo,
+    NodeTimer,
+    describe_target,
+    is_timed,
+    mark_untimed,
+    node_info,
+)
 
 __all__ = ["DYNAMO", "DynamoTimer", "annotate_rows"]
 
@@ -141,6 +151,9 @@ class DynamoTimer(NodeTimer):
         self.recaptures: list[str] = []
         self.capture_s: list[float] = []
         self._on_refused = on_refused
+        self._uncounted: list[tuple[fx.GraphModule, list[Any]]] = []  # graphs captured since the last ``costs()``
+        self._row_costs: dict[int, list[int]] = {}  # row -> fwd FLOPs, bwd FLOPs, out bytes, bytes moved (per call)
+        self.costs_error: str | None = None
         self._pending: str | None = "first call"  # capture (and verify) at the next call, for this reason
         self._expected = 0  # graph calls in one forward call, as verified
         self._hooks_now = False
@@ -154,6 +167,9 @@ class DynamoTimer(NodeTimer):
         annotate_rows(captured, self._names)
         graph = _Graph(captured, self._instrument(captured, self._annotate, hooked=self._cuda))
         self.graphs.append(graph)
+        # Counted when asked (``costs``, after the cycle), not here inside the capture's checked calls.
+        self._uncounted.append((captured, [torch.empty(t.shape, dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
+                                           if isinstance(t, torch.Tensor) else t for t in example_inputs]))
 
         def run(*args: Any) -> Any:
             if self._hooks_now and not self._cuda:
@@ -230,6 +246,37 @@ class DynamoTimer(NodeTimer):
             out = compiled(*args, **kwargs)
         self.capture_s.append(time.perf_counter() - started)
         return out
+
+    def _count_costs(self, captured: fx.GraphModule, example_inputs: list[Any]) -> None:
+        """FLOPs and bytes of each row of a captured graph, in a meta-device pass at capture time (never in a timed
+        step); the ops of one row add up. A graph whose pass fails leaves its rows without costs."""
+        try:
+            costs = count_costs(captured, tuple(example_inputs), self.training)
+        except Exception as error:  # an op without a meta kernel, symbolic shapes: no FLOPs, timing goes on
+            self.costs_error = f"{type(error).__name__}: {error}"
+            return
+        row = None
+        for i, node in enumerate(n for n in captured.graph.nodes if is_timed(n)):
+            if row is None or not node.meta.get(JOINS):
+                row = self._rows.get((node.meta.get(ROW) or node_info(node)).name)
+                if row is None:
+                    continue
+                self._row_costs[row] = [0, 0, 0, 0]
+            totals = self._row_costs[row]
+            totals[0] += costs.fwd_flops[i]
+            totals[1] += costs.bwd_flops[i]
+            totals[2] = costs.out_bytes[i]  # the row's output: its last op's
+            totals[3] += costs.fwd_bytes[i]
+
+    def costs(self) -> NodeCosts | None:
+        """FLOPs and bytes per row (``NodeCosts`` over ``nodes``; None for a row no captured graph counted)."""
+        for captured, inputs in self._uncounted:
+            self._count_costs(captured, inputs)
+        self._uncounted.clear()
+        if not self._row_costs:
+            return None
+        rows = [self._row_costs.get(i) for i in range(len(self.nodes))]
+        return NodeCosts(*([r[k] if r else None for r in rows] for k in range(4)))
 
     def graph_breaks(self) -> dict[str, int]:
         """Dynamo's graph breaks in this timer's captures, by reason (each code path is broken once per capture)."""

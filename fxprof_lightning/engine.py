@@ -703,6 +703,8 @@ class Profiler:
 
     def _costs_for(self, cycle: _OpenCycle) -> NodeCosts | None:
         """FLOPs and output sizes, counted once per input signature in an untimed meta-device pass."""
+        if isinstance(cycle.timer, DynamoTimer):  # counted per captured graph, at capture
+            return cycle.timer.costs()
         inputs = cycle.timer.forward_inputs
         if cycle.capture is None or cycle.capture.graph_module is None or inputs is None:
             return None

@@ -111,6 +111,11 @@ def test_the_default_capture_is_dynamo_with_a_row_per_layer(tmp_path):
     bn = next(n for n in cycle.nodes if n.name == "blocks_0_bn")
     assert bn.calls == 2 and bn.bwd_calls == 2  # batch norm and its num_batches_tracked update: one row
     assert "Dynamo" in cycle.to_markdown()
+    # FLOPs and bytes per row, counted on the meta device after the cycle: the head is Linear(8, 4) on a batch of 4
+    head, conv = (next(n for n in cycle.nodes if n.name == name) for name in ("head", "blocks_0_conv"))
+    assert head.fwd_flops == 2 * 4 * 8 * 4 and head.bwd_flops == 2 * head.fwd_flops
+    assert head.fwd_bytes == 4 * (4 * 8 + 8 * 4 + 4 + 4 * 4)  # input, weight, bias, output (float32)
+    assert conv.fwd_flops == 2 * 4 * 8 * 8 * 8 * 8 * 9 and conv.bound in ("compute", "memory", "overhead")
 
 
 @pytest.mark.parametrize("change, seen", [
