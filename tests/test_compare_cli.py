@@ -60,8 +60,11 @@ def copy_cycle(source: Path, target: Path, index: int, slower: dict[str, float] 
     summary = json.loads((target / SUMMARY).read_text())
     summary.update(index=index, steps=[10 * index + i for i in range(3)], step_ms=[step_ms] * 3, regressions=[])
     (target / SUMMARY).write_text(json.dumps(summary) + "\n")
-    edit_nodes(target / "fx_nodes.csv", None, {"mad_ms": lambda row: 0.02 * float(row["median_ms"]),
-                                               "bwd_mad_ms": lambda row: 0.02 * float(row["bwd_median_ms"])})
+    # Steady by construction, whatever the machine did while the real cycle ran: every call within 2 % of the median.
+    edit_nodes(target / "fx_nodes.csv", None, {
+        **{f"{side}{column}": (lambda row, side=side, f=factor: f * float(row[f"{side}median_ms"]))
+           for side in ("", "bwd_") for column, factor in (("mad_ms", 0.02), ("min_ms", 0.98), ("max_ms", 1.02),
+                                                            ("mean_ms", 1.0))}})
     for name, factor in (slower or {}).items():
         edit_nodes(target / "fx_nodes.csv", name,
                    {column: lambda row, c=column, f=factor: f * float(row[c]) for column in TIMES})
