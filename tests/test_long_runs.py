@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import json
 import pickle
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -60,9 +61,9 @@ class Probe(pl.Callback):
 
 
 def long_run(root: Path) -> dict:
-    """2000 steps with repeat=0 and keep_cycles=3; what the profiler kept and the process's memory at 6 steps."""
+    """2000 steps with repeat=0 and keep_cycles=3; what the profiler kept and the process's memory every 100 steps."""
     profiler = FXProfilerCallback(skip_first=0, wait=5, warmup=1, active=4, keep_cycles=3, module="model")
-    probe = Probe(profiler, {500, 750, 1000, 1500, 1750, 2000})
+    probe = Probe(profiler, set(range(200, 2001, 100)))
     loader = DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=4)
     make_trainer(root, [profiler, probe], max_steps=2000, max_epochs=-1).fit(TinyLit(), loader)
     return {"cycles": [c.directory.name for c in profiler.cycles], "last_index": profiler.cycles[-1].index,
@@ -87,7 +88,9 @@ def test_retained_data_does_not_grow_over_2000_steps(tmp_path):
     assert all(samples == 0 for _, samples in retained.values())  # no per-step samples kept between cycles
     # same 3 reports whatever the cycle count (their advice and regressions vary by a few sentences)
     assert max(sizes.values()) - min(sizes.values()) <= 4096, sizes
-    # Process memory flat: no higher in the second half of the run than in the first (a leak of 1 MB per cycle would
-    # add 75 MB).
-    first, second = max(rss[s] for s in (500, 750, 1000)), max(rss[s] for s in (1500, 1750, 2000))
-    assert second - first < 32 * 2**20, rss
+    # Process memory flat: the median of 9 samples in the second half of the run no higher than in the first (a leak
+    # of 1 MB per cycle would add about 100 MB). Single samples swing by 70 MB either way (2026-11-24): each cycle
+    # writes a trace, pictures and event files.
+    first = statistics.median(rss[s] for s in range(200, 1001, 100))
+    second = statistics.median(rss[s] for s in range(1200, 2001, 100))
+    assert second - first < 48 * 2**20, {step: round(value / 2**20) for step, value in sorted(rss.items())}
