@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 from fxprof_lightning.report import NodeStats
 
-__all__ = ["Advice", "advise", "elementwise_share", "heavy_backward", "low_peak", "model_share", "overhead_bound",
+__all__ = ["Advice", "advise", "elementwise_share", "heavy_backward", "low_peak", "memory_bound", "model_share", "overhead_bound",
            "regressed", "slow_rank", "whole_step"]
 
 MIN_SHARE = 5.0  # % of the step's node time: smaller nodes are not worth advice
+MEMORY_SHARE = 20.0  # % of node time in one memory-bound matmul/conv: worth saying the batch is too small
 LOW_PEAK = 30.0  # % of the roofline's attainable rate below which a large matmul or conv is "low"
 BACKWARD_RATIO = 3.0  # backward this many times its forward is suspicious (2x is normal for matmuls)
 ELEMENTWISE_SHARE = 15.0  # % of the step's node time in one module's elementwise nodes
@@ -56,6 +57,22 @@ def low_peak(nodes: list[NodeStats]) -> list[Advice]:
             f"`{n.name}` ({n.target}, {_share(n, grand):.0f}% of node time) reaches {n.pct_of_peak:.0f}% of what the "
             f"device allows at its {n.intensity:.1f} FLOP/byte ({n.bound}-bound, {n.fwd_gflops_per_s or 0:.1f} GFLOP/s): "
             f"try {what}.")))
+    return found
+
+
+def memory_bound(nodes: list[NodeStats]) -> list[Advice]:
+    """A matmul or conv (a node with FLOPs) with a large share of the time that is memory-bound: its weights are read
+    for too little work, which a larger batch fixes (a matmul at a sensible batch is compute-bound)."""
+    grand, found = _grand(nodes), []
+    for n in nodes:
+        if n.bound != "memory" or not n.fwd_flops or n.intensity is None or _share(n, grand) < MEMORY_SHARE \
+                or (n.pct_of_peak is not None and n.pct_of_peak < LOW_PEAK):  # low_peak says it for those
+            continue
+        found.append(Advice(1.01 * _share(n, grand), (
+            f"`{n.name}` ({n.target}, {_share(n, grand):.0f}% of node time) is memory-bound: {n.intensity:.1f} FLOP per "
+            f"byte moved, so it waits for its weights and activations to be read ({n.fwd_gbytes_per_s or 0:.1f} GB/s), "
+            "not for arithmetic; a larger batch does more work per weight read (the backward, which reads and writes "
+            "them again, gains the same).")))
     return found
 
 
@@ -185,8 +202,8 @@ def advise(nodes: list[NodeStats], history: list[list[NodeStats]] = (), regressi
     step = whole_step(phases or {})
     share = model_share(phases or {})
     node_level = share is None or share >= MODEL_SHARE
-    rules = (step, regressed(list(regressions)), *((low_peak(nodes), overhead_bound(nodes), heavy_backward(nodes),
-                                                    elementwise_share(nodes))
+    rules = (step, regressed(list(regressions)), *((low_peak(nodes), memory_bound(nodes), overhead_bound(nodes),
+                                                    heavy_backward(nodes), elementwise_share(nodes))
                                                   if node_level else ()), slow_rank(list(history), ranks))
     found = [a for items in rules for a in sorted(items, key=lambda a: a.weight, reverse=True)[:PER_RULE]]
     found.sort(key=lambda a: a.weight, reverse=True)

@@ -7,6 +7,7 @@ from fxprof_lightning.advice import (
     elementwise_share,
     heavy_backward,
     low_peak,
+    memory_bound,
     overhead_bound,
     regressed,
     slow_rank,
@@ -115,3 +116,14 @@ def test_a_python_loop_over_rows_is_told_apart_from_an_unfused_chain():
     chain = [NodeStats(**{**node(f"sin_{i}", 0.1, op="call_function").__dict__, "module_path": "act"}) for i in range(18)]
     (fused,) = elementwise_share(chain)
     assert "fusing them" in fused.text
+
+
+def test_a_memory_bound_matmul_is_told_to_take_a_larger_batch_before_its_heavy_backward():
+    """Linear(4096, 4096) on a batch of 2: 1 FLOP per byte, at 37% of the memory roof, backward 5x its forward."""
+    fc = node("fc", 4.2, 22.0, fwd_flops=2 * 2 * 4096 * 4096, intensity=1.0, bound="memory", pct_of_peak=37.0,
+              fwd_gbytes_per_s=16.0)
+    (found,) = memory_bound([fc])
+    assert "memory-bound" in found.text and "larger batch" in found.text
+    advice = advise([fc])
+    assert advice[0] == found.text and "backward" in advice[1]
+    assert memory_bound([node("fc", 4.2, 8.0, fwd_flops=10**9, intensity=1.0, bound="memory", pct_of_peak=5.0)]) == []
