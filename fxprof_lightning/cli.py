@@ -41,7 +41,7 @@ from fxprof_lightning.regressions import (
     compare,
     shared_factor,
 )
-from fxprof_lightning.report import CycleReport, shorten
+from fxprof_lightning.report import CycleReport, describe_phases, shorten
 from fxprof_lightning.runs import RunError, find_cycles, load_cycle
 from fxprof_lightning.trust import step_spread
 
@@ -328,6 +328,9 @@ def run_report(path: Path, stage: str, last: int, layers: int, options: dict) ->
         lines.append(f"(the last {len(shown)} cycles; {len(cycles) - len(shown)} earlier ones: --last {len(cycles)})")
     lines += cycle_table(shown, found)
     lines += ["", *trend_table(shown, layers)]
+    if cycles[-1].phases:
+        lines += ["", *textwrap.wrap(f"The whole step in cycle {cycles[-1].index}: {describe_phases(cycles[-1].phases)}",
+                                     WIDTH)]
     regressions = [(c, r) for c in cycles for r in found[id(c)].regressions]
     lines.append("")
     if regressions:

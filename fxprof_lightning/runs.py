@@ -36,7 +36,7 @@ SEARCH_DEPTH = 4  # levels below the given path searched for cycle directories
 SUMMARY_FIELDS = {  # taken from the summary as they are, when present: name -> accepted JSON types
     "index": (int,), "stage": (str,), "steps": (list,), "partial": (bool,), "ranks": (int,),
     "backward_wall_ms": (int, float, type(None)), "step_ms": (list,), "step_cpu_ms": (list,), "advice": (list,),
-    "distortion": (str, type(None)), "tracked": (list,),
+    "distortion": (str, type(None)), "tracked": (list,), "phases": (dict,), "peaks": (str, type(None)),
 }
 
 
@@ -122,6 +122,8 @@ def load_cycle(directory: str | os.PathLike) -> CycleReport:
             if name in ("steps", "step_ms", "step_cpu_ms") and not all(
                     isinstance(v, int | float) and not isinstance(v, bool) for v in value):
                 raise RunError(f"{summary_path}: {name} holds something other than numbers: {value!r}")
+            if name == "phases" and not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value.values()):
+                raise RunError(f"{summary_path}: phases holds something other than numbers: {value!r}")
             setattr(report, name, value)
     report.regressions = [_regression(r, summary_path) for r in summary.get("regressions") or []]
     return report

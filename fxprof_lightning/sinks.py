@@ -9,7 +9,7 @@ into collection. The Lightning callback adds one that writes to the Trainer's lo
 Tags are shared by every sink that logs scalars, text or pictures (``cycle_scalars``,
 ``cycle_texts``): the run's totals in the ``fxprof`` group (``fxprof/forward_ms_per_step``,
 ``fxprof/backward_ms_per_step``, ``fxprof/regressions``, ``fxprof/step_spread``,
-``fxprof/cpu_per_wall``), the tracked nodes in ``fxprof_nodes`` (``fxprof_nodes/<node>/forward_ms_per_call``,
+``fxprof/cpu_per_wall``), the whole step's phases (``fxprof_step/<phase>_ms``, Lightning), the tracked nodes in ``fxprof_nodes`` (``fxprof_nodes/<node>/forward_ms_per_call``,
 ``.../backward_ms_per_call``), text ``fxprof/layers`` (the node table, regressions and advice), ``fxprof/modules`` and
 pictures ``fxprof/slowest_layers``, ``fxprof/module_tree``, ``fxprof/trend``. Validation cycles
 use ``fxprof_val`` and ``fxprof_val_nodes``. The step is the cycle's last recorded step.
@@ -63,6 +63,8 @@ def cycle_scalars(report: CycleReport) -> dict[str, float]:
                         ("cpu_per_wall", cpu_per_wall(report.step_ms, report.step_cpu_ms))):
         if value is not None:
             metrics[f"{prefix}/{name}"] = value
+    for phase, ms in report.phases.items():  # the whole step (Lightning): one series per phase
+        metrics[f"{prefix}_step/{phase}_ms"] = ms
     by_name = {n.name: n for n in report.nodes}
     for name in report.tracked:
         n = by_name.get(name)
@@ -262,6 +264,10 @@ def cycle_line(report: CycleReport, name: str) -> str:
         top = report.nodes[0]
         grand = sum(n.total_ms + n.bwd_total_ms for n in report.nodes) or 1.0
         line += f"; slowest {top.name} ({100 * (top.total_ms + top.bwd_total_ms) / grand:.0f}%)"
+    if report.phases:
+        total = sum(report.phases.values()) or 1.0
+        biggest = sorted(report.phases.items(), key=lambda item: -item[1])[:2]
+        line += f"; step {total:.1f} ms: " + ", ".join(f"{phase} {100 * ms / total:.0f}%" for phase, ms in biggest)
     if report.regressions:
         worst = report.regressions[0]
         more = f" and {len(report.regressions) - 1} more" if len(report.regressions) > 1 else ""

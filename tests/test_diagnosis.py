@@ -9,17 +9,21 @@ the change must flag nothing in any cycle.
 
 from __future__ import annotations
 
+import re
 import statistics
+import subprocess
+import sys
 import time
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import LitClassifier, make_trainer
+from conftest import LitClassifier, make_trainer, read_events
 from torch import nn
 from torch.utils.data import DataLoader
 
 from fxprof_lightning import FXProfilerCallback, Profiler
+from fxprof_lightning.sinks import cycle_line
 from fxprof_lightning.step_phases import PHASES
 
 
@@ -107,10 +111,12 @@ def test_the_whole_step_of_a_dataloader_bound_run(tmp_path):
     """Known answer: the loader waits ~100 ms per batch, the model takes a few ms. The phases add up to the step,
     the data phase holds the wait, and the advice says so first, with no advice about layers."""
     callback = FXProfilerCallback(wait=1, warmup=1, active=3, repeat=1, module="model")
-    make_trainer(tmp_path, [callback], max_steps=6, logger=False).fit(
-        LitClassifier(), DataLoader(SlowDataset(), batch_size=4))
+    make_trainer(tmp_path, [callback], max_steps=6).fit(LitClassifier(), DataLoader(SlowDataset(), batch_size=4))
     (cycle,) = callback.cycles
     phases = cycle.phases
+    events = read_events(tmp_path / "logs" / "version_0")  # what TensorBoard shows: one series per phase
+    assert {f"fxprof_step/{phase}_ms" for phase in PHASES} <= set(events.Tags()["scalars"])
+    assert events.Scalars("fxprof_step/data_ms")[0].value == pytest.approx(phases["data"])
     assert set(phases) == set(PHASES)
     total = sum(phases.values())
     assert phases["data"] >= 0.9 * DATA_WAIT_S * 1e3 and phases["data"] / total > 0.5, phases
@@ -118,6 +124,10 @@ def test_the_whole_step_of_a_dataloader_bound_run(tmp_path):
     assert cycle.advice[0].startswith("The step waits for its next batch") and "num_workers" in cycle.advice[0]
     assert not any("node time" in line for line in cycle.advice)  # node-level advice left out: not what it waits for
     assert "The whole step:" in cycle.to_markdown() and "data" in cycle.to_summary()["phases"]
+    assert re.search(r"; step [\d.]+ ms: data \d+%", cycle_line(cycle, "FXProfilerCallback"))  # the console line
+    out = subprocess.run([sys.executable, "-m", "fxprof_lightning", "report", str(cycle.directory.parent)],
+                         capture_output=True, text=True, timeout=120, check=False).stdout
+    assert f"The whole step in cycle {cycle.index}:" in out and "data" in out
 
 
 def test_the_phases_add_up_to_the_steps_wall_time(tmp_path):
