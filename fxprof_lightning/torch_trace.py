@@ -14,6 +14,7 @@ import bisect
 import gzip
 import inspect
 import json
+import math
 import os
 import statistics
 import time
@@ -323,5 +324,17 @@ def _backward_ranges(events: list[dict[str, Any]], calls: list[tuple[str, int, i
             continue
         last_end = end
         added.append({"ph": "X", "cat": "user_annotation", "name": f"{calls[i][0]} backward", "pid": pid, "tid": tid,
-                      "ts": begin, "dur": round(end - begin, 3)})
+                      "ts": begin, "dur": _exact_duration(begin, end)})
     return added
+
+
+def _exact_duration(begin: float, end: float) -> float:
+    """A duration with ``begin + duration == end`` in floating point, so the range ends exactly where its last event
+    does (a duration rounded to 3 decimals, or off by one ulp, made it cut through that event or the next one)."""
+    duration = end - begin
+    for _ in range(4):
+        reached = begin + duration
+        if reached == end:
+            break
+        duration = math.nextafter(duration, math.inf if reached < end else -math.inf)
+    return duration
