@@ -76,8 +76,7 @@ def test_a_block_that_makes_the_step_slower_is_flagged_not_called_load(tmp_path)
     # left out for its spread: that is load's signature within a cycle).
     assert not any("earlier cycles" in (c.distortion or "") for c in cycles), [c.distortion for c in cycles]
     flagged = {(r.node, r.direction) for c in cycles[4:] for r in c.regressions}
-    assert ("heavy", "forward") in flagged
-    assert {node for node, _ in flagged} == {"heavy"}  # nothing else
+    assert {node for node, _ in flagged} == {"heavy"}  # that block, in one direction or both, and nothing else
     assert all(c.regressions == [] for c in cycles[:4])
 
 
