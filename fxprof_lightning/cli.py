@@ -38,6 +38,7 @@ from fxprof_lightning.regressions import (
     Regression,
     RegressionWatch,
     Verdict,
+    beyond_doubt,
     compare,
     shared_factor,
 )
@@ -224,8 +225,9 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
     earlier = [c for c in b_cycles if not c.partial and c.index < now.index][-1:] if not b_single else []
     also_before = {(d.node, d.direction) for c in earlier for d in compare([c.nodes for c in baseline], c.nodes, **options)
                    if d.slower}
-    confirmed = {(d.node, d.direction) for d in deltas if d.slower and (
-        (d.node, d.direction) in also_before or (d.ratio >= CONFIRM_RATIO and _fastest(now, d) >= (CONFIRM_RATIO - 1) * d.baseline_ms))}
+    by_name = {n.name: n for n in now.nodes}
+    confirmed = {(d.node, d.direction) for d in deltas
+                 if d.slower and ((d.node, d.direction) in also_before or beyond_doubt(by_name[d.node], d))}
     lines = [f"A: {a}",
              "   " + (describe(baseline[0]) if len(baseline) == 1 else
                       f"{len(baseline)} {_stage_name(baseline[0].stage)} cycles "
@@ -246,11 +248,6 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
         lines.append(_wrap(f"{unconfirmed} more slower in B's cycle {now.index} only (marked slower?): not confirmed by "
                            "B's cycle before it nor large enough to rule out noise (every call 3x slower); no regression."))
     return "\n".join(lines), EXIT_REGRESSION if confirmed else EXIT_OK
-
-
-def _fastest(cycle: CycleReport, delta: Delta) -> float:
-    stats = next(n for n in cycle.nodes if n.name == delta.node)
-    return stats.min_ms if delta.direction == "forward" else stats.bwd_min_ms
 
 
 def delta_table(deltas: list[Delta], top: int | None, confirmed: set[tuple[str, str]] = frozenset()) -> list[str]:

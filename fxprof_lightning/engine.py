@@ -129,8 +129,9 @@ class Profiler:
         profile_validation: also profile the steps inside ``with profiler.validation():``.
         module_depth: deepest level of the module tree in the modules text (root = 0).
         backward_timing: time each node's backward too.
-        node_ranges: with ``torch_profiler``, a range per node call in the trace (on CPU written into the
-            exported trace from the node timestamps; on CUDA and under module hooks a ``record_function``).
+        node_ranges: with ``torch_profiler``, a range per node call in the trace (written into the exported
+            trace from the node timestamps; on CUDA they tie each kernel to its node; under module hooks a
+            ``record_function`` per module call).
         ranks: global ranks that write traces (None: all). The others still time nodes and take
             part in the gather.
         peaks: the device's peak GFLOP/s and GB/s for the roofline columns (``roofline.Peaks``); None
@@ -753,10 +754,9 @@ class Profiler:
         device = next(module.parameters(), torch.empty(0)).device.type
         # The node ranges are written into the trace after it is exported (``add_node_ranges``), from the node
         # timestamps; on CUDA the trace's kernels then give each node its device time (``gpu_trace``).
-        ranges = {"trace_ranges": self._ranges}
         if self.capture == "dynamo" and not any(is_fsdp(m) for m in module.modules()):
             timer = DynamoTimer(training, backward=self.backward_timing, device=device,
-                                on_refused=functools.partial(self._warn_refused, module, training), **ranges)
+                                on_refused=functools.partial(self._warn_refused, module, training), trace_ranges=self._ranges)
             return timer, Capture("dynamo", error=DYNAMO)
         example = self._examples.pop(training, None)
         started = time.perf_counter()
@@ -768,9 +768,9 @@ class Profiler:
             return self._hook_timer(module), how
         if how.on_example:
             timer = GuardedNodeTimer(how.graph_module, backward=self.backward_timing, device=device,
-                                     on_mismatch=functools.partial(self._warn_mismatch, module, training), **ranges)
+                                     on_mismatch=functools.partial(self._warn_mismatch, module, training), trace_ranges=self._ranges)
         elif how.graph_module is not None:
-            timer = NodeTimer(how.graph_module, backward=self.backward_timing, device=device, **ranges)
+            timer = NodeTimer(how.graph_module, backward=self.backward_timing, device=device, trace_ranges=self._ranges)
         else:
             timer = self._hook_timer(module)
         if how.method != "symbolic_trace":
@@ -779,7 +779,8 @@ class Profiler:
 
     @property
     def _ranges(self) -> bool:
-        """Whether timers open a ``record_function`` range per node (for the trace)."""
+        """Whether timers keep what writes a range per node into the trace (``NodeTimer`` trace_ranges; module hooks
+        open a ``record_function`` range per module call)."""
         return self.torch_profiler and self.node_ranges
 
     def _hook_timer(self, module: nn.Module) -> ModuleHookTimer:

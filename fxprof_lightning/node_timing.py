@@ -284,7 +284,7 @@ class NodeTimer:
         self.forward_inputs: tuple[Any, ...] | None = None  # the first call's inputs after reset (for FLOP counting)
         # CUDA events (a pair per node, read after a sync) only when no profiler trace gives device times:
         # with trace ranges the trace's kernels are tied to the node ranges afterwards (``gpu_trace``).
-        self.on_cuda = device == "cuda"  # the model's device (its random state to keep, its memory)
+        self.on_cuda = device == "cuda"  # the model is on CUDA (its CUDA random state is kept with the rest)
         self._cuda = self.on_cuda and not trace_ranges
         self._clock = CudaClock if self._cuda else HostClock  # for hooked graphs
         self._backward = backward

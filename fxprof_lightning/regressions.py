@@ -48,7 +48,7 @@ from fxprof_lightning.report import ModuleStats, NodeStats
 from fxprof_lightning.trust import cpu_per_wall, distortion, step_spread
 
 __all__ = ["DEFAULT_K", "DEFAULT_MIN_MS", "DEFAULT_MIN_RELATIVE", "DEFAULT_MIN_SHARE", "MIN_BASELINE", "Delta",
-           "Regression", "RegressionWatch", "Verdict", "compare", "find_regressions", "module_rows", "shared_factor"]
+           "Regression", "RegressionWatch", "Verdict", "beyond_doubt", "compare", "find_regressions", "module_rows", "shared_factor"]
 
 MAD_TO_SIGMA = 1.4826  # MAD x this estimates the standard deviation of normal samples
 DEFAULT_K = 4.0
@@ -300,6 +300,13 @@ class Verdict:
     unconfirmed: list[Regression] = field(default_factory=list)
 
 
+def beyond_doubt(stats: NodeStats, change: Regression | Delta) -> bool:
+    """Whether every call of a slower node is slower, by more than noise explains: its median ``CONFIRM_RATIO`` x
+    the baseline and its fastest call ``CONFIRM_RATIO - 1`` x (``stats``: the node now)."""
+    fastest = _samples(stats, change.direction)[1]
+    return change.ratio >= CONFIRM_RATIO and fastest >= (CONFIRM_RATIO - 1) * change.baseline_ms
+
+
 class RegressionWatch:
     """Checks a run's cycles in order, as the engine does during training and ``fxprof report`` afterwards.
 
@@ -359,11 +366,8 @@ class RegressionWatch:
             regular = (step_spread(step_ms) or 0.0) <= CONFIRM_SPREAD
             for r in flagged:
                 stats = by_name[r.node]
-                fastest = stats.min_ms if r.direction == "forward" else stats.bwd_min_ms
-                calls = _calls(stats, r.direction)
-                added_per_step = (r.now_ms - r.baseline_ms) * calls / steps
-                clear = (r.ratio >= CONFIRM_RATIO and fastest >= (CONFIRM_RATIO - 1) * r.baseline_ms and regular
-                         and step_rise >= added_per_step / 2)
+                added_per_step = (r.now_ms - r.baseline_ms) * _calls(stats, r.direction) / steps
+                clear = beyond_doubt(stats, r) and regular and step_rise >= added_per_step / 2
                 confirmed = clear or (r.node, r.direction) in self._flagged
                 (verdict.regressions if confirmed else verdict.unconfirmed).append(r)
             self._flagged = {(r.node, r.direction) for r in flagged}
