@@ -54,15 +54,15 @@ def run(tmp_path, slow_from_step: int | None) -> Profiler:
     model = Model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     data = torch.randn(64, 32)
-    with Profiler(model, dirpath=tmp_path, wait=0, warmup=1, active=3, repeat=7, capture="fx") as prof:
-        for step in range(28):
+    with Profiler(model, dirpath=tmp_path, wait=0, warmup=1, active=3, repeat=10, capture="fx") as prof:
+        for step in range(40):
             if step == slow_from_step:
                 model.heavy.work = 12
             model(data).sum().backward()
             optimizer.step()
             optimizer.zero_grad()
             prof.step()
-    assert len(prof.cycles) == 7 and prof.cycles[0].capture.leaves == {"heavy": prof.cycles[0].capture.leaves["heavy"]}
+    assert len(prof.cycles) == 10 and prof.cycles[0].capture.leaves == {"heavy": prof.cycles[0].capture.leaves["heavy"]}
     return prof
 
 
@@ -82,7 +82,7 @@ def test_a_block_that_makes_the_step_slower_is_flagged_not_called_load(tmp_path)
 
 def test_a_steady_run_flags_nothing(tmp_path):
     prof = run(tmp_path, slow_from_step=None)
-    assert [c.regressions for c in prof.cycles] == [[]] * 7
+    assert [c.regressions for c in prof.cycles] == [[]] * 10
 
 
 # The whole step -------------------------------------------------------------------------------------------------------
