@@ -172,6 +172,7 @@ def test_measure_peaks_is_plausible_and_leaves_global_state_alone():
     assert peaks.source == "measured" and peaks.device.startswith("cpu: ")
     assert 0.5 < peaks.gflops_per_s < 1e5  # one slow shared core to a large many-core server
     assert 0.1 < peaks.gbytes_per_s < 1e4
+    assert 0.01 < peaks.op_floor_us < 1000  # one tiny op: a fraction of a microsecond to a slow machine's hundreds
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -189,7 +190,8 @@ def measured(monkeypatch):
 
     def fake(device="cpu", dtype=torch.float32):
         calls.append((str(device), dtype))
-        return Peaks(gflops_per_s=123.0, gbytes_per_s=4.5, device=roofline.device_name(device), source="measured")
+        return Peaks(gflops_per_s=123.0, gbytes_per_s=4.5, device=roofline.device_name(device), source="measured",
+                     op_floor_us=7.5)
 
     monkeypatch.setattr(roofline, "measure_peaks", fake)
     return calls
@@ -205,7 +207,7 @@ def test_device_peaks_are_measured_once_then_cached(tmp_path, measured):
     assert entries[key]["gflops_per_s"] == 123.0
     second = device_peaks("cpu", path)
     assert len(measured) == 1
-    assert second == Peaks(gflops_per_s=123.0, gbytes_per_s=4.5, device=first.device, source="cached")
+    assert second == Peaks(gflops_per_s=123.0, gbytes_per_s=4.5, device=first.device, source="cached", op_floor_us=7.5)
     assert [p.name for p in path.parent.iterdir()] == ["peaks.json"]  # no temporary file left behind
 
 
