@@ -99,7 +99,8 @@ from fxprof_lightning import FXProfilerCallback
 from fxprof_lightning.capture import Capture, capture
 from fxprof_lightning.leaves import short_error
 from fxprof_lightning.module_hooks import ModuleHookTimer
-from fxprof_lightning.node_timing import BackwardEvents, NodeTimer, is_timed, tensors_in
+from fxprof_lightning.node_timing import BackwardEvents, NodeTimer, tensors_in
+from fxprof_lightning.nodes import is_timed
 from fxprof_lightning.traced_on_example import Example, GuardedNodeTimer, trace_on_example
 
 BATCH = 2

@@ -1,25 +1,27 @@
 """fxprof-lightning: per-layer timing of sampled PyTorch training steps.
 
 ``Profiler`` for any training loop (plain PyTorch, Fabric, FSDP2); ``FXProfilerCallback`` for a
-Lightning ``Trainer``. See the README for the options. Lightning is imported only when the
-callback is first used, so ``Profiler`` and the ``fxprof`` command start without it.
+Lightning ``Trainer``. See the README for the options. Every name is imported when first used, so the
+``fxprof`` command (which reads files) starts without torch, and ``Profiler`` without Lightning.
 """
 
+import importlib
 from typing import Any
-
-from fxprof_lightning.engine import Profiler
-from fxprof_lightning.report import CycleReport, NodeStats
-from fxprof_lightning.schedule import Schedule
-from fxprof_lightning.sinks import ConsoleSink, CsvSink, PictureSink, TensorBoardSink
 
 __all__ = ["ConsoleSink", "CsvSink", "CycleReport", "FXProfilerCallback", "NodeStats", "PictureSink", "Profiler",
            "Schedule", "TensorBoardSink"]
 __version__ = "0.1.0"
 
+_HOMES = {"Profiler": "engine", "FXProfilerCallback": "callback", "CycleReport": "report", "NodeStats": "report",
+          "Schedule": "schedule", "ConsoleSink": "sinks", "CsvSink": "sinks", "PictureSink": "sinks",
+          "TensorBoardSink": "sinks"}
+
 
 def __getattr__(name: str) -> Any:
-    if name == "FXProfilerCallback":
-        from fxprof_lightning.callback import FXProfilerCallback
-
-        return FXProfilerCallback
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"fxprof_lightning.{_HOMES[name]}"), name)
     raise AttributeError(f"module 'fxprof_lightning' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

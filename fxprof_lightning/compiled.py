@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxprof_lightning.node_timing import NodeInfo
+from fxprof_lightning.nodes import NodeInfo
 
 __all__ = ["MECHANISM", "CompiledKernels", "KernelTimer", "is_compiled"]
 

@@ -40,16 +40,8 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from fxprof_lightning.flops import NodeCosts, count_costs
-from fxprof_lightning.node_timing import (
-    JOINS,
-    ROW,
-    NodeInfo,
-    NodeTimer,
-    describe_target,
-    is_timed,
-    mark_untimed,
-    node_info,
-)
+from fxprof_lightning.node_timing import NodeTimer
+from fxprof_lightning.nodes import JOINS, ROW, NodeInfo, describe_target, is_timed, mark_untimed, node_info
 
 __all__ = ["DYNAMO", "DynamoTimer", "annotate_rows"]
 

@@ -50,7 +50,7 @@ from typing import Any
 import torch.utils.checkpoint
 from torch import fx, nn
 
-from fxprof_lightning.node_timing import mark_untimed
+from fxprof_lightning.nodes import mark_untimed
 
 try:
     import numpy

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fxprof_lightning.node_timing import NodeInfo, enter_range, exit_range, sequence_nr_now
+from fxprof_lightning.node_timing import enter_range, exit_range, sequence_nr_now
+from fxprof_lightning.nodes import NodeInfo
 
 __all__ = ["ModuleHookTimer"]
 

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from fxprof_lightning.node_timing import NodeInfo
+from fxprof_lightning.nodes import NodeInfo
 from fxprof_lightning.trust import cpu_per_wall, step_spread
 
 __all__ = ["CycleReport", "ModuleStats", "NodeStats", "RangeStats", "merge_ranks", "summarize_modules", "summarize_nodes",

@@ -25,7 +25,7 @@ arguments of one call, recorded by ``observe_first_call``), ``trace_on_example``
 
 Every answer specialises the graph on the example, so a *guard* node that checks it again goes
 into the graph, the constant arguments included. Guards are bookkeeping, not timed
-(``node_timing.mark_untimed``). A call the graph does not fit fails a guard
+(``nodes.mark_untimed``). A call the graph does not fit fails a guard
 (``GraphMismatch``); ``GuardedNodeTimer`` then runs the module's own forward for that call and
 stops using the graph.
 
@@ -68,7 +68,8 @@ from fxprof_lightning.leaves import (
     slot_names,
     trace_with_leaves,
 )
-from fxprof_lightning.node_timing import NodeTimer, mark_untimed
+from fxprof_lightning.node_timing import NodeTimer
+from fxprof_lightning.nodes import mark_untimed
 
 __all__ = ["GUARDS", "Example", "ExampleTracer", "GraphMismatch", "GuardedNodeTimer", "Rebuild", "example_forward",
            "observe_first_call", "trace_on_example"]

@@ -10,7 +10,8 @@ from conftest import SmallNet
 
 from fxprof_lightning.capture import capture
 from fxprof_lightning.module_hooks import ModuleHookTimer
-from fxprof_lightning.node_timing import BackwardEvents, NodeTimer, describe_target
+from fxprof_lightning.node_timing import BackwardEvents, NodeTimer
+from fxprof_lightning.nodes import describe_target
 
 
 def trace_module(model):
