@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from conftest import LitClassifier, image_loader, make_trainer, read_events
 from torch.nn import functional as F
@@ -108,16 +106,3 @@ def test_profiled_validate_alone(tmp_path):
     (cycle,) = callback.val_cycles
     assert cycle.steps == [1, 2] and cycle.nodes
     assert torch.is_grad_enabled()
-
-
-def test_the_readme_plain_loop_snippet_runs_as_written(tmp_path, monkeypatch):
-    """The first Python block of the README's "Without Lightning" section, run as a user pastes it."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme[readme.index("### Without Lightning"):]
-    snippet = section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python\n") + 10)]
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {}
-    exec(compile(snippet, "README.md", "exec"), namespace)
-    (cycle,) = namespace["prof"].cycles
-    assert cycle.steps == [51, 52, 53] and {"0", "1", "2"} <= {n.name for n in cycle.nodes}
-    assert (tmp_path / "fxprof").is_dir()
