@@ -35,13 +35,16 @@ from __future__ import annotations
 import bisect
 import itertools
 import re
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from fxprof_lightning.nodes import NodeInfo
+
+if TYPE_CHECKING:
+    from fxprof_lightning.capture import Capture
 
 __all__ = ["MECHANISM", "CompiledKernels", "KernelTimer", "is_compiled"]
 
@@ -215,6 +218,34 @@ class KernelTimer:
     forward_inputs: Any = None
     uses_backward_events = False
     trace_ranges = False
+    # ``timers.Timer``:
+    mismatch = None
+    usable = True
+    costs_error = None
+    reads_trace_events = True  # the trace keeps its events for ``collect``
+    device_times_from_trace = False
+    without_events = ""
+
+    def collect(self, backward: Any, trace_events: list[tuple[str, int, int, int, int]]) -> str | None:
+        """The rows and samples from the cycle's trace events (``read``); says so when no compiled graph ran."""
+        self.read(trace_events)
+        if not self.graph_calls:
+            return ("the module is torch.compile'd, but no Inductor-compiled graph ran in the recorded steps (another "
+                    "backend, or a graph compiled before the profiler started), so its layers have no times; the "
+                    "torch.profiler trace is written")
+        return None
+
+    def node_ranges(self) -> None:
+        """The kernels are in the trace already."""
+
+    def costs(self, training: bool) -> None:
+        """Not counted for compiled modules."""
+
+    def describe(self, capture: Capture) -> Capture:
+        return replace(capture, fused=dict(self.fused), graph_breaks=graph_breaks())
+
+    def refusal(self, capture: Capture) -> str:
+        return capture.error
 
     def install(self, module: nn.Module, backward_hooks: bool = False) -> None:
         self.calls += 1
@@ -381,3 +412,10 @@ def _align(children: list[_Event], kernels: list[_Kernel]) -> list[tuple[_Event,
                 position = index + 1
                 break
     return pairs
+
+
+def graph_breaks() -> dict[str, int]:
+    """Dynamo's graph breaks so far in the process, by reason."""
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])

@@ -32,8 +32,8 @@ import random
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx, nn
@@ -42,6 +42,9 @@ from torch.utils import _pytree as pytree
 from fxprof_lightning.flops import NodeCosts, count_costs
 from fxprof_lightning.node_timing import NodeTimer
 from fxprof_lightning.nodes import JOINS, ROW, NodeInfo, describe_target, is_timed, mark_untimed, node_info
+
+if TYPE_CHECKING:
+    from fxprof_lightning.capture import Capture
 
 __all__ = ["DYNAMO", "DynamoTimer", "annotate_rows"]
 
@@ -260,8 +263,9 @@ class DynamoTimer(NodeTimer):
             totals[2] = costs.out_bytes[i]  # the row's output: its last op's
             totals[3] += costs.fwd_bytes[i]
 
-    def costs(self) -> NodeCosts | None:
-        """FLOPs and bytes per row (``NodeCosts`` over ``nodes``; None for a row no captured graph counted)."""
+    def costs(self, training: bool | None = None) -> NodeCosts | None:
+        """FLOPs and bytes per row (``NodeCosts`` over ``nodes``; None for a row no captured graph counted), counted
+        for each graph at its capture's inputs (``training``: the timer's own mode, accepted for ``timers.Timer``)."""
         for captured, inputs in self._uncounted:
             self._count_costs(captured, inputs)
         self._uncounted.clear()
@@ -269,6 +273,13 @@ class DynamoTimer(NodeTimer):
             return None
         rows = [self._row_costs.get(i) for i in range(len(self.nodes))]
         return NodeCosts(*([r[k] if r else None for r in rows] for k in range(4)))
+
+    def refusal(self, capture: Capture) -> str:
+        return f"the graph Dynamo captured was refused: {self.mismatch}"
+
+    def describe(self, capture: Capture) -> Capture:
+        return replace(capture, graphs=len(self.graphs), recaptures=list(self.recaptures), capture_s=list(self.capture_s),
+                       graph_breaks=self.graph_breaks())
 
     def graph_breaks(self) -> dict[str, int]:
         """Dynamo's graph breaks in this timer's captures, by reason (each code path is broken once per capture)."""

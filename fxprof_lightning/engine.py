@@ -4,89 +4,47 @@ Data flows one way: step -> schedule -> cycle -> statistics -> gather -> report 
 
 * ``step()`` ends a step and begins the next, as in ``torch.profiler.profile``; the schedule
   (``schedule.Schedule``) says what each step is;
-* a cycle (``_OpenCycle``) opens at its first traced step, in a directory of its own, with a
-  ``torch.profiler`` session (``torch_trace.CycleTrace``) and a node timer;
+* a cycle (``cycle.Cycle``) opens at its first traced step, in a directory of its own, with a
+  ``torch.profiler`` session (``torch_trace.CycleTrace``) and a node timer (``timers``);
 * at its last recorded step the timer's samples become per-node statistics (``report``), the
   ranks' tables are gathered and merged, and rank 0 hands the ``CycleReport`` to the sinks (``sinks``).
 
-Decided in one place each: which timer times the module (``_timer_for``: the capture ladder,
-``capture``), where backward times come from (``_backward_source``), the name of a cycle's
-directory (``cycle_name``). Nothing here knows Lightning: ``callback.FXProfilerCallback`` maps
+Decided in one place each: which timer times the module (``timers.Timers``), where backward times
+come from (``Cycle.choose_backward``), what the analysis remembers (``history.StageHistory``), the name of a
+cycle's directory (``cycle_name``). Nothing here knows Lightning: ``callback.FXProfilerCallback`` maps
 Trainer hooks onto ``begin_run``/``prepare``/``begin_step``/``end_step``/``end_stage``/``abort``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import os
 import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
-from fxprof_lightning.advice import advise
-from fxprof_lightning.capture import Capture, capture
-from fxprof_lightning.compiled import MECHANISM, CompiledKernels, KernelTimer, is_compiled
-from fxprof_lightning.dynamo_capture import DYNAMO, DynamoTimer
-from fxprof_lightning.flops import NodeCosts, count_costs, input_signature
-from fxprof_lightning.gpu_trace import node_device_times
-from fxprof_lightning.gpu_trace import summary as device_summary
-from fxprof_lightning.leaves import is_fsdp
-from fxprof_lightning.module_hooks import ModuleHookTimer
-from fxprof_lightning.node_timing import BackwardEvents, NodeTimer
-from fxprof_lightning.regressions import RegressionWatch
-from fxprof_lightning.report import (
-    CycleReport,
-    NodeStats,
-    merge_ranks,
-    summarize_modules,
-    summarize_nodes,
-    summarize_ranges,
-)
-from fxprof_lightning.roofline import Peaks, describe_peaks, device_peaks, raised_to, with_roofline
+from fxprof_lightning.compiled import is_compiled
+from fxprof_lightning.cycle import Cycle
+from fxprof_lightning.history import StageHistory
+from fxprof_lightning.report import CycleReport, merge_ranks, summarize_modules, summarize_ranges
+from fxprof_lightning.roofline import Peaks, device_peaks
 from fxprof_lightning.schedule import ProfilerAction, Schedule
 from fxprof_lightning.sinks import ConsoleSink, CsvSink, PictureSink, Sink
+from fxprof_lightning.timers import CAPTURES, Timers
 from fxprof_lightning.torch_trace import CycleTrace, check_profiler_kwargs
-from fxprof_lightning.traced_on_example import Example, GuardedNodeTimer, observe_first_call
 
 __all__ = ["DEFAULT_DIRPATH", "Profiler", "cycle_name"]
 
 RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 DEFAULT_DIRPATH = "fxprof"  # relative to the working directory, as torch.utils.tensorboard's "runs"
 STAGES = {"train": "cycle_", "val": "val_cycle_"}  # stage -> directory prefix
-CAPTURES = ("dynamo", "fx")
-HISTORY = 20  # recent cycles kept per stage for regressions and advice (find_regressions uses the last 5)
-
-
-@dataclass
-class _OpenCycle:
-    """The cycle in progress: where it writes and what collects its data."""
-
-    index: int
-    directory: Path
-    trace: CycleTrace | None
-    timer: NodeTimer | ModuleHookTimer | None
-    capture: Capture | None
-    training: bool
-    recorded: list[int] = field(default_factory=list)
-    backward_wall_ns: list[int] = field(default_factory=list)
-    backward_events: BackwardEvents | None = None  # autograd node times, when no trace records them
-    samples_at_step: int = 0  # the timer's sample count when the step in progress began
-    backward_hooks: bool = False  # the step in progress times backward with hooks (no profiler events)
-    step_start: tuple[int, float] | None = None  # perf_counter_ns, process_time of the recorded step in progress
-    step_ms: list[float] = field(default_factory=list)
-    step_cpu_ms: list[float] = field(default_factory=list)
-    device: dict[str, float] | None = None  # where the trace's GPU time went (gpu_trace.summary)
-    phases: list[dict[str, int]] = field(default_factory=list)  # ns per phase of each recorded step (step_phases)
 
 
 @dataclass
@@ -95,15 +53,13 @@ class _Stage:
 
     name: str  # "train" or "val"
     step: int = 0
-    open: _OpenCycle | None = None
+    open: Cycle | None = None
     in_step: bool = False  # begin_step was called and end_step not yet
     cycles: list[CycleReport] = field(default_factory=list)
     directories: list[Path] = field(default_factory=list)  # written in this run, oldest first
     last_index: int | None = None  # the cycle opened last, to name the pieces of a cut cycle
     piece: int = 0
-    tracked: list[str] | None = None  # the nodes whose scalar series the run logs (the first cycle's top_k)
-    history: list[list[NodeStats]] = field(default_factory=list)  # node tables of the recent cycles (advice)
-    watch: RegressionWatch = field(default_factory=lambda: RegressionWatch(history=HISTORY))  # trust, regressions
+    history: StageHistory = field(default_factory=StageHistory)  # what the analysis remembers across cycles
 
 
 class Profiler:
@@ -224,11 +180,7 @@ class Profiler:
         self._running = False
         self._enabled = True  # False after a failure inside the profiler
         self._fx_on = fx_timing  # False when the target cannot be traced
-        self._timers: dict[bool, tuple[NodeTimer | ModuleHookTimer, Capture]] = {}  # one per training mode
-        self._examples: dict[bool, Example] = {}  # a recorded call per mode, until a capture uses it
-        self._observers: dict[bool, RemovableHandle] = {}  # recording the first call of a mode
-        self._costs: dict[tuple, NodeCosts | None] = {}  # FLOPs per input signature
-        self._compiled: CompiledKernels | None = None  # a compiled target: the Inductor settings its kernel attribution needs
+        self.timers = Timers(self.warn)  # which timer times the module (set up at each begin_run)
         self._backward_start: int | None = None
         self._taken: set[str] = set()  # directory names in dirpath from earlier runs
 
@@ -306,8 +258,8 @@ class Profiler:
         if not self._running:
             raise RuntimeError(f"{self.name}.validation() needs a started profiler")
         train = self._train
-        if train.open is not None and train.open.timer is not None:
-            train.open.timer.uninstall(self.target)
+        if train.open is not None:
+            train.open.pause(self.target)
         self._current = self._val
         self.prepare("val")
         self.begin_step("val")
@@ -317,8 +269,8 @@ class Profiler:
             self._finish_step(self._val)
             self.end_stage("val")
             self._current = train
-            if train.in_step and train.open is not None and train.open.timer is not None and self._enabled:
-                train.open.timer.install(self.target, backward_hooks=train.open.backward_hooks)
+            if train.in_step and train.open is not None and self._enabled:
+                train.open.resume(self.target)
 
     def state_dict(self) -> dict[str, Any]:
         """The schedule position, to resume with ``load_state_dict``."""
@@ -341,23 +293,21 @@ class Profiler:
     def begin_run(self) -> None:
         """Resolve the module, forget captures, and list the names in ``dirpath`` that earlier runs took."""
         self.target = self.module if isinstance(self.module, nn.Module) else self.module()
-        self._enabled, self._fx_on, self._timers, self._costs, self._examples = True, self.fx_timing, {}, {}, {}
-        self.stop_observing()
-        if self._fx_on and is_compiled(self.target):
-            if self.torch_profiler:  # per-layer times from the compiled kernels in the cycle's trace
-                self._compiled = self._compiled or CompiledKernels()
-                self._compiled.start()  # before the first call compiles the module
-            else:
-                self.warn(f"{type(self.target).__name__} is torch.compile'd: its per-layer times come from its kernels in "
-                          "the torch.profiler trace, and torch_profiler=False turns that off, so node timing is off too")
-                self._fx_on = False
+        self._enabled, self._fx_on = True, self.fx_timing
+        compiled = self._fx_on and is_compiled(self.target)
+        if compiled and not self.torch_profiler:
+            self.warn(f"{type(self.target).__name__} is torch.compile'd: its per-layer times come from its kernels in "
+                      "the torch.profiler trace, and torch_profiler=False turns that off, so node timing is off too")
+            self._fx_on = compiled = False
+        # A compiled module's kernels are followed from before its first call (per-layer times from the trace).
+        self.timers.start(self.capture, self.backward_timing, self.torch_profiler and self.node_ranges, compiled)
         taken = sorted(p.name for p in self.dirpath.glob("*cycle_*")) if self.rank == 0 and self.dirpath.is_dir() else []
         self._taken = set(_broadcast(taken))
 
     def prepare(self, stage: str = "train") -> None:
         """Capture the module in its current mode before the stage's first timed step (or start recording a call)."""
         if self._fx_on and self._enabled and (stage == "train" or self.profile_validation):
-            self._safely("capturing the module", self._timer_for, self.target)
+            self._safely("capturing the module", self.timers.for_module, self.target)
 
     def begin_step(self, stage: str = "train") -> None:
         """A step of ``stage`` begins: open its cycle if the schedule says so, and install the timer."""
@@ -411,13 +361,10 @@ class Profiler:
 
         The step the exception stopped counts as recorded if the module ran in it (its samples are in the timer).
         """
-        self.stop_observing()
-        if self._compiled is not None:
-            self._compiled.stop()
+        self.timers.stop()
         for state in (self._train, self._val):
             cycle = state.open
-            if state.in_step and cycle is not None and cycle.timer is not None and _samples(cycle.timer) > cycle.samples_at_step \
-                    and self.schedule.action(state.step) in RECORDING:
+            if state.in_step and cycle is not None and cycle.ran_in_step and self.schedule.action(state.step) in RECORDING:
                 cycle.recorded.append(state.step)  # its samples are in: the step the exception stopped counts
             state.in_step = False
             if state.open is not None:
@@ -426,9 +373,7 @@ class Profiler:
 
     def end_run(self) -> None:
         """Profiling ends: remove the first-call recorders, put Inductor's settings back and let the sinks finish (rank 0)."""
-        self.stop_observing()
-        if self._compiled is not None:
-            self._compiled.stop()
+        self.timers.stop()
         if self.rank == 0:
             for sink in self.sinks:
                 self._safely("closing a sink", sink.close, self)
@@ -471,62 +416,27 @@ class Profiler:
         """The step in progress when a loop stops: counted if the module ran in it, else dropped."""
         if not stage.in_step:
             return
-        cycle = stage.open
-        if cycle is not None and cycle.timer is not None and _samples(cycle.timer) > cycle.samples_at_step:
+        if stage.open is not None and stage.open.ran_in_step:
             self.end_step(stage.name)
             return
         stage.in_step = False
-        if cycle is not None and cycle.timer is not None:
-            cycle.timer.uninstall(self.target)
+        if stage.open is not None:
+            stage.open.pause(self.target)
 
     def _start_collecting(self, stage: _Stage, action: ProfilerAction) -> None:
         if stage.open is None:
             stage.open = self._open_cycle(stage)
         cycle = stage.open
-        if _stopped_fitting(cycle.timer) and not cycle.recorded:  # nothing recorded is lost: switch
-            cycle.timer, cycle.capture = self._timer_for(self.target)
-        timer = cycle.timer
-        if timer is not None:
-            if action in RECORDING and not cycle.recorded:
-                timer.reset()  # drop what the warm-up steps measured
-            hooks = stage is self._train and action in RECORDING and not self._backward_source(cycle, timer)
-            cycle.samples_at_step, cycle.backward_hooks = _samples(timer), hooks
-            timer.install(self.target, backward_hooks=hooks)
-        if action in RECORDING:
-            cycle.step_start = (time.perf_counter_ns(), time.process_time())
-
-    def _backward_source(self, cycle: _OpenCycle, timer: NodeTimer | ModuleHookTimer) -> bool:
-        """Where the cycle's backward times come from; False when hooks on the autograd nodes must time them.
-
-        The cycle's trace when there is one; else profiler events of the backward scope alone
-        (``BackwardEvents``), unless another profiler is running; timers that do not use events
-        (CUDA) time backward with hooks of their own.
-        """
-        if cycle.trace is not None or not timer.uses_backward_events:
-            return True
-        if cycle.backward_events is None:
-            cycle.backward_events = BackwardEvents()
-            if not cycle.backward_events.start():
-                self.warn("another profiler is running, so this cycle's backward times "
-                          + ("come from hooks on the autograd nodes (slower)" if isinstance(timer, NodeTimer)
-                             else "are missing (module hooks take them from profiler events)"))
-        return cycle.backward_events.running
+        if cycle.timer is not None and not cycle.timer.usable and not cycle.recorded:  # nothing recorded is lost: switch
+            cycle.timer, cycle.capture = self.timers.for_module(self.target)
+            cycle.choose_backward(self.warn)
+        recording = action in RECORDING
+        cycle.begin_step(self.target, recording, times_backward=stage is self._train and recording)
 
     def _stop_collecting(self, stage: _Stage, step: int, action: ProfilerAction) -> None:
-        cycle = stage.open
-        if cycle.step_start is not None:
-            wall, cpu = cycle.step_start
-            cycle.step_ms.append((time.perf_counter_ns() - wall) / 1e6)
-            cycle.step_cpu_ms.append((time.process_time() - cpu) * 1e3)
-            cycle.step_start = None
-        if cycle.timer is not None:
-            cycle.timer.uninstall(self.target)
-        if action in RECORDING:
-            cycle.recorded.append(step)
-        if cycle.trace is not None:
-            cycle.trace.step()
+        stage.open.end_step(self.target, step, action in RECORDING)
 
-    def _open_cycle(self, stage: _Stage) -> _OpenCycle:
+    def _open_cycle(self, stage: _Stage) -> Cycle:
         index = self.schedule.cycle_of(stage.step)
         stage.piece = stage.piece + 1 if index == stage.last_index else 0
         stage.last_index = index
@@ -535,48 +445,51 @@ class Profiler:
         if not stage.directories or stage.directories[-1] != directory:
             stage.directories.append(directory)
         # Capture first: tracing on a recorded call runs the module, which no trace should record.
-        timer, how = self._timer_for(self.target) if self._fx_on else (None, None)
+        timer, how = self.timers.for_module(self.target) if self._fx_on else (None, None)
         other = self._val if stage is self._train else self._train
         if timer is not None and other.open is not None and other.open.timer is timer:  # one timer, one cycle
             self.warn(f"the {stage.name} cycle from step {stage.step} would share the open {other.name} cycle's timer "
                       f"(the module is in {'training' if self.target.training else 'eval'} mode for both): its nodes are "
                       "not timed. Switch the module to eval mode before entering validation().")
             timer, how = None, None
-        trace = None
-        if not self.torch_profiler or (self.ranks is not None and self.rank not in self.ranks):
-            pass
-        elif other.open is not None and (other.open.trace is not None or other.open.backward_events is not None):
-            self.warn(f"a {other.name} cycle's profiler is still running, so {stage.name} steps {stage.step}+ get "
-                      "node timing only (one profiler runs at a time)")
-        elif torch._C._autograd._profiler_enabled():
-            self.warn("another profiler is running, so this cycle writes no trace (starting one would cancel it); "
-                      "node timing goes on")
-        else:
-            # The cycle opens at whichever of its traced steps comes first (normally its first).
-            steps = [s for s in self.schedule.traced_steps(index) if s >= stage.step]
-            actions = {s: self.schedule.action(s) for s in steps}
-            compiled = isinstance(timer, KernelTimer)  # its times come from all the events, not autograd nodes
-            trace = CycleTrace(actions, directory, f"rank{self.rank}", self.use_gzip, self.profiler_kwargs,
-                               backward_events=self._fx_on and not compiled, keep_events=compiled)
-        if how is not None and self.target.training in self._observers:  # the mode's first call is still to come
+        trace = self._trace_for(stage, other, index, directory, timer)
+        if how is not None and self.timers.waiting_for_first_call(self.target.training):
             self.warn(f"torch.fx could not trace {type(self.target).__name__} whole, so it is timed by "
                       f"{how.describe()} in this cycle, which starts at its first call; later cycles are traced on "
                       "that call")
-        cycle = _OpenCycle(index, directory, trace, timer, how, self.target.training)
+        cycle = Cycle(index, directory, trace, timer, how, self.target.training)
+        if stage is self._train:
+            cycle.choose_backward(self.warn)
         if trace is not None:
-            trace.node_ranges = functools.partial(_node_ranges, cycle)
+            trace.node_ranges = cycle.node_ranges
         return cycle
+
+    def _trace_for(self, stage: _Stage, other: _Stage, index: int, directory: Path, timer: Any) -> CycleTrace | None:
+        """The cycle's torch.profiler session, when this rank traces and no other profiler runs."""
+        if not self.torch_profiler or (self.ranks is not None and self.rank not in self.ranks):
+            return None
+        if other.open is not None and (other.open.trace is not None or other.open.backward_events is not None):
+            self.warn(f"a {other.name} cycle's profiler is still running, so {stage.name} steps {stage.step}+ get "
+                      "node timing only (one profiler runs at a time)")
+            return None
+        if torch._C._autograd._profiler_enabled():
+            self.warn("another profiler is running, so this cycle writes no trace (starting one would cancel it); "
+                      "node timing goes on")
+            return None
+        # The cycle opens at whichever of its traced steps comes first (normally its first).
+        steps = [s for s in self.schedule.traced_steps(index) if s >= stage.step]
+        actions = {s: self.schedule.action(s) for s in steps}
+        from_trace = timer is not None and timer.reads_trace_events  # rows from all the events, not autograd nodes
+        return CycleTrace(actions, directory, f"rank{self.rank}", self.use_gzip, self.profiler_kwargs,
+                          backward_events=self._fx_on and not from_trace, keep_events=from_trace)
 
     def _close_cycle(self, stage: _Stage, gather: bool) -> None:
         cycle, stage.open = stage.open, None
         nodes = None
         if cycle is not None:
-            if cycle.trace is not None:
-                cycle.trace.stop()  # first: its events hold the backward times
-                for error in cycle.trace.errors:
-                    self.warn(error)
+            cycle.stop_trace(self.warn)
             if cycle.timer is not None:
-                nodes = self._measure_nodes(cycle)
+                nodes = cycle.measure(self.target, self.warn)
         ranges = [cycle.trace.ranges] if cycle is not None and cycle.trace is not None else []
         ranks = 1
         if gather and self.world_size > 1:
@@ -588,18 +501,11 @@ class Profiler:
         if cycle is None:
             return
         if not cycle.recorded:
-            # Cut during warm-up: nothing to report (a trace holds no recorded step); the rest of the
-            # cycle, if it comes, opens a new piece.
-            for path in cycle.trace.paths if cycle.trace is not None else []:
-                path.unlink(missing_ok=True)
-            with contextlib.suppress(OSError):
-                cycle.directory.rmdir()
-            if stage.directories and stage.directories[-1] == cycle.directory:
-                stage.directories.pop()
+            self._drop_cut_cycle(stage, cycle)
             return
         report = CycleReport(index=cycle.index, steps=cycle.recorded, directory=cycle.directory,
                              partial=cycle.recorded != self.schedule.recorded_steps(cycle.index),
-                             ranks=max(ranks, 1), stage=stage.name, nodes=nodes or [], capture=_capture_now(cycle),
+                             ranks=max(ranks, 1), stage=stage.name, nodes=nodes or [], capture=cycle.described_capture(),
                              trace_paths=list(cycle.trace.paths) if cycle.trace is not None else [],
                              step_ms=cycle.step_ms, step_cpu_ms=cycle.step_cpu_ms, device=cycle.device,
                              phases=_mean_phases(cycle.phases))
@@ -608,8 +514,7 @@ class Profiler:
             report.backward_wall_ms = sum(cycle.backward_wall_ns) / len(cycle.backward_wall_ns) / 1e6
         if report.nodes and cycle.timer is not None:
             report.modules = summarize_modules(cycle.timer.nodes, report.nodes, len(cycle.recorded), self._type_name)
-        if cycle.timer is not None and not report.nodes and not _stopped_fitting(cycle.timer) \
-                and not isinstance(cycle.timer, KernelTimer):  # (that one says why itself)
+        if cycle.timer is not None and not report.nodes and cycle.timer.usable and not cycle.timer.reads_trace_events:
             self.warn(f"{type(self.target).__name__}.forward did not run in the recorded steps {cycle.recorded}, so "
                       "no node was timed. If the training step calls a submodule instead, profile that submodule "
                       "(the Lightning callback: module='...').")
@@ -621,23 +526,21 @@ class Profiler:
         stage.cycles.append(report)
         self._forget_old_cycles(stage)
 
+    def _drop_cut_cycle(self, stage: _Stage, cycle: Cycle) -> None:
+        """A cycle cut during warm-up: nothing to report (a trace holds no recorded step); the rest of the cycle,
+        if it comes, opens a new piece."""
+        for path in cycle.trace.paths if cycle.trace is not None else []:
+            path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            cycle.directory.rmdir()
+        if stage.directories and stage.directories[-1] == cycle.directory:
+            stage.directories.pop()
+
     def _analyse(self, stage: _Stage, report: CycleReport) -> None:
         """What the report says beyond its tables: tracked nodes, roofline, trust, regressions, advice (rank 0)."""
-        if stage.tracked is None:
-            stage.tracked = [n.name for n in report.nodes[: self.top_k]]
-        report.tracked = stage.tracked
-        peaks = self._device_peaks()
-        if peaks is not None:
-            report.peaks = describe_peaks(peaks)
-            report.nodes = with_roofline(report.nodes, peaks)
-            if peaks.source != "given" and any(n.pct_of_peak is not None and n.pct_of_peak > 100 for n in report.nodes):
-                self.peaks = peaks = raised_to(peaks, report.nodes)  # a measured peak a node beat was too low
-                report.nodes = with_roofline(report.nodes, peaks)
-                report.peaks = describe_peaks(peaks)
-        verdict = stage.watch.check(report.nodes, report.step_ms, report.step_cpu_ms, report.partial, report.modules)
-        report.distortion, report.regressions, report.unconfirmed = verdict.distortion, verdict.regressions, verdict.unconfirmed
-        stage.history = [*stage.history, report.nodes][-HISTORY:]
-        report.advice = advise(report.nodes, stage.history, report.regressions, report.ranks, phases=report.phases)
+        raised = stage.history.analyse(report, self._device_peaks(), self.top_k)
+        if raised is not None:
+            self.peaks = raised  # a measured peak a node beat was too low
 
     def _device_peaks(self) -> Peaks | None:
         """The given peaks, or the target's device's, measured once (and cached across runs). A known GPU
@@ -666,154 +569,15 @@ class Profiler:
             if self.rank == 0:
                 shutil.rmtree(old, ignore_errors=True)
 
-    # ------------------------------------------------------------ statistics
-
-    def _measure_nodes(self, cycle: _OpenCycle) -> list[NodeStats] | None:
-        """This rank's node statistics for the cycle; the timer is emptied for the next one."""
-        timer = cycle.timer
-        timer.uninstall(self.target)
-        events = cycle.backward_events.stop() if cycle.backward_events is not None else None
-        if cycle.backward_events is not None and cycle.backward_events.lost:
-            self.warn("another profiler started while this cycle recorded and took over the profiler session, "
-                      "so the cycle's nodes get no backward times")
-        if not cycle.recorded or _stopped_fitting(timer):  # a graph that stopped fitting kept nothing
-            return None
-        if isinstance(timer, KernelTimer):
-            timer.read(cycle.trace.events if cycle.trace is not None else [])
-            cycle.capture.fused, cycle.capture.graph_breaks = dict(timer.fused), graph_breaks()
-            if not timer.graph_calls:
-                self.warn(f"{type(self.target).__name__} is torch.compile'd, but no Inductor-compiled graph ran in the "
-                          "recorded steps (another backend, or a graph compiled before the profiler started), so its "
-                          "layers have no times; the torch.profiler trace is written")
-                return None
-        timer.add_backward(events if events is not None else cycle.trace.backward_events if cycle.trace else [])
-        timer.resolve()
-        costs = self._costs_for(cycle)
-        forward, backward = timer.fwd, [timer.bwd_ns(i) for i in range(len(timer.nodes))]
-        device = cycle.trace.device if cycle.trace is not None and isinstance(timer, NodeTimer) else None
-        if device is not None:  # a GPU model: device time per node call from the trace's kernels
-            forward, backward, spans, idle = node_device_times([info.name for info in timer.nodes], device)
-            cycle.device = device_summary(device)
-        nodes = summarize_nodes(timer.nodes, forward, backward, costs, timer.mem_delta, timer.mem_peak)
-        if device is not None:
-            rows = {info.name: i for i, info in enumerate(timer.nodes)}
-            nodes = [replace(n, device_span_ms=_mean_ms(spans[rows[n.name]]), device_idle_ms=_mean_ms(idle[rows[n.name]]))
-                     for n in nodes]
-        timer.reset()
-        return nodes
-
-    def _costs_for(self, cycle: _OpenCycle) -> NodeCosts | None:
-        """FLOPs and output sizes, counted once per input signature in an untimed meta-device pass."""
-        if isinstance(cycle.timer, DynamoTimer):  # counted per captured graph, at capture
-            return cycle.timer.costs()
-        inputs = cycle.timer.forward_inputs
-        if cycle.capture is None or cycle.capture.graph_module is None or inputs is None:
-            return None
-        key = input_signature(inputs, cycle.training)
-        if key not in self._costs:
-            try:
-                self._costs[key] = count_costs(cycle.capture.graph_module, inputs, cycle.training)
-            except Exception as error:  # an op without a meta kernel: no FLOPs, timing goes on
-                self.warn(f"FLOPs not counted ({type(error).__name__}: {error})")
-                self._costs[key] = None
-        return self._costs[key]
-
     def _type_name(self, path: str) -> str:
         try:
             return type(self.target.get_submodule(path)).__name__
         except AttributeError:
             return ""
 
-    # ------------------------------------------------------------ which timer
-
-    def _timer_for(self, module: nn.Module) -> tuple[NodeTimer | ModuleHookTimer, Capture]:
-        """The timer for the module's current mode, captured on first use (see ``capture``).
-
-        A module whose own forward torch.fx cannot trace is traced on a recorded call of it: the
-        first call in each mode is recorded (``observe_first_call``) and the next capture of that
-        mode uses it; until then (a cycle that opens at the mode's very first call) module hooks
-        time it. A graph that stops fitting the calls is replaced by module hooks.
-        """
-        training = module.training
-        entry = self._timers.get(training)
-        if entry is None:
-            entry = self._timers[training] = self._capture(module)
-        elif _stopped_fitting(entry[0]):
-            graph_capture = entry[1]
-            if isinstance(entry[0], DynamoTimer):
-                error = f"the graph Dynamo captured was refused: {entry[0].mismatch}"
-            else:
-                error = f"{graph_capture.error}; the graph traced on a recorded call stopped fitting the calls: {entry[0].mismatch}"
-            entry = self._timers[training] = (self._hook_timer(module), Capture("module_hooks", None, {}, error))
-        return entry
-
-    def _capture(self, module: nn.Module) -> tuple[NodeTimer | ModuleHookTimer | KernelTimer, Capture]:
-        training = module.training
-        if self._compiled is not None:
-            return KernelTimer(self._compiled), Capture("compiled", error=MECHANISM)
-        device = next(module.parameters(), torch.empty(0)).device.type
-        # The node ranges are written into the trace after it is exported (``add_node_ranges``), from the node
-        # timestamps; on CUDA the trace's kernels then give each node its device time (``gpu_trace``).
-        if self.capture == "dynamo" and not any(is_fsdp(m) for m in module.modules()):
-            timer = DynamoTimer(training, backward=self.backward_timing, device=device,
-                                on_refused=functools.partial(self._warn_refused, module, training), trace_ranges=self._ranges)
-            return timer, Capture("dynamo", error=DYNAMO)
-        example = self._examples.pop(training, None)
-        started = time.perf_counter()
-        how = capture(module, example)
-        how.capture_s = [time.perf_counter() - started]
-        if how.graph_module is None and example is None:  # no warning yet: the recorded call may do better
-            if training not in self._observers:
-                self._observers[training] = observe_first_call(module, training, functools.partial(self._observed, training))
-            return self._hook_timer(module), how
-        if how.on_example:
-            timer = GuardedNodeTimer(how.graph_module, backward=self.backward_timing, device=device,
-                                     on_mismatch=functools.partial(self._warn_mismatch, module, training), trace_ranges=self._ranges)
-        elif how.graph_module is not None:
-            timer = NodeTimer(how.graph_module, backward=self.backward_timing, device=device, trace_ranges=self._ranges)
-        else:
-            timer = self._hook_timer(module)
-        if how.method != "symbolic_trace":
-            self.warn(f"torch.fx could not trace {type(module).__name__} whole, so it is timed by {how.describe()}")
-        return timer, how
-
-    @property
-    def _ranges(self) -> bool:
-        """Whether timers keep what writes a range per node into the trace (``NodeTimer`` trace_ranges; module hooks
-        open a ``record_function`` range per module call)."""
-        return self.torch_profiler and self.node_ranges
-
-    def _hook_timer(self, module: nn.Module) -> ModuleHookTimer:
-        return ModuleHookTimer(module, annotate=self._ranges)
-
-    def _observed(self, training: bool, example: Example) -> None:
-        """Runs inside the module's call: keep the example; the mode's next cycle captures again with it."""
-        self._examples[training] = example
-        self._observers.pop(training, None)
-        self._timers.pop(training, None)
-
     def stop_observing(self) -> None:
         """Remove the hooks waiting for a mode's first call (a mode whose first call never came)."""
-        for handle in self._observers.values():
-            handle.remove()
-        self._observers = {}
-
-    def _warn_mismatch(self, module: nn.Module, training: bool, reason: str) -> None:
-        mode = "training" if training else "evaluation"
-        self.warn(
-            f"a call of {type(module).__name__} does not fit the graph traced on its first {mode} call ({reason}). "
-            f"That call ran the module's own forward, so training is unchanged; {mode} steps are timed by module "
-            "hooks from now on (a cycle that had already recorded steps with the graph reports no node times)."
-        )
-
-    def _warn_refused(self, module: nn.Module, training: bool, reason: str) -> None:
-        mode = "training" if training else "evaluation"
-        self.warn(
-            f"the graph Dynamo captured of {type(module).__name__} ({mode} mode) is not the program eager runs: "
-            f"{reason}. That call and every later one run the module's own forward, so training is unchanged; "
-            f"{mode} steps are timed by module hooks from now on (a cycle that had already recorded steps with the "
-            "graph reports no node times)."
-        )
+        self.timers.stop()
 
     # ------------------------------------------------------------ failures
 
@@ -830,18 +594,11 @@ class Profiler:
 
     def _disable(self) -> None:
         self._enabled = False
-        self.stop_observing()
+        self.timers.stop()
         for stage in (self._train, self._val):
             cycle, stage.open = stage.open, None
-            if cycle is None:
-                continue
-            if cycle.timer is not None:
-                cycle.timer.uninstall(self.target)
-            if cycle.backward_events is not None:
-                cycle.backward_events.stop()
-            if cycle.trace is not None:
-                with contextlib.suppress(Exception):  # already failing; the warning has been given
-                    cycle.trace.stop()
+            if cycle is not None:
+                cycle.abandon(self.target)
 
 
 def cycle_name(prefix: str, index: int, piece: int, taken: set[str]) -> str:
@@ -877,49 +634,6 @@ def _broadcast(value: Any) -> Any:
     return box[0]
 
 
-def _node_ranges(cycle: _OpenCycle) -> tuple[list[tuple[int, int, int]], list[tuple[str, int, int]], list[tuple[str, int, int]]] | None:
-    """The anchors, node calls and their autograd sequence ranges to write into the cycle's trace, when its
-    timer keeps them (``trace_ranges``)."""
-    timer = cycle.timer
-    if not isinstance(timer, NodeTimer) or not timer.trace_ranges:
-        return None
-    return list(timer.anchors), timer.range_spans(), timer.backward_calls() if timer.uses_backward_events else []
-
-
 def _mean_phases(steps: list[dict[str, int]]) -> dict[str, float]:
     """Mean ms per step of each phase over the steps that have them."""
     return {phase: sum(step[phase] for step in steps) / len(steps) / 1e6 for phase in steps[0]} if steps else {}
-
-
-def _mean_ms(ns: list[int]) -> float | None:
-    return sum(ns) / len(ns) / 1e6 if ns else None
-
-
-def _samples(timer: NodeTimer | ModuleHookTimer) -> int:
-    """A count that grows when the module runs: a NodeTimer's forward calls (its samples are made only when read,
-    after the cycle), a ModuleHookTimer's forward samples."""
-    return timer.calls if isinstance(timer, NodeTimer | KernelTimer) else sum(len(samples) for samples in timer.fwd)
-
-
-def graph_breaks() -> dict[str, int]:
-    """Dynamo's graph breaks so far in the process, by reason."""
-    from torch._dynamo.utils import counters
-
-    return dict(counters["graph_break"])
-
-
-def _capture_now(cycle: _OpenCycle) -> Capture | None:
-    """The report's own copy of how the cycle's module was captured, with what the timer learnt meanwhile."""
-    timer, how = cycle.timer, cycle.capture
-    if how is None:
-        return None
-    if isinstance(timer, DynamoTimer):
-        return dataclasses.replace(how, graphs=len(timer.graphs), recaptures=list(timer.recaptures),
-                                   capture_s=list(timer.capture_s), graph_breaks=timer.graph_breaks())
-    return dataclasses.replace(how)
-
-
-def _stopped_fitting(timer: Any) -> bool:
-    """Whether a timer's graph (traced on a recorded call, or captured by Dynamo) stopped fitting the calls, or
-    was refused, and times nothing."""
-    return isinstance(timer, GuardedNodeTimer | DynamoTimer) and timer.mismatch is not None

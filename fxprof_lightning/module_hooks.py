@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fxprof_lightning.node_timing import enter_range, exit_range, sequence_nr_now
+from fxprof_lightning.autograd_walk import sequence_nr_now
+from fxprof_lightning.node_timing import enter_range, exit_range
 from fxprof_lightning.nodes import NodeInfo
+
+if TYPE_CHECKING:
+    from fxprof_lightning.capture import Capture
 
 __all__ = ["ModuleHookTimer"]
 
@@ -34,6 +39,13 @@ class ModuleHookTimer:
     """
 
     uses_backward_events = True  # backward times come from add_backward
+    # ``timers.Timer``:
+    mismatch = None
+    usable = True
+    costs_error = None
+    reads_trace_events = False
+    device_times_from_trace = False  # host time per module (no node ranges for the trace's kernels)
+    without_events = "are missing (module hooks take them from profiler events)"
 
     def __init__(self, root: nn.Module, annotate: bool = False) -> None:
         self._annotate = annotate
@@ -85,6 +97,27 @@ class ModuleHookTimer:
         for call in self._calls:
             if self._totals.get(call):
                 self.bwd[call[3]].append(self._totals[call])
+
+    @property
+    def calls(self) -> int:
+        """Module calls timed since ``reset`` (grows when the module runs)."""
+        return sum(len(samples) for samples in self.fwd)
+
+    def collect(self, backward: list[tuple[int, int]], trace_events: list[Any]) -> str | None:
+        self.add_backward(backward)
+        return None
+
+    def node_ranges(self) -> None:
+        """Nothing to write into the trace afterwards: with ``annotate`` each module call opened its own range."""
+
+    def costs(self, training: bool) -> None:
+        """FLOPs are counted for graphs only."""
+
+    def describe(self, capture: Capture) -> Capture:
+        return replace(capture)
+
+    def refusal(self, capture: Capture) -> str:
+        return capture.error
 
     def resolve(self) -> None:
         """Host time needs no conversion."""

@@ -44,34 +44,28 @@ import itertools
 import operator
 import time
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx, nn
 
+from fxprof_lightning.autograd_walk import autograd_nodes, sequence_nr_now, tensors_in
+from fxprof_lightning.flops import NodeCosts, count_costs, input_signature
 from fxprof_lightning.nodes import JOINS, ROW, NodeInfo, is_timed, node_info
 from fxprof_lightning.quiet import quiet_kineto
 
-__all__ = ["ANCHOR", "BackwardEvents", "CudaClock", "NodeTimer", "autograd_nodes", "enter_range", "exit_range", "tensors_in"]
+if TYPE_CHECKING:
+    from fxprof_lightning.capture import Capture
+
+__all__ = ["ANCHOR", "BackwardEvents", "CudaClock", "NodeTimer", "enter_range", "exit_range"]
 
 # Name prefix of the anchor ranges ``NodeTimer(trace_ranges=True)`` opens at the start and end of each forward call;
 # numbered in threes, unique in the process (two timers' anchors may land in one trace).
 ANCHOR = "fxprof_anchor#"
 _anchor_numbers = itertools.count(step=3)
-sequence_nr_now = torch.autograd._get_sequence_nr
 BACKWARD_SCOPE = int(torch._C._profiler.RecordScope.BACKWARD_FUNCTION)
 queue_engine_callback = torch.autograd.Variable._execution_engine.queue_callback
-
-
-def tensors_in(value: Any) -> list[torch.Tensor]:
-    """The tensors in a (nested) tuple/list/dict output."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in tensors_in(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in tensors_in(item)]
-    return []
 
 
 class CudaClock:
@@ -238,6 +232,8 @@ class NodeTimer:
         self._trace_ranges = trace_ranges and not self._cuda
         self._saved_forward: dict[int, Any] = {}
         self._root: nn.Module | None = None  # the module installed on (for its own parameters and buffers)
+        self._costs: dict[tuple, NodeCosts | None] = {}  # per input signature (``costs``)
+        self.costs_error: str | None = None
         self.reset()
         if traced is not None:
             self.graph_module = self._instrument(traced, annotate, hooked=self._cuda)
@@ -300,6 +296,55 @@ class NodeTimer:
     def uses_backward_events(self) -> bool:
         """Whether backward times come from ``add_backward`` (CPU) rather than hooks (CUDA) or nowhere."""
         return self._backward and not self._cuda
+
+    # ``timers.Timer``: what the engine asks of every timer.
+    mismatch: str | None = None  # why the graph stopped fitting the calls (traced on an example, Dynamo)
+    reads_trace_events = False  # its rows come from the trace's events (a compiled module's kernels)
+    device_times_from_trace = True  # on CUDA, each node call takes its kernels' device time from the trace
+    without_events = "come from hooks on the autograd nodes (slower)"  # backward times when no profiler events come
+
+    @property
+    def usable(self) -> bool:
+        """Whether the timer still times the calls (a graph that stopped fitting them times nothing)."""
+        return self.mismatch is None
+
+    def refusal(self, capture: Capture) -> str:
+        """Why the graph was given up, for ``Capture.error`` (called when not ``usable``)."""
+        return f"{capture.error}; the graph traced on a recorded call stopped fitting the calls: {self.mismatch}"
+
+    def collect(self, backward: list[tuple[int, int]], trace_events: list[Any]) -> str | None:
+        """Make the cycle's samples readable: backward events in, CUDA events resolved. Returns why nothing was
+        timed, when the timer can tell (else None)."""
+        self.add_backward(backward)
+        self.resolve()
+        return None
+
+    def node_ranges(self) -> tuple[list[tuple[int, int, int]], list[tuple[str, int, int]], list[tuple[str, int, int]]] | None:
+        """The anchors, node calls and their autograd sequence ranges to write into the cycle's trace
+        (``torch_trace.add_node_ranges``), when kept (``trace_ranges``)."""
+        if not self.trace_ranges:
+            return None
+        return list(self.anchors), self.range_spans(), self.backward_calls() if self.uses_backward_events else []
+
+    def costs(self, training: bool) -> NodeCosts | None:
+        """FLOPs and output sizes per node for the first call's inputs since ``reset``, counted once per input
+        signature in an untimed meta-device pass (None when nothing can be counted; ``costs_error`` says why
+        counting failed)."""
+        inputs = self.forward_inputs
+        if self._traced is None or inputs is None:
+            return None
+        key = input_signature(inputs, training)
+        if key not in self._costs:
+            try:
+                self._costs[key] = count_costs(self._traced, inputs, training)
+            except Exception as error:  # an op without a meta kernel: no FLOPs, timing goes on
+                self.costs_error = f"{type(error).__name__}: {error}"
+                self._costs[key] = None
+        return self._costs[key]
+
+    def describe(self, capture: Capture) -> Capture:
+        """A cycle report's own copy of how the module was captured, with what the timer learnt meanwhile."""
+        return replace(capture)
 
     def add_backward(self, events: list[tuple[int, int]]) -> None:
         """Add each ``(sequence number, duration ns)`` to the node call whose autograd node it timed.
@@ -602,19 +647,6 @@ def _copy_node(graph: fx.Graph, node: fx.Node, copies: dict[fx.Node, fx.Node], c
     copied = graph.call_method("__call__", (callee, *args), kwargs)
     copied.meta = copy.copy(node.meta)
     return copied
-
-
-def autograd_nodes(roots: list[Any], first: int, end: int) -> Iterator[Any]:
-    """The autograd nodes with sequence numbers in [first, end) that ``roots`` reach (those in the range included)."""
-    pending = list(dict.fromkeys(fn for fn in roots if fn is not None and first <= fn._sequence_nr() < end))
-    seen = set(pending)
-    while pending:
-        fn = pending.pop()
-        yield fn
-        for next_fn, _ in fn.next_functions:
-            if next_fn is not None and next_fn not in seen and first <= next_fn._sequence_nr() < end:
-                seen.add(next_fn)
-                pending.append(next_fn)
 
 
 def _append_each(lists: list[list[Any]], values: Iterator[Any]) -> None:

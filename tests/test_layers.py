@@ -172,7 +172,8 @@ def test_flops_and_output_bytes_match_flop_counter(tmp_path):
     assert nodes["conv"].out_bytes == 4 * 16 * 8 * 8 * 4
     assert nodes["conv"].bwd_flops > 0 and nodes["relu"].fwd_flops == 0
     assert nodes["conv"].fwd_gflops_per_s == pytest.approx(nodes["conv"].fwd_flops / (nodes["conv"].mean_ms * 1e6))
-    assert len(callback.profiler._costs) == 1  # counted once for the one input signature
+    ((timer, _),) = callback.profiler.timers.chosen.values()
+    assert len(timer._costs) == 1  # counted once for the one input signature
 
 
 class DataDependentBlock(nn.Module):
@@ -286,7 +287,7 @@ def test_train_and_eval_mode_each_get_their_own_graph(tmp_path):
     make_trainer(tmp_path, [callback], max_steps=4, num_sanity_val_steps=0).fit(
         LitValidated(), image_loader(samples=16), image_loader(samples=16, seed=1)
     )
-    assert set(callback.profiler._timers) == {True, False}
+    assert set(callback.profiler.timers.chosen) == {True, False}
     assert callback.cycles and callback.val_cycles
     assert by_name(callback.val_cycles[0])["drop"].bwd_calls == 0  # eval: no autograd, no backward
 

@@ -278,7 +278,7 @@ def test_evaluation_gets_its_own_graph_traced_on_its_own_call(tmp_path):
     assert val.capture.method == "traced_on_example"  # recorded in the sanity check
     nodes = {n.name: n for n in val.nodes}
     assert nodes["softmax"].calls == 2 and nodes["softmax"].bwd_calls == 0  # no autograd in validation
-    assert set(callback.profiler._timers) == {True, False} and not callback.profiler._observers
+    assert set(callback.profiler.timers.chosen) == {True, False} and not callback.profiler.timers.waiting_for_first_call(True)
 
 
 # ------------------------------------------------------------------ the rung on its own, without Lightning

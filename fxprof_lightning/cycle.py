@@ -1,0 +1,168 @@
+"""``Cycle``: one cycle in progress, from its first traced step to its report.
+
+It owns where the cycle writes, its ``torch.profiler`` session (``CycleTrace``), its timer and what the timer
+is given: the steps it recorded, their wall and CPU times and phases, and where backward times come from
+(``backward``, decided when it opens). The engine (``engine.Profiler``) decides when a cycle opens and closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from torch import nn
+
+from fxprof_lightning.capture import Capture
+from fxprof_lightning.gpu_trace import node_device_times
+from fxprof_lightning.gpu_trace import summary as device_summary
+from fxprof_lightning.node_timing import BackwardEvents
+from fxprof_lightning.report import NodeStats, summarize_nodes
+from fxprof_lightning.timers import Timer
+from fxprof_lightning.torch_trace import CycleTrace
+
+__all__ = ["Cycle"]
+
+# Where a cycle's backward times come from:
+TRACE = "trace"  # the cycle's torch.profiler trace
+EVENTS = "events"  # a profiler session of the backward scope alone (``BackwardEvents``)
+HOOKS = "hooks"  # hooks on the autograd nodes (another profiler runs: no events can be had)
+TIMER = "timer"  # the timer's own way (CUDA events, a compiled module's kernels), or none
+
+
+@dataclass
+class Cycle:
+    """The cycle in progress: where it writes, what collects its data, and what it recorded."""
+
+    index: int
+    directory: Path
+    trace: CycleTrace | None
+    timer: Timer | None
+    capture: Capture | None
+    training: bool
+    backward: str = TIMER  # where backward times come from (``choose_backward``)
+    backward_events: BackwardEvents | None = None  # with ``EVENTS``
+    recorded: list[int] = field(default_factory=list)
+    backward_wall_ns: list[int] = field(default_factory=list)
+    samples_at_step: int = 0  # the timer's call count when the step in progress began
+    hooks_now: bool = False  # the step in progress times backward with hooks
+    step_start: tuple[int, float] | None = None  # perf_counter_ns, process_time of the recorded step in progress
+    step_ms: list[float] = field(default_factory=list)
+    step_cpu_ms: list[float] = field(default_factory=list)
+    device: dict[str, float] | None = None  # where the trace's GPU time went (gpu_trace.summary)
+    phases: list[dict[str, int]] = field(default_factory=list)  # ns per phase of each recorded step (step_phases)
+
+    def choose_backward(self, warn: Callable[[str], None]) -> None:
+        """Where backward times come from: the trace when there is one; else profiler events of the backward
+        scope alone, unless another profiler is running (then hooks); timers that do not use events (CUDA
+        without a profiler, compiled modules) have their own way."""
+        if self.trace is not None:
+            self.backward = TRACE
+        elif self.timer is None or not self.timer.uses_backward_events:
+            self.backward = TIMER
+        elif self.backward_events is None:
+            self.backward_events = BackwardEvents()
+            self.backward = EVENTS if self.backward_events.start() else HOOKS
+            if self.backward == HOOKS:
+                warn(f"another profiler is running, so this cycle's backward times {self.timer.without_events}")
+
+    @property
+    def ran_in_step(self) -> bool:
+        """Whether the module ran in the step in progress (its samples are in the timer)."""
+        return self.timer is not None and self.timer.calls > self.samples_at_step
+
+    def begin_step(self, module: nn.Module, recording: bool, times_backward: bool) -> None:
+        """Install the timer for a traced step (a recorded step's first resets what warm-up measured)."""
+        if self.timer is not None:
+            if recording and not self.recorded:
+                self.timer.reset()
+            self.samples_at_step, self.hooks_now = self.timer.calls, times_backward and self.backward == HOOKS
+            self.timer.install(module, backward_hooks=self.hooks_now)
+        if recording:
+            self.step_start = (time.perf_counter_ns(), time.process_time())
+
+    def end_step(self, module: nn.Module, step: int, recording: bool) -> None:
+        if self.step_start is not None:
+            wall, cpu = self.step_start
+            self.step_ms.append((time.perf_counter_ns() - wall) / 1e6)
+            self.step_cpu_ms.append((time.process_time() - cpu) * 1e3)
+            self.step_start = None
+        if self.timer is not None:
+            self.timer.uninstall(module)
+        if recording:
+            self.recorded.append(step)
+        if self.trace is not None:
+            self.trace.step()
+
+    def pause(self, module: nn.Module) -> None:
+        """Validation runs inside the step in progress: not timed as this cycle's."""
+        if self.timer is not None:
+            self.timer.uninstall(module)
+
+    def resume(self, module: nn.Module) -> None:
+        if self.timer is not None:
+            self.timer.install(module, backward_hooks=self.hooks_now)
+
+    def stop_trace(self, warn: Callable[[str], None]) -> None:
+        """End the profiler session (first: its events hold the backward times) and export the trace."""
+        if self.trace is not None:
+            self.trace.stop()
+            for error in self.trace.errors:
+                warn(error)
+
+    def measure(self, module: nn.Module, warn: Callable[[str], None]) -> list[NodeStats] | None:
+        """This rank's node statistics for the cycle (None when nothing was timed); the timer is emptied."""
+        timer = self.timer
+        timer.uninstall(module)
+        events = self.backward_events.stop() if self.backward_events is not None else None
+        if self.backward_events is not None and self.backward_events.lost:
+            warn("another profiler started while this cycle recorded and took over the profiler session, "
+                 "so the cycle's nodes get no backward times")
+        if not self.recorded or not timer.usable:  # a graph that stopped fitting kept nothing
+            return None
+        if events is None:
+            events = self.trace.backward_events if self.trace is not None else []
+        nothing = timer.collect(events, self.trace.events if self.trace is not None else [])
+        if nothing is not None:
+            warn(nothing)
+            return None
+        costs = timer.costs(self.training)
+        if timer.costs_error is not None:  # said once: each failure is counted once (per graph, per input signature)
+            warn(f"FLOPs not counted ({timer.costs_error})")
+            timer.costs_error = None
+        forward, backward = timer.fwd, [timer.bwd_ns(i) for i in range(len(timer.nodes))]
+        device = self.trace.device if self.trace is not None and timer.device_times_from_trace else None
+        if device is not None:  # a GPU model: device time per node call from the trace's kernels
+            forward, backward, spans, idle = node_device_times([info.name for info in timer.nodes], device)
+            self.device = device_summary(device)
+        nodes = summarize_nodes(timer.nodes, forward, backward, costs, timer.mem_delta, timer.mem_peak)
+        if device is not None:
+            rows = {info.name: i for i, info in enumerate(timer.nodes)}
+            nodes = [replace(n, device_span_ms=_mean_ms(spans[rows[n.name]]), device_idle_ms=_mean_ms(idle[rows[n.name]]))
+                     for n in nodes]
+        timer.reset()
+        return nodes
+
+    def described_capture(self) -> Capture | None:
+        """The report's own copy of how the module was captured."""
+        return self.timer.describe(self.capture) if self.capture is not None and self.timer is not None else self.capture
+
+    def node_ranges(self) -> object:
+        """What to write into the cycle's trace (``CycleTrace.node_ranges``)."""
+        return self.timer.node_ranges() if self.timer is not None else None
+
+    def abandon(self, module: nn.Module) -> None:
+        """Profiling failed: remove the timer, stop the profiler sessions (no report)."""
+        if self.timer is not None:
+            self.timer.uninstall(module)
+        if self.backward_events is not None:
+            self.backward_events.stop()
+        if self.trace is not None:
+            with contextlib.suppress(Exception):  # already failing; the warning has been given
+                self.trace.stop()
+
+
+def _mean_ms(ns: list[int]) -> float | None:
+    return sum(ns) / len(ns) / 1e6 if ns else None

@@ -1,0 +1,216 @@
+"""Which timer times the module, and what every timer answers (``Timer``).
+
+A timer times one train/eval mode of the module. ``Timers.for_module`` picks it on the mode's first use and keeps it:
+
+* a ``torch.compile``'d module: ``KernelTimer`` (``compiled``), its rows read from the cycle's trace;
+* ``capture="dynamo"`` (the default): ``DynamoTimer`` (``dynamo_capture``), which captures at its first call
+  and again when a guard fails; FSDP2-sharded modules take the torch.fx ladder;
+* ``capture="fx"``: the ladder (``capture``): a ``NodeTimer`` on the traced graph, a ``GuardedNodeTimer`` on a
+  graph traced on a recorded call of the module (the mode's first call is recorded by ``observe_first_call``,
+  and module hooks time it until then), or a ``ModuleHookTimer`` when nothing traces.
+
+A timer that stops fitting the calls (``usable`` False: a graph traced on an example that a call does not fit,
+a Dynamo capture refused) is replaced by module hooks for that mode.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from fxprof_lightning.capture import Capture, capture
+from fxprof_lightning.compiled import MECHANISM, CompiledKernels, KernelTimer
+from fxprof_lightning.dynamo_capture import DYNAMO, DynamoTimer
+from fxprof_lightning.flops import NodeCosts
+from fxprof_lightning.leaves import is_fsdp
+from fxprof_lightning.module_hooks import ModuleHookTimer
+from fxprof_lightning.node_timing import NodeTimer
+from fxprof_lightning.nodes import NodeInfo
+from fxprof_lightning.traced_on_example import Example, GuardedNodeTimer, observe_first_call
+
+__all__ = ["CAPTURES", "Timer", "Timers"]
+
+CAPTURES = ("dynamo", "fx")
+
+
+class Timer(Protocol):
+    """What the engine asks of a timer: ``NodeTimer`` (and its ``GuardedNodeTimer``, ``DynamoTimer``),
+    ``ModuleHookTimer``, ``KernelTimer``.
+
+    After the recorded steps, ``collect`` makes the samples readable: ``fwd[i]`` and ``bwd_ns(i)`` hold one
+    duration in ns per call of ``nodes[i]``; ``mem_delta``/``mem_peak`` the CUDA allocator's bytes (or nothing).
+    """
+
+    nodes: list[NodeInfo]
+    mem_delta: list[list[int]]
+    mem_peak: list[list[int]]
+    mismatch: str | None  # why the timer stopped fitting the calls (then it times nothing)
+    uses_backward_events: bool  # backward times come from profiler events given to ``collect``
+    reads_trace_events: bool  # its rows come from the trace's own events (the trace must keep them)
+    device_times_from_trace: bool  # on CUDA, node calls take their kernels' device time from the trace
+    without_events: str  # what backward times become when no profiler events can come (for the warning)
+    costs_error: str | None  # why FLOPs could not be counted, since the engine last said so
+
+    @property
+    def calls(self) -> int:
+        """A count that grows when the module runs (timed forward calls since ``reset``)."""
+
+    @property
+    def usable(self) -> bool:
+        """Whether the timer still times the calls."""
+
+    @property
+    def fwd(self) -> list[list[Any]]: ...
+
+    def install(self, module: nn.Module, backward_hooks: bool = False) -> None:
+        """Time the module's calls until ``uninstall`` (``backward_hooks``: time backward with hooks, not events)."""
+
+    def uninstall(self, module: nn.Module) -> None: ...
+
+    def reset(self) -> None:
+        """Forget every sample (the warm-up steps', the last cycle's)."""
+
+    def collect(self, backward: list[tuple[int, int]], trace_events: list[Any]) -> str | None:
+        """Make the cycle's samples readable from its backward events (and trace events); why nothing was timed, or None."""
+
+    def bwd_ns(self, index: int) -> list[int]: ...
+
+    def node_ranges(self) -> Any:
+        """What ``torch_trace.add_node_ranges`` writes into the cycle's trace, or None."""
+
+    def costs(self, training: bool) -> NodeCosts | None:
+        """FLOPs and bytes per node, or None."""
+
+    def describe(self, capture: Capture) -> Capture:
+        """A report's own copy of ``capture``, with what the timer learnt meanwhile."""
+
+    def refusal(self, capture: Capture) -> str:
+        """Why the timer stopped fitting, for ``Capture.error``."""
+
+
+class Timers:
+    """One timer per train/eval mode of the module, chosen at the mode's first use (see the module docstring).
+
+    Args:
+        warn: tells the user (rank 0) about a fallback or a refused graph.
+    """
+
+    def __init__(self, warn: Callable[[str], None]) -> None:
+        self.warn = warn
+        self.capture, self.backward, self.ranges = "dynamo", True, False
+        self.compiled: CompiledKernels | None = None  # a compiled module: the Inductor settings its kernels need
+        self._timers: dict[bool, tuple[Timer, Capture]] = {}
+        self._examples: dict[bool, Example] = {}  # a recorded call per mode, until a capture uses it
+        self._observers: dict[bool, RemovableHandle] = {}  # recording the first call of a mode
+
+    def start(self, capture: str, backward: bool, ranges: bool, compiled: bool) -> None:
+        """A new run: forget every capture.
+
+        Args:
+            capture: ``"dynamo"`` or ``"fx"``.
+            backward: time each node's backward too.
+            ranges: timers keep what writes a range per node into the trace (module hooks open a range per call).
+            compiled: the module is torch.compile'd: its kernels are followed from before its first call (the
+                kernels of graphs an earlier run compiled are remembered).
+        """
+        if capture not in CAPTURES:
+            raise ValueError(f"capture must be one of {', '.join(map(repr, CAPTURES))}, got {capture!r}")
+        self.stop()
+        self.capture, self.backward, self.ranges = capture, backward, ranges
+        self._timers, self._examples = {}, {}
+        if compiled:
+            self.compiled = self.compiled or CompiledKernels()
+            self.compiled.start()
+        else:
+            self.compiled = None
+
+    def stop(self) -> None:
+        """Remove the hooks waiting for a mode's first call and put Inductor's settings back."""
+        for handle in self._observers.values():
+            handle.remove()
+        self._observers = {}
+        if self.compiled is not None:
+            self.compiled.stop()
+
+    @property
+    def chosen(self) -> dict[bool, tuple[Timer, Capture]]:
+        """The timer and capture of each train/eval mode chosen so far (``True``: training)."""
+        return dict(self._timers)
+
+    def waiting_for_first_call(self, training: bool) -> bool:
+        """Whether module hooks time the mode until its first call is recorded (then the graph is traced on it)."""
+        return training in self._observers
+
+    def for_module(self, module: nn.Module) -> tuple[Timer, Capture]:
+        """The timer of the module's current mode, chosen on first use; module hooks once its graph stopped fitting."""
+        training = module.training
+        entry = self._timers.get(training)
+        if entry is None:
+            entry = self._timers[training] = self._choose(module)
+        elif not entry[0].usable:
+            timer, how = entry
+            entry = self._timers[training] = (self._hook_timer(module), Capture("module_hooks", None, {}, timer.refusal(how)))
+        return entry
+
+    def _choose(self, module: nn.Module) -> tuple[Timer, Capture]:
+        training = module.training
+        if self.compiled is not None:
+            return KernelTimer(self.compiled), Capture("compiled", error=MECHANISM)
+        device = next(module.parameters(), None)
+        device = device.device.type if device is not None else "cpu"
+        # The node ranges are written into the trace after it is exported (``add_node_ranges``), from the node
+        # timestamps; on CUDA the trace's kernels then give each node its device time (``gpu_trace``).
+        if self.capture == "dynamo" and not any(is_fsdp(m) for m in module.modules()):
+            timer = DynamoTimer(training, backward=self.backward, device=device, trace_ranges=self.ranges,
+                                on_refused=functools.partial(self._refused, module, training))
+            return timer, Capture("dynamo", error=DYNAMO)
+        example = self._examples.pop(training, None)
+        started = time.perf_counter()
+        how = capture(module, example)
+        how.capture_s = [time.perf_counter() - started]
+        if how.graph_module is None and example is None:  # no warning yet: the recorded call may do better
+            if training not in self._observers:
+                self._observers[training] = observe_first_call(module, training, functools.partial(self._observed, training))
+            return self._hook_timer(module), how
+        if how.on_example:
+            timer = GuardedNodeTimer(how.graph_module, backward=self.backward, device=device, trace_ranges=self.ranges,
+                                     on_mismatch=functools.partial(self._mismatch, module, training))
+        elif how.graph_module is not None:
+            timer = NodeTimer(how.graph_module, backward=self.backward, device=device, trace_ranges=self.ranges)
+        else:
+            timer = self._hook_timer(module)
+        if how.method != "symbolic_trace":
+            self.warn(f"torch.fx could not trace {type(module).__name__} whole, so it is timed by {how.describe()}")
+        return timer, how
+
+    def _hook_timer(self, module: nn.Module) -> ModuleHookTimer:
+        return ModuleHookTimer(module, annotate=self.ranges)
+
+    def _observed(self, training: bool, example: Example) -> None:
+        """Runs inside the module's call: keep the example; the mode's next cycle captures again with it."""
+        self._examples[training] = example
+        self._observers.pop(training, None)
+        self._timers.pop(training, None)
+
+    def _mismatch(self, module: nn.Module, training: bool, reason: str) -> None:
+        mode = "training" if training else "evaluation"
+        self.warn(
+            f"a call of {type(module).__name__} does not fit the graph traced on its first {mode} call ({reason}). "
+            f"That call ran the module's own forward, so training is unchanged; {mode} steps are timed by module "
+            "hooks from now on (a cycle that had already recorded steps with the graph reports no node times)."
+        )
+
+    def _refused(self, module: nn.Module, training: bool, reason: str) -> None:
+        mode = "training" if training else "evaluation"
+        self.warn(
+            f"the graph Dynamo captured of {type(module).__name__} ({mode} mode) is not the program eager runs: "
+            f"{reason}. That call and every later one run the module's own forward, so training is unchanged; "
+            f"{mode} steps are timed by module hooks from now on (a cycle that had already recorded steps with the "
+            "graph reports no node times)."
+        )
+
