@@ -1,7 +1,7 @@
 """fxprof-lightning: per-layer timing of sampled PyTorch training steps.
 
 ``Profiler`` for any training loop (plain PyTorch, Fabric, FSDP2); ``FXProfilerCallback`` for a
-Lightning ``Trainer``. See the README for the options. Every name is imported when first used, so the
+Lightning ``Trainer``. Options: docs/usage.md#options. Every name is imported when first used, so the
 ``fxprof`` command (which reads files) starts without torch, and ``Profiler`` without Lightning.
 """
 

@@ -59,7 +59,7 @@ class FXProfilerCallback(Callback):
         skip_first, wait, warmup, active, repeat, torch_profiler, fx_timing, profiler_kwargs, top_k,
             use_gzip, keep_cycles, module_depth, backward_timing, node_ranges, ranks, peaks, pictures,
             verbose, capture: as for
-            ``Profiler`` (see the README's table of options).
+            ``Profiler`` (see the options table in docs/usage.md).
 
     Example:
         >>> profiler = FXProfilerCallback(wait=5, warmup=1, active=3, module="model")

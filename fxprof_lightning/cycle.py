@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -19,7 +20,7 @@ from fxprof_lightning.capture import Capture
 from fxprof_lightning.gpu_trace import node_device_times
 from fxprof_lightning.gpu_trace import summary as device_summary
 from fxprof_lightning.node_timing import BackwardEvents
-from fxprof_lightning.report import NodeStats, summarize_nodes
+from fxprof_lightning.report import CycleReport, NodeStats, summarize_modules, summarize_nodes, summarize_ranges
 from fxprof_lightning.timers import Timer
 from fxprof_lightning.torch_trace import CycleTrace
 
@@ -145,6 +146,21 @@ class Cycle:
         timer.reset()
         return nodes
 
+    def report(self, stage: str, nodes: list[NodeStats], ranges: list[Any], ranks: int, partial: bool,
+               type_name: Callable[[str], str]) -> CycleReport:
+        """The cycle's report: its (gathered) node table, the trace's ranges, steps, phases, and the module tree."""
+        report = CycleReport(index=self.index, steps=self.recorded, directory=self.directory, partial=partial, ranks=ranks,
+                             stage=stage, nodes=nodes, capture=self.described_capture(),
+                             trace_paths=list(self.trace.paths) if self.trace is not None else [],
+                             step_ms=self.step_ms, step_cpu_ms=self.step_cpu_ms, device=self.device,
+                             phases=_mean_phases(self.phases))
+        report.ranges = summarize_ranges(ranges, len(self.recorded))
+        if self.backward_wall_ns:
+            report.backward_wall_ms = sum(self.backward_wall_ns) / len(self.backward_wall_ns) / 1e6
+        if report.nodes and self.timer is not None:
+            report.modules = summarize_modules(self.timer.nodes, report.nodes, len(self.recorded), type_name)
+        return report
+
     def described_capture(self) -> Capture | None:
         """The report's own copy of how the module was captured."""
         return self.timer.describe(self.capture) if self.capture is not None and self.timer is not None else self.capture
@@ -162,6 +178,11 @@ class Cycle:
         if self.trace is not None:
             with contextlib.suppress(Exception):  # already failing; the warning has been given
                 self.trace.stop()
+
+
+def _mean_phases(steps: list[dict[str, int]]) -> dict[str, float]:
+    """Mean ms per step of each phase over the steps that have them."""
+    return {phase: sum(step[phase] for step in steps) / len(steps) / 1e6 for phase in steps[0]} if steps else {}
 
 
 def _mean_ms(ns: list[int]) -> float | None:

@@ -33,14 +33,14 @@ from torch import nn
 from fxprof_lightning.compiled import is_compiled
 from fxprof_lightning.cycle import Cycle
 from fxprof_lightning.history import StageHistory
-from fxprof_lightning.report import CycleReport, merge_ranks, summarize_modules, summarize_ranges
+from fxprof_lightning.report import CycleReport, merge_ranks
 from fxprof_lightning.roofline import Peaks, device_peaks
 from fxprof_lightning.schedule import ProfilerAction, Schedule
 from fxprof_lightning.sinks import ConsoleSink, CsvSink, PictureSink, Sink
 from fxprof_lightning.timers import CAPTURES, Timers
 from fxprof_lightning.torch_trace import CycleTrace, check_profiler_kwargs
 
-__all__ = ["DEFAULT_DIRPATH", "Profiler", "cycle_name"]
+__all__ = ["DEFAULT_DIRPATH", "Engine", "Profiler", "cycle_name"]
 
 RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 DEFAULT_DIRPATH = "fxprof"  # relative to the working directory, as torch.utils.tensorboard's "runs"
@@ -61,52 +61,44 @@ class _Stage:
     piece: int = 0
     history: StageHistory = field(default_factory=StageHistory)  # what the analysis remembers across cycles
 
+    def directory_for(self, dirpath: Path, index: int, taken: set[str]) -> Path:
+        """The directory of the cycle ``index`` opening now (a new piece of a cycle cut earlier gets its own)."""
+        self.piece = self.piece + 1 if index == self.last_index else 0
+        self.last_index = index
+        directory = dirpath / cycle_name(STAGES[self.name], index, self.piece, taken)
+        directory.mkdir(parents=True, exist_ok=True)
+        if not self.directories or self.directories[-1] != directory:
+            self.directories.append(directory)
+        return directory
 
-class Profiler:
-    """Profile scheduled steps of any training loop with torch.profiler and per-node ``torch.fx`` timing.
+    def drop(self, cycle: Cycle) -> None:
+        """A cycle cut during warm-up: nothing to report (a trace holds no recorded step); the rest of the cycle,
+        if it comes, opens a new piece."""
+        for path in cycle.trace.paths if cycle.trace is not None else []:
+            path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            cycle.directory.rmdir()
+        if self.directories and self.directories[-1] == cycle.directory:
+            self.directories.pop()
 
-    Use it like ``torch.profiler.profile``: call ``step()`` once per training step. The schedule
-    has the semantics of ``torch.profiler.schedule``: ``skip_first`` idle steps, then cycles of
-    ``wait`` idle, ``warmup`` traced-and-discarded and ``active`` recorded steps, ``repeat``
-    cycles (0: as long as training runs). At the last recorded step of each cycle its per-node
-    table goes to the sinks and its files to ``<dirpath>/cycle_NNNN``.
+    def forget_old_cycles(self, keep: int | None, rank: int) -> None:
+        """Keep the newest ``keep`` cycles' reports and directories (None: all)."""
+        if keep is None:
+            return
+        del self.cycles[:-keep]
+        while len(self.directories) > keep:
+            old = self.directories.pop(0)
+            for path in old.glob(f"rank{rank}.*"):  # this rank's traces (its node's disk)
+                path.unlink(missing_ok=True)
+            if rank == 0:
+                shutil.rmtree(old, ignore_errors=True)
 
-    Args:
-        module: the ``nn.Module`` to time node by node (or a function returning it, called at
-            ``start()``). Its forward is replaced by the timed graph during traced steps only.
-        skip_first, wait, warmup, active, repeat: the schedule (see above).
-        torch_profiler: trace the cycle's steps with ``torch.profiler``.
-        fx_timing: time every FX node of ``module``'s forward.
-        profiler_kwargs: more ``torch.profiler.profile`` arguments (activities, record_shapes, ...).
-        dirpath: output directory (default ``./fxprof``).
-        top_k: how many of the slowest nodes get scalars and table rows.
-        use_gzip: write traces as ``.pt.trace.json.gz`` (else plain ``.pt.trace.json``).
-        keep_cycles: keep only the newest N cycle directories (and reports); None keeps all.
-        profile_validation: also profile the steps inside ``with profiler.validation():``.
-        module_depth: deepest level of the module tree in the modules text (root = 0).
-        backward_timing: time each node's backward too.
-        node_ranges: with ``torch_profiler``, a range per node call in the trace (written into the exported
-            trace from the node timestamps; on CUDA they tie each kernel to its node; under module hooks a
-            ``record_function`` per module call).
-        ranks: global ranks that write traces (None: all). The others still time nodes and take
-            part in the gather.
-        peaks: the device's peak GFLOP/s and GB/s for the roofline columns (``roofline.Peaks``); None
-            measures them once per device with a short micro-benchmark and caches them.
-        pictures: draw the slowest layers, the module tree and the trend (needs matplotlib).
-        verbose: the console sink prints every cycle's full tables, not one line.
-        sinks: where cycle reports go (default ``[CsvSink(), PictureSink(), ConsoleSink()]``); see ``sinks``.
-        capture: how the module's forward becomes a timed graph: ``"dynamo"`` (the default: Dynamo captures it,
-            each capture verified against eager forward and backward, recaptured when a guard fails;
-            ``dynamo_capture``) or ``"fx"`` (the torch.fx capture ladder, ``capture``; FSDP2-sharded models
-            always use it).
 
-    Example:
-        >>> with Profiler(model, wait=5, warmup=1, active=3, repeat=2) as prof:
-        ...     for x, y in loader:
-        ...         loss_fn(model(x), y).backward()
-        ...         opt.step(); opt.zero_grad()
-        ...         prof.step()
-        >>> print(prof.cycles[-1].to_markdown())
+class Engine:
+    """The profiling engine under ``Profiler`` and the Lightning callback: the schedule, the two stages (training
+    and validation steps), their cycles, the cross-rank gather and the failure policy, driven by
+    ``begin_run``/``prepare``/``begin_step``/``end_step``/``end_stage``/``abort``/``end_run``. See ``Profiler`` for the
+    settings.
     """
 
     name = "Profiler"  # starts every warning (the Lightning callback sets its own)
@@ -139,19 +131,7 @@ class Profiler:
         capture: str = "dynamo",
     ) -> None:
         self.schedule = Schedule(skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat)
-        if not torch_profiler and not fx_timing:
-            raise ValueError("torch_profiler and fx_timing are both False: turn at least one on")
-        if module is None or not (isinstance(module, nn.Module) or callable(module)):
-            raise ValueError(f"module must be the nn.Module to profile (or a function returning it), got {module!r}")
-        _check_int("top_k", top_k, 1)
-        if keep_cycles is not None:
-            _check_int("keep_cycles", keep_cycles, 1, "or None (keep all)")
-        _check_int("module_depth", module_depth, 0)
-        if ranks is not None and (isinstance(ranks, str | bytes) or not isinstance(ranks, Sequence)
-                                  or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)):
-            raise ValueError(f"ranks must be a list of global ranks (ints >= 0) or None (all ranks), got {ranks!r}")
-        if capture not in CAPTURES:
-            raise ValueError(f"capture must be one of {', '.join(map(repr, CAPTURES))}, got {capture!r}")
+        _check_settings(module, torch_profiler, fx_timing, top_k, keep_cycles, module_depth, ranks, capture, peaks)
         self.capture = capture
         self.module = module
         self.torch_profiler = torch_profiler
@@ -166,9 +146,6 @@ class Profiler:
         self.backward_timing = backward_timing
         self.node_ranges = node_ranges
         self.ranks = None if ranks is None else frozenset(ranks)
-        if peaks is not None and not isinstance(peaks, Peaks):
-            raise ValueError(f"peaks must be a fxprof_lightning.roofline.Peaks(gflops_per_s=..., gbytes_per_s=...) or "
-                             f"None (measure them), got {peaks!r}")
         self.peaks = peaks
         self.pictures = pictures
         self.verbose = verbose
@@ -198,88 +175,6 @@ class Profiler:
     def step_num(self) -> int:
         """The number of the training step in progress (or the next one), counted from 0."""
         return self._train.step
-
-    # ------------------------------------------------------------ the plain-loop API
-
-    def start(self) -> None:
-        """Begin profiling; the code until the next ``step()`` is training step ``step_num``."""
-        if self._running:
-            raise RuntimeError(f"{self.name}.start() was called twice without stop()")
-        self.begin_run()
-        self.prepare()
-        self._running = True
-        self.begin_step("train")
-
-    def step(self) -> None:
-        """End the current step and begin the next (inside ``validation()``: a validation step)."""
-        if not self._running:
-            raise RuntimeError(f"{self.name}.step() was called before start(): use `with {self.name}(...) as prof:` "
-                               "or call prof.start() first")
-        stage = self._current.name
-        self.end_step(stage)
-        self.begin_step(stage)
-
-    def stop(self) -> None:
-        """End profiling: a step in progress that ran the module counts, a cycle in progress is written cut short."""
-        if not self._running:
-            return
-        self._running = False
-        self._finish_step(self._current)
-        self.end_stage("train")
-        self.end_run()
-        if not self._train.cycles and self.rank == 0:
-            first = self.schedule.recorded_steps(0)
-            self.warn(f"stopped after {self._train.step} step(s), before any recorded step (the first is step "
-                      f"{first[0] if first else '?'}: skip_first={self.schedule.skip_first}, wait={self.schedule.wait}, "
-                      f"warmup={self.schedule.warmup}), so prof.cycles is empty; run more steps or lower wait/skip_first")
-
-    def __enter__(self) -> Profiler:
-        self.start()
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: Any) -> None:
-        if error is None:
-            self.stop()
-        else:
-            self._running = False
-            self.abort()
-
-    @contextlib.contextmanager
-    def validation(self) -> Iterator[Profiler]:
-        """Validation steps: inside, ``step()`` advances the validation schedule, and the training step in
-        progress is paused (validation is not timed as training). Without ``profile_validation`` nothing
-        inside is profiled.
-
-        Example:
-            >>> with prof.validation():
-            ...     for x, y in val_loader:
-            ...         model(x); prof.step()
-        """
-        if not self._running:
-            raise RuntimeError(f"{self.name}.validation() needs a started profiler")
-        train = self._train
-        if train.open is not None:
-            train.open.pause(self.target)
-        self._current = self._val
-        self.prepare("val")
-        self.begin_step("val")
-        try:
-            yield self
-        finally:
-            self._finish_step(self._val)
-            self.end_stage("val")
-            self._current = train
-            if train.in_step and train.open is not None and self._enabled:
-                train.open.resume(self.target)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The schedule position, to resume with ``load_state_dict``."""
-        return {"step": self._train.step, "val_step": self._val.step}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue the schedule where ``state_dict`` left it (call before ``start()``)."""
-        self._train.step = int(state_dict.get("step", 0))
-        self._val.step = int(state_dict.get("val_step", 0))
 
     # ------------------------------------------------------------ the driver API (the Lightning callback)
 
@@ -438,12 +333,7 @@ class Profiler:
 
     def _open_cycle(self, stage: _Stage) -> Cycle:
         index = self.schedule.cycle_of(stage.step)
-        stage.piece = stage.piece + 1 if index == stage.last_index else 0
-        stage.last_index = index
-        directory = self.dirpath / cycle_name(STAGES[stage.name], index, stage.piece, self._taken)
-        directory.mkdir(parents=True, exist_ok=True)
-        if not stage.directories or stage.directories[-1] != directory:
-            stage.directories.append(directory)
+        directory = stage.directory_for(self.dirpath, index, self._taken)
         # Capture first: tracing on a recorded call runs the module, which no trace should record.
         timer, how = self.timers.for_module(self.target) if self._fx_on else (None, None)
         other = self._val if stage is self._train else self._train
@@ -501,19 +391,10 @@ class Profiler:
         if cycle is None:
             return
         if not cycle.recorded:
-            self._drop_cut_cycle(stage, cycle)
+            stage.drop(cycle)
             return
-        report = CycleReport(index=cycle.index, steps=cycle.recorded, directory=cycle.directory,
-                             partial=cycle.recorded != self.schedule.recorded_steps(cycle.index),
-                             ranks=max(ranks, 1), stage=stage.name, nodes=nodes or [], capture=cycle.described_capture(),
-                             trace_paths=list(cycle.trace.paths) if cycle.trace is not None else [],
-                             step_ms=cycle.step_ms, step_cpu_ms=cycle.step_cpu_ms, device=cycle.device,
-                             phases=_mean_phases(cycle.phases))
-        report.ranges = summarize_ranges(ranges, len(cycle.recorded))
-        if cycle.backward_wall_ns:
-            report.backward_wall_ms = sum(cycle.backward_wall_ns) / len(cycle.backward_wall_ns) / 1e6
-        if report.nodes and cycle.timer is not None:
-            report.modules = summarize_modules(cycle.timer.nodes, report.nodes, len(cycle.recorded), self._type_name)
+        report = cycle.report(stage.name, nodes or [], ranges, max(ranks, 1),
+                              partial=cycle.recorded != self.schedule.recorded_steps(cycle.index), type_name=self._type_name)
         if cycle.timer is not None and not report.nodes and cycle.timer.usable and not cycle.timer.reads_trace_events:
             self.warn(f"{type(self.target).__name__}.forward did not run in the recorded steps {cycle.recorded}, so "
                       "no node was timed. If the training step calls a submodule instead, profile that submodule "
@@ -524,17 +405,7 @@ class Profiler:
                 sink.write_cycle(report, self)
             report.pictures.clear()  # written: a long run keeps no image bytes
         stage.cycles.append(report)
-        self._forget_old_cycles(stage)
-
-    def _drop_cut_cycle(self, stage: _Stage, cycle: Cycle) -> None:
-        """A cycle cut during warm-up: nothing to report (a trace holds no recorded step); the rest of the cycle,
-        if it comes, opens a new piece."""
-        for path in cycle.trace.paths if cycle.trace is not None else []:
-            path.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            cycle.directory.rmdir()
-        if stage.directories and stage.directories[-1] == cycle.directory:
-            stage.directories.pop()
+        stage.forget_old_cycles(self.keep_cycles, self.rank)
 
     def _analyse(self, stage: _Stage, report: CycleReport) -> None:
         """What the report says beyond its tables: tracked nodes, roofline, trust, regressions, advice (rank 0)."""
@@ -557,17 +428,6 @@ class Profiler:
                           "give them as peaks=Peaks(gflops_per_s=..., gbytes_per_s=...)")
                 self.peaks = False
         return self.peaks or None
-
-    def _forget_old_cycles(self, stage: _Stage) -> None:
-        if self.keep_cycles is None:
-            return
-        del stage.cycles[: -self.keep_cycles]
-        while len(stage.directories) > self.keep_cycles:
-            old = stage.directories.pop(0)
-            for path in old.glob(f"rank{self.rank}.*"):  # this rank's traces (its node's disk)
-                path.unlink(missing_ok=True)
-            if self.rank == 0:
-                shutil.rmtree(old, ignore_errors=True)
 
     def _type_name(self, path: str) -> str:
         try:
@@ -601,6 +461,134 @@ class Profiler:
                 cycle.abandon(self.target)
 
 
+class Profiler(Engine):
+    """Profile scheduled steps of any training loop with torch.profiler and per-node ``torch.fx`` timing.
+
+    Use it like ``torch.profiler.profile``: call ``step()`` once per training step. The schedule
+    has the semantics of ``torch.profiler.schedule``: ``skip_first`` idle steps, then cycles of
+    ``wait`` idle, ``warmup`` traced-and-discarded and ``active`` recorded steps, ``repeat``
+    cycles (0: as long as training runs). At the last recorded step of each cycle its per-node
+    table goes to the sinks and its files to ``<dirpath>/cycle_NNNN``.
+
+    Args:
+        module: the ``nn.Module`` to time node by node (or a function returning it, called at
+            ``start()``). Its forward is replaced by the timed graph during traced steps only.
+        skip_first, wait, warmup, active, repeat: the schedule (see above).
+        torch_profiler: trace the cycle's steps with ``torch.profiler``.
+        fx_timing: time every FX node of ``module``'s forward.
+        profiler_kwargs: more ``torch.profiler.profile`` arguments (activities, record_shapes, ...).
+        dirpath: output directory (default ``./fxprof``).
+        top_k: how many of the slowest nodes get scalars and table rows.
+        use_gzip: write traces as ``.pt.trace.json.gz`` (else plain ``.pt.trace.json``).
+        keep_cycles: keep only the newest N cycle directories (and reports); None keeps all.
+        profile_validation: also profile the steps inside ``with profiler.validation():``.
+        module_depth: deepest level of the module tree in the modules text (root = 0).
+        backward_timing: time each node's backward too.
+        node_ranges: with ``torch_profiler``, a range per node call in the trace (written into the exported
+            trace from the node timestamps; on CUDA they tie each kernel to its node; under module hooks a
+            ``record_function`` per module call).
+        ranks: global ranks that write traces (None: all). The others still time nodes and take
+            part in the gather.
+        peaks: the device's peak GFLOP/s and GB/s for the roofline columns (``roofline.Peaks``); None
+            measures them once per device with a short micro-benchmark and caches them.
+        pictures: draw the slowest layers, the module tree and the trend (needs matplotlib).
+        verbose: the console sink prints every cycle's full tables, not one line.
+        sinks: where cycle reports go (default ``[CsvSink(), PictureSink(), ConsoleSink()]``); see ``sinks``.
+        capture: how the module's forward becomes a timed graph: ``"dynamo"`` (the default: Dynamo captures it,
+            each capture verified against eager forward and backward, recaptured when a guard fails;
+            ``dynamo_capture``) or ``"fx"`` (the torch.fx capture ladder, ``capture``; FSDP2-sharded models
+            always use it).
+
+    Example:
+        >>> with Profiler(model, wait=5, warmup=1, active=3, repeat=2) as prof:
+        ...     for x, y in loader:
+        ...         loss_fn(model(x), y).backward()
+        ...         opt.step(); opt.zero_grad()
+        ...         prof.step()
+        >>> print(prof.cycles[-1].to_markdown())
+    """
+
+    def start(self) -> None:
+        """Begin profiling; the code until the next ``step()`` is training step ``step_num``."""
+        if self._running:
+            raise RuntimeError(f"{self.name}.start() was called twice without stop()")
+        self.begin_run()
+        self.prepare()
+        self._running = True
+        self.begin_step("train")
+
+    def step(self) -> None:
+        """End the current step and begin the next (inside ``validation()``: a validation step)."""
+        if not self._running:
+            raise RuntimeError(f"{self.name}.step() was called before start(): use `with {self.name}(...) as prof:` "
+                               "or call prof.start() first")
+        stage = self._current.name
+        self.end_step(stage)
+        self.begin_step(stage)
+
+    def stop(self) -> None:
+        """End profiling: a step in progress that ran the module counts, a cycle in progress is written cut short."""
+        if not self._running:
+            return
+        self._running = False
+        self._finish_step(self._current)
+        self.end_stage("train")
+        self.end_run()
+        if not self._train.cycles and self.rank == 0:
+            first = self.schedule.recorded_steps(0)
+            self.warn(f"stopped after {self._train.step} step(s), before any recorded step (the first is step "
+                      f"{first[0] if first else '?'}: skip_first={self.schedule.skip_first}, wait={self.schedule.wait}, "
+                      f"warmup={self.schedule.warmup}), so prof.cycles is empty; run more steps or lower wait/skip_first")
+
+    def __enter__(self) -> Profiler:
+        self.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: Any) -> None:
+        if error is None:
+            self.stop()
+        else:
+            self._running = False
+            self.abort()
+
+    @contextlib.contextmanager
+    def validation(self) -> Iterator[Profiler]:
+        """Validation steps: inside, ``step()`` advances the validation schedule, and the training step in
+        progress is paused (validation is not timed as training). Without ``profile_validation`` nothing
+        inside is profiled.
+
+        Example:
+            >>> with prof.validation():
+            ...     for x, y in val_loader:
+            ...         model(x); prof.step()
+        """
+        if not self._running:
+            raise RuntimeError(f"{self.name}.validation() needs a started profiler")
+        train = self._train
+        if train.open is not None:
+            train.open.pause(self.target)
+        self._current = self._val
+        self.prepare("val")
+        self.begin_step("val")
+        try:
+            yield self
+        finally:
+            self._finish_step(self._val)
+            self.end_stage("val")
+            self._current = train
+            if train.in_step and train.open is not None and self._enabled:
+                train.open.resume(self.target)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule position, to resume with ``load_state_dict``."""
+        return {"step": self._train.step, "val_step": self._val.step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue the schedule where ``state_dict`` left it (call before ``start()``)."""
+        self._train.step = int(state_dict.get("step", 0))
+        self._val.step = int(state_dict.get("val_step", 0))
+
+
 def cycle_name(prefix: str, index: int, piece: int, taken: set[str]) -> str:
     """``cycle_0003`` (``-p1`` for the second piece of a cut cycle), with ``-r1``, ``-r2``... only when an
     earlier run in the same directory took that name.
@@ -614,6 +602,27 @@ def cycle_name(prefix: str, index: int, piece: int, taken: set[str]) -> str:
     while (f"{name}-r{run}" if run else name) in taken:
         run += 1
     return f"{name}-r{run}" if run else name
+
+
+def _check_settings(module: Any, torch_profiler: bool, fx_timing: bool, top_k: Any, keep_cycles: Any, module_depth: Any,
+                    ranks: Any, capture: Any, peaks: Any) -> None:
+    """A clear error for each setting ``Profiler`` cannot work with."""
+    if not torch_profiler and not fx_timing:
+        raise ValueError("torch_profiler and fx_timing are both False: turn at least one on")
+    if module is None or not (isinstance(module, nn.Module) or callable(module)):
+        raise ValueError(f"module must be the nn.Module to profile (or a function returning it), got {module!r}")
+    _check_int("top_k", top_k, 1)
+    if keep_cycles is not None:
+        _check_int("keep_cycles", keep_cycles, 1, "or None (keep all)")
+    _check_int("module_depth", module_depth, 0)
+    if ranks is not None and (isinstance(ranks, str | bytes) or not isinstance(ranks, Sequence)
+                              or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)):
+        raise ValueError(f"ranks must be a list of global ranks (ints >= 0) or None (all ranks), got {ranks!r}")
+    if capture not in CAPTURES:
+        raise ValueError(f"capture must be one of {', '.join(map(repr, CAPTURES))}, got {capture!r}")
+    if peaks is not None and not isinstance(peaks, Peaks):
+        raise ValueError(f"peaks must be a fxprof_lightning.roofline.Peaks(gflops_per_s=..., gbytes_per_s=...) or "
+                         f"None (measure them), got {peaks!r}")
 
 
 def _check_int(name: str, value: Any, minimum: int, alternative: str = "") -> None:
@@ -632,8 +641,3 @@ def _broadcast(value: Any) -> Any:
     box = [value]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _mean_phases(steps: list[dict[str, int]]) -> dict[str, float]:
-    """Mean ms per step of each phase over the steps that have them."""
-    return {phase: sum(step[phase] for step in steps) / len(steps) / 1e6 for phase in steps[0]} if steps else {}

@@ -41,3 +41,18 @@ def test_no_import_cycle():
 
     for name in graph:
         visit(name, ())
+
+
+def test_no_class_over_400_lines():
+    """A class that grows past 400 lines holds more than one job: split it (see engine.Engine and engine.Profiler)."""
+    too_long = [f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+                for path in PACKAGE.glob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 400]
+    assert not too_long
+
+
+def test_the_engine_never_asks_which_timer_it_has():
+    """The engine talks to timers through ``timers.Timer`` only: no timer class is imported into it."""
+    imported = {alias.name for node in ast.walk(ast.parse((PACKAGE / "engine.py").read_text()))
+                if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert not imported & {"NodeTimer", "GuardedNodeTimer", "DynamoTimer", "KernelTimer", "ModuleHookTimer"}
