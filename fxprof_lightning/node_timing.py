@@ -512,79 +512,8 @@ class NodeTimer:
         self.mem_delta[index].append(torch.cuda.memory_allocated() - allocated_before)
 
     def _instrument(self, traced: fx.GraphModule, annotate: bool, hooked: bool) -> fx.GraphModule:
-        """The instrumented graph; ``hooked``: backward timed by hooks (``_hooked_record``), else by events.
-
-        Unhooked (CPU), each timed node becomes, in the generated code::
-
-            stamps.append(perf_counter_ns()); out = node(...); stamps.append(perf_counter_ns())
-            sequence_nrs.append(_get_sequence_nr())   # with backward timing
-
-        (the two lists are those ``_begin_call`` returns at the start of the call), and ``_fold`` makes samples of them.
-        A node marked ``joins_previous`` (``JOINS``) is timed together with the timed node before it: one row, one
-        pair of clock reads around both (the ops of one ``torch.nn`` layer in a Dynamo graph). A row is shared by
-        every graph that has a node of its name.
-        """
-        graph = fx.Graph()
-        copies: dict[fx.Node, fx.Node] = {}
-        timed = [n for n in traced.graph.nodes if is_timed(n) and not _own_state_of_root(traced, n)]
-        closes = {a for a, b in itertools.pairwise(timed) if not b.meta.get(JOINS)} | set(timed[-1:])
-        log = _GraphLog(self)
-        index = -1
-        graph.set_codegen(copy.deepcopy(traced.graph._codegen))  # keep how inputs are passed (e.g. pytree codegen)
-        placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-        logs: Any = None  # (stamps, sequence_nrs, modules, autograd) of the running call
-        sequence_nr: Any = None  # hooked: the sequence number after the last timed node, if there was one
-        lean = not hooked
-        for node in traced.graph.nodes:
-            if node.op == "output" and index >= 0 and self._trace_ranges and lean:
-                graph.call_function(self._anchor)
-            if node.op != "placeholder" and logs is None:
-                logs = graph.call_function(log.begin)
-                stamps, sequence_nrs, modules, autograd = (graph.call_function(operator.getitem, (logs, i)) for i in range(4))
-            if node.op != "placeholder" and placeholders and all(n in copies for n in placeholders):
-                graph.call_function(self._inputs, tuple(copies[n] for n in placeholders))  # once all inputs exist
-                placeholders = []
-            if _own_state_of_root(traced, node):  # read from the module it runs as (FSDP2 swaps parameters)
-                copies[node] = graph.call_function(self._root_attribute, (node.target,))
-                continue
-            if not is_timed(node):
-                copies[node] = graph.node_copy(node, copies.__getitem__)
-                continue
-            opens = index < 0 or not node.meta.get(JOINS)
-            if opens:
-                index += 1
-                row = self._row(node)
-                log.add(row)
-            if index == 0 and opens and self._trace_ranges and lean:
-                graph.call_function(self._anchor)
-            callee = _callee(graph, node, traced, modules, log.called)
-            if annotate and opens:
-                annotation = graph.call_function(enter_range, (self.nodes[row].name,))
-            if lean:
-                if index == 0 and opens and self._backward:
-                    graph.call_method("append", (sequence_nrs, graph.call_method("_get_sequence_nr", (autograd,))))
-                if opens:
-                    graph.call_method("append", (stamps, graph.call_function(time.perf_counter_ns)))
-                copies[node] = _copy_node(graph, node, copies, callee)
-                if node in closes:
-                    graph.call_method("append", (stamps, graph.call_function(time.perf_counter_ns)))
-                    if self._backward:
-                        graph.call_method("append", (sequence_nrs, graph.call_method("_get_sequence_nr", (autograd,))))
-            else:
-                if opens:
-                    if self._cuda:
-                        allocated = graph.call_function(torch.cuda.memory_allocated)
-                    if sequence_nr is None:
-                        sequence_nr = graph.call_function(sequence_nr_now) if self._backward else -1
-                    start = graph.call_function(self._clock.start)
-                copies[node] = copied = _copy_node(graph, node, copies, callee)
-                if node in closes:
-                    sequence_nr = graph.call_function(self._hooked_record, (row, start, sequence_nr, copied))
-                    if self._cuda:
-                        graph.call_function(self._record_cuda_memory, (row, allocated))
-            if annotate and node in closes:
-                graph.call_function(exit_range, (annotation,))
-        return fx.GraphModule(traced, graph, class_name=f"{type(traced).__name__}Timed")
+        """The instrumented graph (``instrument``); ``hooked``: backward timed by hooks, else by events."""
+        return instrument(self, traced, annotate, hooked)
 
     def _row(self, node: fx.Node) -> int:
         """The index in ``nodes`` of the row a node's times go to: an existing row of its name, or a new one."""
@@ -596,6 +525,83 @@ class NodeTimer:
             for samples in (self._fwd, self._starts, self.mem_delta, self.mem_peak, self.bwd, self._spans):
                 samples.append([])
         return row
+
+
+def instrument(self: NodeTimer, traced: fx.GraphModule, annotate: bool, hooked: bool) -> fx.GraphModule:
+    """``NodeTimer``'s code generator: a copy of ``traced`` that logs into the timer ``self``; ``hooked``: backward
+    timed by hooks (``_hooked_record``), else by events.
+
+    Unhooked (CPU), each timed node becomes, in the generated code::
+
+        stamps.append(perf_counter_ns()); out = node(...); stamps.append(perf_counter_ns())
+        sequence_nrs.append(_get_sequence_nr())   # with backward timing
+
+    (the two lists are those ``_begin_call`` returns at the start of the call), and ``_fold`` makes samples of them.
+    A node marked ``joins_previous`` (``JOINS``) is timed together with the timed node before it: one row, one
+    pair of clock reads around both (the ops of one ``torch.nn`` layer in a Dynamo graph). A row is shared by
+    every graph that has a node of its name.
+    """
+    graph = fx.Graph()
+    copies: dict[fx.Node, fx.Node] = {}
+    timed = [n for n in traced.graph.nodes if is_timed(n) and not _own_state_of_root(traced, n)]
+    closes = {a for a, b in itertools.pairwise(timed) if not b.meta.get(JOINS)} | set(timed[-1:])
+    log = _GraphLog(self)
+    index = -1
+    graph.set_codegen(copy.deepcopy(traced.graph._codegen))  # keep how inputs are passed (e.g. pytree codegen)
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    logs: Any = None  # (stamps, sequence_nrs, modules, autograd) of the running call
+    sequence_nr: Any = None  # hooked: the sequence number after the last timed node, if there was one
+    lean = not hooked
+    for node in traced.graph.nodes:
+        if node.op == "output" and index >= 0 and self._trace_ranges and lean:
+            graph.call_function(self._anchor)
+        if node.op != "placeholder" and logs is None:
+            logs = graph.call_function(log.begin)
+            stamps, sequence_nrs, modules, autograd = (graph.call_function(operator.getitem, (logs, i)) for i in range(4))
+        if node.op != "placeholder" and placeholders and all(n in copies for n in placeholders):
+            graph.call_function(self._inputs, tuple(copies[n] for n in placeholders))  # once all inputs exist
+            placeholders = []
+        if _own_state_of_root(traced, node):  # read from the module it runs as (FSDP2 swaps parameters)
+            copies[node] = graph.call_function(self._root_attribute, (node.target,))
+            continue
+        if not is_timed(node):
+            copies[node] = graph.node_copy(node, copies.__getitem__)
+            continue
+        opens = index < 0 or not node.meta.get(JOINS)
+        if opens:
+            index += 1
+            row = self._row(node)
+            log.add(row)
+        if index == 0 and opens and self._trace_ranges and lean:
+            graph.call_function(self._anchor)
+        callee = _callee(graph, node, traced, modules, log.called)
+        if annotate and opens:
+            annotation = graph.call_function(enter_range, (self.nodes[row].name,))
+        if lean:
+            if index == 0 and opens and self._backward:
+                graph.call_method("append", (sequence_nrs, graph.call_method("_get_sequence_nr", (autograd,))))
+            if opens:
+                graph.call_method("append", (stamps, graph.call_function(time.perf_counter_ns)))
+            copies[node] = _copy_node(graph, node, copies, callee)
+            if node in closes:
+                graph.call_method("append", (stamps, graph.call_function(time.perf_counter_ns)))
+                if self._backward:
+                    graph.call_method("append", (sequence_nrs, graph.call_method("_get_sequence_nr", (autograd,))))
+        else:
+            if opens:
+                if self._cuda:
+                    allocated = graph.call_function(torch.cuda.memory_allocated)
+                if sequence_nr is None:
+                    sequence_nr = graph.call_function(sequence_nr_now) if self._backward else -1
+                start = graph.call_function(self._clock.start)
+            copies[node] = copied = _copy_node(graph, node, copies, callee)
+            if node in closes:
+                sequence_nr = graph.call_function(self._hooked_record, (row, start, sequence_nr, copied))
+                if self._cuda:
+                    graph.call_function(self._record_cuda_memory, (row, allocated))
+        if annotate and node in closes:
+            graph.call_function(exit_range, (annotation,))
+    return fx.GraphModule(traced, graph, class_name=f"{type(traced).__name__}Timed")
 
 
 class _GraphLog:
