@@ -2,13 +2,15 @@
 
     fxprof compare RUN_A RUN_B       # per-layer forward/backward deltas of B against A, beyond-noise marks
     fxprof report RUN                # cycles, trend of the slowest layers, regressions, advice
+    fxprof report RUN --html [OUT]   # ... and the same as one self-contained page (default RUN/fxprof_report.html)
     python -m fxprof_lightning ...   # the same
 
 A RUN is a cycle directory (it holds ``fx_nodes.csv``) or a directory holding cycle directories,
 up to 4 levels down (``lightning_logs/version_0``, ``.../fxprof``); see ``runs``. ``compare``
 takes every complete training cycle of A as the baseline and B's last complete training cycle
 (``--cycle N``: B's cycle N; ``--stage val``: validation cycles) and applies
-``regressions.compare``'s noise model.
+``regressions.compare``'s noise model; its totals are per step, and per sample too when A and B recorded
+different batch sizes (``CycleReport.batch_size``).
 
 Exit status: 0 done, no confirmed regression; 1 confirmed regressions found (``compare``: a node of
 B slower than in A beyond the noise in B's cycle and in B's cycle before it, or every call 3x slower;
@@ -24,7 +26,7 @@ import os
 import statistics
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from fxprof_lightning.regressions import (
@@ -52,6 +54,7 @@ EXIT_OK, EXIT_REGRESSION, EXIT_USAGE = 0, 1, 2
 WIDTH = 120
 NAME_WIDTH = 44
 TREND_LAYERS = 6
+HTML_NAME = "fxprof_report.html"  # fxprof report RUN --html: the page's default place, in RUN
 BASELINE_CYCLES = 5  # as the engine: each cycle against the last 5 sound ones before it
 
 EPILOG = """\
@@ -106,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="show the last N cycles in the tables (default 20)")
     rep.add_argument("--layers", type=int, default=TREND_LAYERS, metavar="N",
                      help=f"trend of the N slowest layers of the last cycle (default {TREND_LAYERS})")
+    rep.add_argument("--html", nargs="?", const="", metavar="OUT.html",
+                     help=f"also write the report as one self-contained HTML page (no network; default: RUN/{HTML_NAME})")
     _common(rep)
     return parser
 
@@ -137,7 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             text, status = run_compare(Path(args.a), Path(args.b), args.stage, args.cycle,
                                        None if args.all else args.top, options)
         else:
-            text, status = run_report(Path(args.run), args.stage, args.last, args.layers, options)
+            html = None if args.html is None else Path(args.html or Path(args.run) / HTML_NAME)
+            text, status = run_report(Path(args.run), args.stage, args.last, args.layers, options, html)
     except (RunError, UsageError) as error:
         print(f"fxprof: error: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -195,6 +201,8 @@ def describe(report: CycleReport) -> str:
     parts = []
     if report.steps:
         parts.append(f"steps {_steps(report)}")
+    if report.batch_size:
+        parts.append(f"{report.batch_size} samples per step")
     if report.partial:
         parts.append("partial")
     inside = f" ({', '.join(parts)})" if parts else ""
@@ -274,24 +282,50 @@ def delta_table(deltas: list[Delta], top: int | None, confirmed: set[tuple[str, 
 
 
 def totals_table(baseline: list[CycleReport], now: CycleReport) -> list[str]:
-    """Per-step totals: A's median over its cycles, B's cycle."""
-    rows = []
-    a_steps = [s for c in baseline if (s := per_step(c)) is not None]
-    b_step = per_step(now)
-    if a_steps and b_step is not None:
-        rows.append(("forward (nodes)", statistics.median(s[0] for s in a_steps), b_step[0]))
-        rows.append(("backward (nodes)", statistics.median(s[1] for s in a_steps), b_step[1]))
-    a_wall = [m for c in baseline if (m := median_step_ms(c)) is not None]
-    b_wall = median_step_ms(now)
-    if a_wall and b_wall is not None:
-        rows.append(("step (wall)", statistics.median(a_wall), b_wall))
+    """Per-step totals: A's median over its cycles, B's cycle; per sample too when A and B ran different batch sizes
+    (recorded in every cycle compared), which ratio is then the comparable one."""
+    rows = total_rows(baseline, now, lambda c: 1.0)
     if not rows:
         return ["Per step: no totals (no step numbers or module tree in A or B)."]
-    lines = [f"{'per step':<{NAME_WIDTH}}  {'':<9}  {'A ms':>10}  {'B ms':>10}  {'delta ms':>10}  {'ratio':>7}"]
-    for name, a_ms, b_ms in rows:
-        ratio = b_ms / a_ms if a_ms > 0 else float("inf")
-        lines.append(f"{name:<{NAME_WIDTH}}  {'':<9}  {_ms(a_ms):>10}  {_ms(b_ms):>10}  {b_ms - a_ms:>+10.3f}  "
-                     f"{_ratio(ratio):>7}")
+    lines = _totals_lines("per step", "ms", rows)
+    if not now.batch_size or not all(c.batch_size for c in baseline):
+        return lines  # a batch size not recorded: nothing to divide by
+    a_sizes = sorted({c.batch_size for c in baseline})
+    if a_sizes == [now.batch_size]:
+        return lines  # the same batch size: per step is per sample
+    lines += _totals_lines("per sample", "us", total_rows(baseline, now, lambda c: c.batch_size / 1000))
+    a_batch = str(a_sizes[0]) if len(a_sizes) == 1 else f"{a_sizes[0]}-{a_sizes[-1]}"
+    work = now.batch_size / statistics.median(a_sizes)
+    lines += textwrap.wrap(
+        f"A and B ran different batch sizes (A {a_batch}, B {now.batch_size} samples per step): B's steps and node "
+        f"calls do {work:.3g}x A's work, so the per-sample ratios are the comparable ones; the per-step ratios and the "
+        "ms per call of the rows above include the batch size.", WIDTH, break_on_hyphens=False)
+    return lines
+
+
+def total_rows(baseline: list[CycleReport], now: CycleReport,
+               per: Callable[[CycleReport], float]) -> list[tuple[str, float, float]]:
+    """(what, A, B) for the nodes' forward and backward and the step's wall time, each cycle's ms per step divided by
+    ``per(cycle)``; A's value is the median over its cycles."""
+    rows = []
+    a_steps = [(s[0] / per(c), s[1] / per(c)) for c in baseline if (s := per_step(c)) is not None]
+    b_step = per_step(now)
+    if a_steps and b_step is not None:
+        rows.append(("forward (nodes)", statistics.median(s[0] for s in a_steps), b_step[0] / per(now)))
+        rows.append(("backward (nodes)", statistics.median(s[1] for s in a_steps), b_step[1] / per(now)))
+    a_wall = [m / per(c) for c in baseline if (m := median_step_ms(c)) is not None]
+    b_wall = median_step_ms(now)
+    if a_wall and b_wall is not None:
+        rows.append(("step (wall)", statistics.median(a_wall), b_wall / per(now)))
+    return rows
+
+
+def _totals_lines(title: str, unit: str, rows: list[tuple[str, float, float]]) -> list[str]:
+    lines = [f"{title:<{NAME_WIDTH}}  {'':<9}  {f'A {unit}':>10}  {f'B {unit}':>10}  {f'delta {unit}':>10}  "
+             f"{'ratio':>7}"]
+    for name, a, b in rows:
+        ratio = b / a if a > 0 else float("inf")
+        lines.append(f"{name:<{NAME_WIDTH}}  {'':<9}  {_ms(a):>10}  {_ms(b):>10}  {b - a:>+10.3f}  {_ratio(ratio):>7}")
     return lines
 
 
@@ -311,8 +345,9 @@ def legend(options: dict, factor: float, baseline_cycles: int) -> list[str]:
 # ------------------------------------------------------------------ report
 
 
-def run_report(path: Path, stage: str, last: int, layers: int, options: dict) -> tuple[str, int]:
-    """The text of ``fxprof report`` and its exit status."""
+def run_report(path: Path, stage: str, last: int, layers: int, options: dict,
+               html: Path | None = None) -> tuple[str, int]:
+    """The text of ``fxprof report`` and its exit status; with ``html``, the same report as a page written there."""
     cycles, _, others = load_stage(path, stage, "RUN:")
     found = check_cycles(cycles, options)
     title = f"{len(cycles)} {_stage_name(cycles[0].stage)} cycle(s)"
@@ -346,6 +381,14 @@ def run_report(path: Path, stage: str, last: int, layers: int, options: dict) ->
         lines += ["", f"Advice stored with cycle {cycles[-1].index}:"]
         for item in advice:
             lines += textwrap.wrap(str(item), WIDTH, initial_indent="  - ", subsequent_indent="    ")
+    if html is not None:
+        from fxprof_lightning.html_report import write_page  # it builds on this module's helpers
+
+        try:
+            write_page(html, cycles, found, run=path, title=title, options=options, last=last, layers=layers)
+        except OSError as error:
+            raise UsageError(f"--html {html}: cannot write the page ({error.strerror or error})") from error
+        lines += ["", f"HTML report: {html}"]
     return "\n".join(lines), EXIT_REGRESSION if regressions else EXIT_OK
 
 

@@ -324,6 +324,8 @@ class CycleReport:
             training_step, zero_grad, backward, optimizer, callbacks, fxprof, other), adding up to the step's wall
             time from the end of the step before; Lightning only (from its profiler's actions), else empty.
         peaks: the roofline's peaks and where they come from (measured, cached, given, spec sheet), or None.
+        batch_size: samples per recorded step (the batch's leading dimension), or None where it was not recorded;
+            ``fxprof compare`` divides the totals by it when two runs' batch sizes differ.
         pictures: PNG images by tag (``fxprof/slowest_layers``...), rendered once for every sink that wants them
             and emptied when the sinks are done (the PNG files stay in ``directory``).
     """
@@ -351,6 +353,7 @@ class CycleReport:
     device: dict[str, float] | None = None
     peaks: str | None = None
     phases: dict[str, float] = field(default_factory=dict)
+    batch_size: int | None = None
 
     @property
     def forward_ms_per_step(self) -> float:
@@ -373,6 +376,7 @@ class CycleReport:
             "unconfirmed": [asdict(r) for r in self.unconfirmed], "advice": self.advice,
             "distortion": self.distortion, "tracked": self.tracked,
             "trace_files": [p.name for p in self.trace_paths], "device": self.device, "peaks": self.peaks, "phases": self.phases,
+            "batch_size": self.batch_size,
         }
 
     def to_markdown(self, top_k: int | None = None) -> str:

@@ -37,6 +37,7 @@ SUMMARY_FIELDS = {  # taken from the summary as they are, when present: name -> 
     "index": (int,), "stage": (str,), "steps": (list,), "partial": (bool,), "ranks": (int,),
     "backward_wall_ms": (int, float, type(None)), "step_ms": (list,), "step_cpu_ms": (list,), "advice": (list,),
     "distortion": (str, type(None)), "tracked": (list,), "phases": (dict,), "peaks": (str, type(None)),
+    "batch_size": (int, type(None)),
 }
 
 

@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -14,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SmallNet, image_loader
+from conftest import LitClassifier, SmallNet, image_loader, make_trainer
 from torch.nn import functional as F
 
-from fxprof_lightning import CsvSink, Profiler
-from fxprof_lightning.cli import main
+from fxprof_lightning import CsvSink, FXProfilerCallback, Profiler
+from fxprof_lightning.cli import _ms, main
 from fxprof_lightning.regressions import Regression
 from fxprof_lightning.report import ModuleStats, NodeStats, shorten
 from fxprof_lightning.runs import RunError, find_cycles, load_cycle, load_run
@@ -284,6 +285,67 @@ def test_compare_real_runs(capsys, profiled):
     assert status == (1 if "SLOWER" in marks(out) else 0)
     assert "4 training cycles (0-3)" in out and f"B: {prof.cycles[-1].directory}" in out
     assert_narrow(out)
+
+
+def lightning_run(root: Path, batch_size: int) -> Path:
+    """A real Lightning fit at ``batch_size``, three profiled cycles of 3 steps; its cycles' directory."""
+    torch.manual_seed(0)
+    callback = FXProfilerCallback(wait=0, warmup=1, active=3, repeat=3, module="model", torch_profiler=False,
+                                  pictures=False)
+    trainer = make_trainer(root, [callback], max_steps=12, logger=False)
+    trainer.fit(LitClassifier(), image_loader(samples=12 * batch_size, batch_size=batch_size))
+    assert len(callback.cycles) == 3
+    run = callback.cycles[0].directory.parent
+    for summary in run.glob(f"*/{SUMMARY}"):  # CycleReport.batch_size, where this engine does not record it yet
+        entry = json.loads(summary.read_text().splitlines()[-1])
+        entry["batch_size"] = entry.get("batch_size") or batch_size
+        assert entry["batch_size"] == batch_size
+        summary.write_text(json.dumps(entry) + "\n")
+    return run
+
+
+def totals(out: str, title: str) -> dict[str, list[str]]:
+    """The rows of the totals table headed ``title`` ("per step", "per sample"): what -> [A, B, delta, ratio]."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(title + " "))
+    rows = {}
+    for line in lines[start + 1:start + 4]:
+        name, _, numbers = line.partition(")")
+        rows[name + ")"] = numbers.split()
+    return rows
+
+
+def test_compare_runs_of_different_batch_sizes_per_sample(capsys, tmp_path):
+    """Batch 8 against batch 16: the per-step totals are ~2x and say nothing about the model; the per-sample totals
+    (each cycle's ms per step over its batch size, in us) are printed too, and named the comparable ones."""
+    small, large = lightning_run(tmp_path / "b8", 8), lightning_run(tmp_path / "b16", 16)
+    a_cycles, now = load_run(small), load_run(large)[-1]
+    capsys.readouterr()  # what the callback printed while training
+    status, out, err = run_cli(capsys, "compare", str(small), str(large))
+    assert err == "" and status == (1 if "SLOWER" in marks(out) else 0)
+    assert "training cycle 2 (steps 9-11, 16 samples per step)" in out
+    step, sample = totals(out, "per step"), totals(out, "per sample")
+    assert list(step) == list(sample) == ["forward (nodes)", "backward (nodes)", "step (wall)"]
+    expected = {"forward (nodes)": lambda c: c.forward_ms_per_step, "backward (nodes)": lambda c: c.backward_ms_per_step,
+                "step (wall)": lambda c: statistics.median(c.step_ms)}
+    for name, value in expected.items():
+        a_us = statistics.median(1000 * value(c) / 8 for c in a_cycles)
+        b_us = 1000 * value(now) / 16
+        assert sample[name][:2] == [_ms(a_us), _ms(b_us)], name
+        assert sample[name][3] == f"{b_us / a_us:.2f}x", name
+        assert step[name][:2] == [_ms(statistics.median(value(c) for c in a_cycles)), _ms(value(now))], name
+    assert "A and B ran different batch sizes (A 8, B 16 samples per step)" in out
+    assert "do 2x A's work, so the per-sample ratios are the comparable ones" in " ".join(out.split())
+    assert_narrow(out)
+
+    # the same batch size, or one not recorded: per step only
+    status, out, _ = run_cli(capsys, "compare", str(small), str(small))
+    assert "per step " in out and "per sample" not in out and "different batch sizes" not in out
+    for summary in large.glob(f"*/{SUMMARY}"):
+        entry = json.loads(summary.read_text())
+        summary.write_text(json.dumps({k: v for k, v in entry.items() if k != "batch_size"}) + "\n")
+    status, out, _ = run_cli(capsys, "compare", str(small), str(large))
+    assert "per step " in out and "per sample" not in out and "16 samples per step" not in out
 
 
 # ------------------------------------------------------------------ fxprof report
