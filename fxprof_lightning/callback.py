@@ -9,6 +9,8 @@ engine's.
 from __future__ import annotations
 
 import os
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ from fxprof_lightning.step_phases import PhaseClock
 __all__ = ["FXProfilerCallback", "LoggerSink"]
 
 # Read and set on the callback, held by its engine.
+IDLE_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward")  # empty in idle steps
 ENGINE_SETTINGS = frozenset({"schedule", "torch_profiler", "fx_timing", "profiler_kwargs", "top_k", "use_gzip", "keep_cycles",
                              "profile_validation", "module_depth", "backward_timing", "node_ranges", "ranks", "peaks",
                              "pictures", "verbose", "capture"})
@@ -108,6 +111,7 @@ class FXProfilerCallback(Callback):
         self.profiler.name = type(self).__name__
         self._pl_module: pl.LightningModule | None = None
         self._clock: PhaseClock | None = None  # times the phases of the whole step while a cycle records
+        self._idle = _Idle()  # the idle steps ahead whose hooks are skipped (``_go_idle``)
 
     def __getattr__(self, name: str) -> Any:
         """The settings (``schedule``, ``top_k``, ``torch_profiler``...) are the engine's."""
@@ -136,6 +140,8 @@ class FXProfilerCallback(Callback):
         if stage not in ("fit", "validate"):
             return
         self._pl_module = pl_module
+        self._wake()
+        self._idle.done = 0
         self.profiler.target = None  # resolved when the loop starts: setup/configure_model may build it
         self.profiler.reset(train=stage == "fit")  # a new fit counts from 0 unless a checkpoint says otherwise
         out_dir = self.dirpath if self.dirpath is not None else Path(trainer.log_dir or trainer.default_root_dir) / "fxprof"
@@ -178,6 +184,8 @@ class FXProfilerCallback(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self.profiler.begin_step("train")
+        if self.profiler.recording("train"):
+            self.profiler.add_batch_size(_batch_size(batch))
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -190,6 +198,40 @@ class FXProfilerCallback(Callback):
                                      inside=f"[Callback]{self.state_key}.on_train_batch_end")
         elif not self.profiler.recording("train"):
             self._close_clock()
+            self._go_idle()
+
+    # Idle steps: between cycles the schedule needs nothing but the count of steps. Lightning calls a callback's hooks
+    # through the instance, so for those steps the per-step hooks are replaced on the instance by ``pl.Callback``'s
+    # empty ones and ``on_train_batch_end`` only counts; the first traced step gets the class's hooks back.
+
+    def _go_idle(self) -> None:
+        ahead = self.profiler.idle_steps_ahead("train")
+        if ahead < 2:
+            return
+        self._idle.left, self._idle.done = ahead, 0
+        for name in IDLE_HOOKS:
+            super().__setattr__(name, getattr(pl.Callback, name).__get__(self))
+        super().__setattr__("on_train_batch_end", self._count_idle_step)
+
+    def _count_idle_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        idle = self._idle  # (a plain object: setting its counter skips the callback's own __setattr__)
+        idle.done += 1
+        if idle.done >= idle.left:  # the next step is traced
+            self._wake()
+
+    def _catch_up(self) -> None:
+        """Give the engine the idle steps that ended so far (it counts them as if their hooks had run)."""
+        idle = self._idle
+        if idle.done:
+            self.profiler.skip_idle_steps(idle.done, "train")
+            idle.left, idle.done = idle.left - idle.done, 0
+
+    def _wake(self) -> None:
+        """The class's hooks again, with the engine's step count up to date."""
+        self._catch_up()
+        self._idle.left = 0
+        for name in (*IDLE_HOOKS, "on_train_batch_end"):
+            self.__dict__.pop(name, None)
 
     def _close_clock(self) -> None:
         if self._clock is not None:
@@ -226,6 +268,7 @@ class FXProfilerCallback(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._wake()
         self._close_clock()
         self.profiler.end_stage("train")  # training stopped inside a cycle (max_steps, early stopping)
 
@@ -235,20 +278,25 @@ class FXProfilerCallback(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._wake()
         self._close_clock()
         self.profiler.abort()  # Lightning calls no teardown after an exception
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._wake()
         self._close_clock()
         self.profiler.stop_observing()  # a mode whose first call never came
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        self._catch_up()  # a checkpoint saved between cycles holds the step count of now
         return self.profiler.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._wake()
+        self._idle.done = 0
         self.profiler.load_state_dict(state_dict)
 
 
@@ -280,3 +328,21 @@ class LoggerSink:
                 log_trend_to_summary_writer(logger.experiment, profiler)
             elif trend is not None and trend.is_file():
                 log_trend(logger, trend, profiler.cycles[-1], profiler)
+
+
+@dataclass
+class _Idle:
+    left: int = 0  # idle steps ahead when the hooks were skipped
+    done: int = 0  # of those, the steps that ended, not yet counted by the engine
+
+
+def _batch_size(batch: Any) -> int | None:
+    """Samples in a batch, as Lightning counts them for its logs (None when it cannot tell)."""
+    from lightning.pytorch.utilities.data import extract_batch_size
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return extract_batch_size(batch)
+    except Exception:
+        return None

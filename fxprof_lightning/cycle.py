@@ -8,6 +8,7 @@ is given: the steps it recorded, their wall and CPU times and phases, and where 
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -54,6 +55,7 @@ class Cycle:
     step_cpu_ms: list[float] = field(default_factory=list)
     device: dict[str, float] | None = None  # where the trace's GPU time went (gpu_trace.summary)
     phases: list[dict[str, int]] = field(default_factory=list)  # ns per phase of each recorded step (step_phases)
+    batch_sizes: list[int] = field(default_factory=list)  # samples in each recorded step, where the driver said
 
     def choose_backward(self, warn: Callable[[str], None]) -> None:
         """Where backward times come from: the trace when there is one; else profiler events of the backward
@@ -153,7 +155,8 @@ class Cycle:
                              stage=stage, nodes=nodes, capture=self.described_capture(),
                              trace_paths=list(self.trace.paths) if self.trace is not None else [],
                              step_ms=self.step_ms, step_cpu_ms=self.step_cpu_ms, device=self.device,
-                             phases=_mean_phases(self.phases))
+                             phases=_mean_phases(self.phases),
+                             batch_size=int(statistics.median(self.batch_sizes)) if self.batch_sizes else None)
         report.ranges = summarize_ranges(ranges, len(self.recorded))
         if self.backward_wall_ns:
             report.backward_wall_ms = sum(self.backward_wall_ns) / len(self.backward_wall_ns) / 1e6

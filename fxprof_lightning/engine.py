@@ -45,6 +45,7 @@ __all__ = ["DEFAULT_DIRPATH", "Engine", "Profiler", "cycle_name"]
 RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 DEFAULT_DIRPATH = "fxprof"  # relative to the working directory, as torch.utils.tensorboard's "runs"
 STAGES = {"train": "cycle_", "val": "val_cycle_"}  # stage -> directory prefix
+IDLE_FOREVER = 2**62  # ``idle_steps_ahead`` when no step will be traced again
 
 
 @dataclass
@@ -219,6 +220,27 @@ class Engine:
         """Whether the step in progress of ``stage`` (between ``end_step`` calls: the next one) is a recorded step."""
         state = self._stage(stage)
         return state is not None and self._enabled and self.schedule.action(state.step) in RECORDING
+
+    def idle_steps_ahead(self, stage: str = "train") -> int:
+        """How many steps from the next one need nothing of the profiler (a driver may skip their begin_step/end_step
+        calls and count them with ``skip_idle_steps``); 0 while a cycle is open or a step is in progress."""
+        state = self._stage(stage)
+        if state is None or state.open is not None or state.in_step:
+            return 0
+        traced = self.schedule.next_traced_step(state.step) if self._enabled else None
+        return IDLE_FOREVER if traced is None else traced - state.step
+
+    def skip_idle_steps(self, count: int, stage: str = "train") -> None:
+        """Count ``count`` steps that ended without ``begin_step``/``end_step`` (at most ``idle_steps_ahead``)."""
+        state = self._stage(stage)
+        if state is not None:
+            state.step += count
+
+    def add_batch_size(self, samples: int | None, stage: str = "train") -> None:
+        """The samples in the recorded step in progress (``CycleReport.batch_size``: their median); before ``end_step``."""
+        state = self._stage(stage)
+        if samples is not None and state is not None and state.open is not None and self.recording(stage):
+            state.open.batch_sizes.append(int(samples))
 
     def add_step_phases(self, phases_ns: dict[str, int], stage: str = "train") -> None:
         """Where the recorded step in progress went, ns per phase (``step_phases.PhaseClock.lap``); before ``end_step``."""
@@ -517,12 +539,16 @@ class Profiler(Engine):
         self._running = True
         self.begin_step("train")
 
-    def step(self) -> None:
-        """End the current step and begin the next (inside ``validation()``: a validation step)."""
+    def step(self, batch_size: int | None = None) -> None:
+        """End the current step and begin the next (inside ``validation()``: a validation step).
+
+        ``batch_size``: the samples in the step that ends, for per-sample totals (``CycleReport.batch_size``,
+        ``fxprof compare``)."""
         if not self._running:
             raise RuntimeError(f"{self.name}.step() was called before start(): use `with {self.name}(...) as prof:` "
                                "or call prof.start() first")
         stage = self._current.name
+        self.add_batch_size(batch_size, stage)
         self.end_step(stage)
         self.begin_step(stage)
 

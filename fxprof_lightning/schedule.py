@@ -76,6 +76,15 @@ class Schedule:
         """The first warm-up (or, with ``warmup=0``, recorded) step of ``cycle``."""
         return self.skip_first + cycle * self.cycle_length + self.wait
 
+    def next_traced_step(self, step: int) -> int | None:
+        """The first step from ``step`` on whose action is not NONE (None: every later step is idle)."""
+        cycle = max(step - self.skip_first, 0) // self.cycle_length
+        if step >= self.first_traced_step(cycle) + self.warmup + self.active:  # past this cycle's traced steps
+            cycle += 1
+        if self.repeat and cycle >= self.repeat:
+            return None
+        return max(step, self.first_traced_step(cycle))
+
     def traced_steps(self, cycle: int) -> list[int]:
         """Warm-up and recorded steps of ``cycle``, in order."""
         first = self.first_traced_step(cycle)

@@ -265,3 +265,35 @@ def test_the_module_built_in_setup_or_configure_model_is_the_one_timed(tmp_path)
     callback = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=1, repeat=1, module="model")
     make_trainer(tmp_path, [callback], max_steps=3).fit(BuiltInConfigureModel(), image_loader())
     assert {n.name for n in callback.cycles[0].nodes} == SMALLNET_NODES
+
+
+class HookSpy(pl.Callback):
+    """Counts, per step, which of the profiler callback's hooks were its class's own (not the idle stand-ins)."""
+
+    def __init__(self, profiler: FXProfilerCallback) -> None:
+        self.profiler, self.own = profiler, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.own.append("on_train_batch_start" not in vars(self.profiler))
+
+
+def test_idle_steps_skip_the_hooks_and_count_every_step(tmp_path):
+    """Between cycles the per-step hooks are pl.Callback's empty ones (on_train_batch_end only counts); the cycles,
+    their steps, the batch size and a checkpoint's step count are those of a run whose hooks all ran."""
+    callback = FXProfilerCallback(skip_first=2, wait=4, warmup=1, active=2, repeat=3, pictures=False, module="model")
+    spy = HookSpy(callback)
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=9, save_top_k=-1)
+    trainer = pl.Trainer(default_root_dir=tmp_path, logger=False, callbacks=[spy, callback, checkpoint], max_steps=30,
+                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
+    trainer.fit(LitClassifier(), image_loader(samples=4 * 30, batch_size=4))
+    assert [c.steps for c in callback.cycles] == [[7, 8], [14, 15], [21, 22]]
+    assert all(c.batch_size == 4 and c.nodes for c in callback.cycles)
+    traced = {6, 7, 8, 13, 14, 15, 20, 21, 22}
+    # Idle (stand-ins) in the steps after a cycle's last step but the one before the next traced step's start.
+    own = [step for step, is_own in enumerate(spy.own) if is_own]
+    assert traced <= set(own) and len(own) < 30 - 10, own
+    assert callback.profiler.step_num == 30 and "on_train_batch_end" not in vars(callback)  # woken at the end
+    for path in sorted((tmp_path / "ckpt").glob("*.ckpt")):
+        saved = torch.load(path, weights_only=False)["callbacks"]
+        (state,) = [v for k, v in saved.items() if k.startswith("FXProfilerCallback")]
+        assert state["step"] == int(path.stem.split("step=")[1]), path.name  # the steps that ended when it was saved

@@ -59,3 +59,14 @@ def test_documented_example():
 def test_bad_schedule_numbers_are_refused_at_construction(kwargs, name):
     with pytest.raises(ValueError, match=rf"^{name} must"):
         FXProfilerCallback(**kwargs)
+
+
+@pytest.mark.parametrize("settings", [dict(skip_first=0, wait=0, warmup=0, active=1, repeat=0),
+                                      dict(skip_first=3, wait=2, warmup=1, active=2, repeat=2),
+                                      dict(skip_first=0, wait=5, warmup=0, active=3, repeat=1),
+                                      dict(skip_first=7, wait=0, warmup=2, active=1, repeat=0)])
+def test_next_traced_step_is_the_first_step_with_an_action(settings):
+    schedule = Schedule(**settings)
+    for step in range(60):
+        expected = next((s for s in range(step, 200) if schedule.action(s) is not ProfilerAction.NONE), None)
+        assert schedule.next_traced_step(step) == expected, step
