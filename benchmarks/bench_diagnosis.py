@@ -150,7 +150,7 @@ CASES = [
     Case("memory-bound op, small batch", lambda: (Lit(nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 10))),
                                                   loader(4096, 2, samples=128)), "0", ("memory", "larger batch")),
     Case("dense embedding gradient", lambda: (Lit(EmbeddingBag()), loader(0, 8, integer=True)), "emb",
-         ("sparse", "gradients nobody needs")),
+         ("sparse=True",)),
     Case("host sync (.item()) in forward", lambda: (Lit(mlp(Synced(256))), loader(64, 8)), "2", ("sync", "item")),
     Case("DataLoader-bound step", lambda: (Lit(mlp()), loader(64, 16, slow_s=0.002)), "batch", ("DataLoader", "num_workers")),
     Case("optimizer-bound step (Adam, 8M parameters)", lambda: (Lit(mlp(nn.Linear(2048, 2048), nn.Linear(2048, 2048),

@@ -21,6 +21,7 @@ MEMORY_SHARE = 20.0  # % of node time in one memory-bound matmul/conv: worth say
 LOW_PEAK = 30.0  # % of the roofline's attainable rate below which a large matmul or conv is "low"
 BACKWARD_RATIO = 3.0  # backward this many times its forward is suspicious (2x is normal for matmuls)
 ELEMENTWISE_SHARE = 15.0  # % of the step's node time in one module's elementwise nodes
+LOOKUP_READS = 100  # a node reading this many times the bytes it writes, with no FLOPs, is a table lookup
 SLOW_RANK_SHARE = 2 / 3  # the same rank slowest in this share of the cycles
 STEP_SHARE = 25.0  # % of the whole step in data, optimizer or other callbacks worth saying first
 MODEL_SHARE = 40.0  # % of the whole step in training_step + backward below which node-level advice is left out
@@ -97,12 +98,26 @@ def heavy_backward(nodes: list[NodeStats]) -> list[Advice]:
     for n in nodes:
         if n.bwd_calls == 0 or n.mean_ms <= 0 or n.bwd_mean_ms < BACKWARD_RATIO * n.mean_ms or _share(n, grand) < MIN_SHARE:
             continue
+        evidence = (f"`{n.name}` ({n.target}) takes {n.bwd_mean_ms / n.mean_ms:.1f}x as long in backward as in forward "
+                    f"({n.bwd_mean_ms:.3f} vs {n.mean_ms:.3f} ms per call, {_share(n, grand):.0f}% of node time; about 2x is "
+                    "usual for a matmul or conv)")
+        if _table_lookup(n):
+            found.append(Advice(_share(n, grand), (
+                f"{evidence}. Its inputs hold {n.fwd_bytes / 1e6:.1f} MB, it writes {n.out_bytes / 1e3:.1f} kB and computes "
+                "nothing: a lookup into a large table (an embedding), whose dense gradient is the whole table, "
+                "written and then updated by the optimizer every step though a batch touches few rows. "
+                "nn.Embedding(..., sparse=True) with SGD or torch.optim.SparseAdam (or EmbeddingBag) handles only the "
+                "rows used; gradients nobody needs (a frozen table) can be turned off with requires_grad_(False).")))
+            continue
         found.append(Advice(_share(n, grand), (
-            f"`{n.name}` ({n.target}) takes {n.bwd_mean_ms / n.mean_ms:.1f}x as long in backward as in forward "
-            f"({n.bwd_mean_ms:.3f} vs {n.mean_ms:.3f} ms per call, {_share(n, grand):.0f}% of node time; about 2x is "
-            "usual for a matmul or conv): look for gradients nobody needs (frozen weights, inputs with requires_grad) "
+            f"{evidence}: look for gradients nobody needs (frozen weights, inputs with requires_grad) "
             "or an op whose backward is slow on this device; the node's backward ops in the trace show which.")))
     return found
+
+
+def _table_lookup(n: NodeStats) -> bool:
+    """A node that computes nothing and reads far more than it writes: a gather from a table (an embedding)."""
+    return n.fwd_flops == 0 and bool(n.fwd_bytes) and bool(n.out_bytes) and n.fwd_bytes >= LOOKUP_READS * n.out_bytes
 
 
 def elementwise_share(nodes: list[NodeStats]) -> list[Advice]:

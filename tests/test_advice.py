@@ -127,3 +127,13 @@ def test_a_memory_bound_matmul_is_told_to_take_a_larger_batch_before_its_heavy_b
     advice = advise([fc])
     assert advice[0] == found.text and "backward" in advice[1]
     assert memory_bound([node("fc", 4.2, 8.0, fwd_flops=10**9, intensity=1.0, bound="memory", pct_of_peak=5.0)]) == []
+
+
+def test_a_dense_embedding_gradient_is_told_to_go_sparse():
+    """A FLOP-less node whose inputs hold 100x what it writes (a table lookup) with a heavy backward: sparse=True.
+    The same ratio on a node that computes is not a lookup."""
+    table = node("emb", 0.04, 12.0, fwd_flops=0, fwd_bytes=12_800_000, out_bytes=2048)
+    matmul = node("proj", 0.04, 12.0, fwd_flops=10_000, fwd_bytes=12_800_000, out_bytes=2048)
+    (lookup,), (other,) = heavy_backward([table]), heavy_backward([matmul])
+    assert lookup.text.startswith("`emb`") and "sparse=True" in lookup.text and "12.8 MB" in lookup.text
+    assert "sparse" not in other.text and "gradients nobody needs" in other.text
