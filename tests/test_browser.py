@@ -52,7 +52,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import LitClassifier, image_loader, make_trainer
+from helpers import LitClassifier, image_loader, make_trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from fxprof_lightning import CycleReport, FXProfilerCallback

@@ -10,7 +10,7 @@ import re
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import LitClassifier, SmallNet, image_loader, make_trainer, read_events
+from helpers import LitClassifier, SmallNet, image_loader, make_trainer, read_events
 from tensorboard.util import tensor_util
 from torch import nn
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.checkpoint
-from conftest import LitClassifier
+from helpers import LitClassifier
 from test_layers import train_both as train_both_with
 from torch import nn
 from torch.nn import functional as F

@@ -11,7 +11,7 @@ import sys
 import lightning.pytorch as pl
 import pytest
 import yaml
-from conftest import LitClassifier, image_loader, read_events
+from helpers import LitClassifier, image_loader, read_events
 from tensorboard.util import tensor_util
 
 from fxprof_lightning import FXProfilerCallback, Schedule

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LitClassifier, SmallNet, image_loader, make_trainer
+from helpers import LitClassifier, SmallNet, image_loader, make_trainer
 from torch.nn import functional as F
 
 from fxprof_lightning import CsvSink, FXProfilerCallback, Profiler

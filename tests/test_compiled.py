@@ -10,7 +10,7 @@ import csv
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import LitClassifier, image_loader, make_trainer, read_events
+from helpers import LitClassifier, image_loader, make_trainer, read_events
 from tensorboard.util import tensor_util
 from torch import nn
 from torch.nn import functional as F

@@ -18,7 +18,7 @@ import time
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import LitClassifier, make_trainer, read_events
+from helpers import LitClassifier, make_trainer, read_events
 from torch import nn
 from torch.utils.data import DataLoader
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import LitClassifier, SmallNet, image_loader, read_events
+from helpers import LitClassifier, SmallNet, image_loader, read_events
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

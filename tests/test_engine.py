@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import SmallNet, image_loader, read_events
+from helpers import SmallNet, image_loader, read_events
 from torch.nn import functional as F
 from torch.utils.tensorboard import SummaryWriter
 

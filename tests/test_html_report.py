@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import LitClassifier, image_loader, make_trainer
+from helpers import LitClassifier, image_loader, make_trainer
 from test_compare_cli import copy_cycle, edit_nodes, slowest
 from torch import nn
 

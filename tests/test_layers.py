@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torchvision
-from conftest import LitClassifier, SmallNet, image_loader, make_trainer, read_events
+from helpers import LitClassifier, SmallNet, image_loader, make_trainer, read_events
 from tensorboard.util import tensor_util
 from torch import nn
 from torch.nn import functional as F

@@ -15,7 +15,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from conftest import LitClassifier, image_loader, make_trainer
+from helpers import LitClassifier, image_loader, make_trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch.nn import functional as F
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from conftest import make_trainer
+from helpers import make_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from conftest import LitClassifier, image_loader, make_trainer, read_events
+from helpers import LitClassifier, image_loader, make_trainer, read_events
 from torch.nn import functional as F
 
 from fxprof_lightning import FXProfilerCallback

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 import torchvision
-from conftest import SmallNet
+from helpers import SmallNet
 
 from fxprof_lightning.capture import capture
 from fxprof_lightning.module_hooks import ModuleHookTimer

@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent(
     f"""
     import os, sys
     sys.path.insert(0, {str(TESTS)!r})
-    from conftest import LitClassifier, image_loader, make_trainer
+    from helpers import LitClassifier, image_loader, make_trainer
     from fxprof_lightning import FXProfilerCallback
 
     class Noisy(LitClassifier):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LitClassifier, image_loader, make_trainer
+from helpers import LitClassifier, image_loader, make_trainer
 
 from fxprof_lightning import FXProfilerCallback
 
@@ -143,7 +143,7 @@ FULL_DISK_SCRIPT = textwrap.dedent(
     """
     import json, re, resource, signal, sys, warnings
     sys.path.insert(0, sys.argv[2])
-    from conftest import LitClassifier, image_loader, make_trainer
+    from helpers import LitClassifier, image_loader, make_trainer
     from fxprof_lightning import FXProfilerCallback
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead

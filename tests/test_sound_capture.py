@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.utils.checkpoint
-from conftest import image_loader, make_trainer
+from helpers import image_loader, make_trainer
 from lightning.pytorch.callbacks import BackboneFinetuning, Callback
 from torch import nn
 from torch.nn import functional as F

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LitClassifier, image_loader, make_trainer
+from helpers import LitClassifier, image_loader, make_trainer
 
 from fxprof_lightning import CycleReport, FXProfilerCallback
 

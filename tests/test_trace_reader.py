@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import LitClassifier, image_loader, make_trainer
+from helpers import LitClassifier, image_loader, make_trainer
 
 from fxprof_lightning import CycleReport, FXProfilerCallback
 

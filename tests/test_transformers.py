@@ -15,7 +15,7 @@ import peft
 import pytest
 import torch
 import transformers
-from conftest import make_trainer, read_events
+from helpers import make_trainer, read_events
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
