@@ -227,7 +227,8 @@ class Engine:
         state = self._stage(stage)
         if state is None or state.open is not None or state.in_step:
             return 0
-        traced = self.schedule.next_traced_step(state.step) if self._enabled else None
+        # By the schedule alone, also when profiling failed: a cycle's last step still takes part in the gather.
+        traced = self.schedule.next_traced_step(state.step)
         return IDLE_FOREVER if traced is None else traced - state.step
 
     def skip_idle_steps(self, count: int, stage: str = "train") -> None:

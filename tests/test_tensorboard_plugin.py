@@ -50,7 +50,7 @@ from fxprof_lightning import CycleReport, FXProfilerCallback
 
 PLUGIN = "/data/plugin/pytorch_profiler"
 LOAD_DEADLINE_S = 120
-# The timed FX nodes of conftest.SmallNet: modules, a functional call and a tensor method.
+# The timed FX nodes of helpers.SmallNet: modules, a functional call and a tensor method.
 SMALLNET_NODES = {"conv", "bn", "relu", "mean", "drop", "head"}
 SCHEDULE = {"skip_first": 1, "wait": 1, "warmup": 1, "active": 2}
 MEMORY_KWARGS = {"profile_memory": True, "with_stack": True, "record_shapes": True}

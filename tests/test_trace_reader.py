@@ -36,7 +36,7 @@ from fxprof_lightning import CycleReport, FXProfilerCallback
 
 hta_trace_analysis = pytest.importorskip("hta.trace_analysis", reason="HolisticTraceAnalysis is not installed")
 
-# Timed FX nodes of conftest.SmallNet.
+# Timed FX nodes of helpers.SmallNet.
 SMALLNET_NODES = {"conv", "bn", "relu", "mean", "drop", "head"}
 # Trace Event Format phases (Chrome's "Trace Event Format" document), the ones Perfetto's JSON importer knows.
 PHASES = set("BEXiIbneSTpFsftPNODCMRcV") | {"(", ")"}
