@@ -166,9 +166,9 @@ def slow_rank(history: list[list[NodeStats]], ranks: int) -> list[Advice]:
         "collective. Check its data loading, its GPU (clocks, other processes) and uneven inputs (sequence lengths)."))]
 
 
-def whole_step(phases: dict[str, float]) -> list[Advice]:
+def whole_step(phases: dict[str, float], nodes: list[NodeStats] = ()) -> list[Advice]:
     """A part of the step outside the model (waiting for data, the optimizer, other callbacks) that takes a large
-    share of it (``CycleReport.phases``)."""
+    share of it (``CycleReport.phases``). An optimizer step made large by a dense embedding gradient names the table."""
     total = sum(phases.values())
     if total <= 0:
         return []
@@ -178,7 +178,7 @@ def whole_step(phases: dict[str, float]) -> list[Advice]:
                 "layers are not what the step waits for",
         "optimizer": "spends {share} of its time in the optimizer step ({ms}): a fused or foreach implementation "
                      "(e.g. torch.optim.AdamW(fused=True) on CUDA, foreach=True), fewer parameter groups, or a "
-                     "lighter optimizer",
+                     "lighter optimizer" + _dense_tables(nodes),
         "callbacks": "spends {share} of its time in other callbacks' hooks ({ms}): see which with Lightning's "
                      "SimpleProfiler, and run them less often",
     }
@@ -189,6 +189,17 @@ def whole_step(phases: dict[str, float]) -> list[Advice]:
             found.append(Advice(share + 100.0, "The step " + text.format(share=f"{share:.0f}%",
                                                                          ms=f"{phases[phase]:.1f} of {total:.1f} ms") + "."))
     return found
+
+
+def _dense_tables(nodes: list[NodeStats]) -> str:
+    """What the optimizer step has to update because of table lookups with a heavy (dense) backward, or ''."""
+    tables = [n for n in nodes if _table_lookup(n) and n.bwd_calls and n.bwd_mean_ms >= BACKWARD_RATIO * n.mean_ms]
+    if not tables:
+        return ""
+    names = ", ".join(f"`{n.name}`" for n in tables)
+    return (f". Part of it is {names}: a lookup into a large table (an embedding) whose dense gradient is the whole "
+            "table, which the optimizer then updates every step though a batch touches few rows; "
+            "nn.Embedding(..., sparse=True) with SGD or torch.optim.SparseAdam updates only the rows used")
 
 
 def model_share(phases: dict[str, float]) -> float | None:
@@ -214,7 +225,7 @@ def advise(nodes: list[NodeStats], history: list[list[NodeStats]] = (), regressi
     (``CycleReport.phases``): read first; a large share outside the model comes first, and advice about
     the model's nodes is given only when the model is what the step waits for (``MODEL_SHARE`` of it).
     """
-    step = whole_step(phases or {})
+    step = whole_step(phases or {}, nodes)
     share = model_share(phases or {})
     node_level = share is None or share >= MODEL_SHARE
     rules = (step, regressed(list(regressions)), *((low_peak(nodes), memory_bound(nodes), overhead_bound(nodes),

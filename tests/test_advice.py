@@ -137,3 +137,12 @@ def test_a_dense_embedding_gradient_is_told_to_go_sparse():
     (lookup,), (other,) = heavy_backward([table]), heavy_backward([matmul])
     assert lookup.text.startswith("`emb`") and "sparse=True" in lookup.text and "12.8 MB" in lookup.text
     assert "sparse" not in other.text and "gradients nobody needs" in other.text
+
+
+def test_an_optimizer_step_made_large_by_a_dense_embedding_names_the_table():
+    table = node("emb", 0.04, 12.0, fwd_flops=0, fwd_bytes=12_800_000, out_bytes=2048)
+    phases = {"training_step": 1.0, "backward": 12.0, "optimizer": 8.0}
+    (first,) = whole_step(phases, [table])
+    assert "optimizer step" in first.text and "`emb`" in first.text and "sparse=True" in first.text
+    (plain,) = whole_step(phases, [node("fc", 1.0, 2.0)])
+    assert "sparse" not in plain.text
