@@ -161,8 +161,15 @@ def slow_rank(history: list[list[NodeStats]], ranks: int) -> list[Advice]:
     rank, count = Counter(slowest).most_common(1)[0] if slowest else (0, 0)
     if count < SLOW_RANK_SHARE * len(history):
         return []
+    latest = history[-1]
+    behind = sorted(((n.slowest_rank_ms - n.mean_ms) * n.calls, n) for n in latest if n.slowest_rank == rank)
+    where = ""
+    if behind and behind[-1][0] > 0:
+        n = behind[-1][1]
+        where = (f", most in `{n.name}` ({n.slowest_rank_ms:.3f} ms per call on rank {rank} against {n.mean_ms:.3f} "
+                 "averaged over the ranks)")
     return [Advice(50.0, (
-        f"Rank {rank} was the slowest in {count} of {len(history)} cycles: the others wait for it at every "
+        f"Rank {rank} was the slowest in {count} of {len(history)} cycles{where}: the others wait for it at every "
         "collective. Check its data loading, its GPU (clocks, other processes) and uneven inputs (sequence lengths)."))]
 
 

@@ -205,8 +205,9 @@ class FXProfilerCallback(Callback):
     # empty ones and ``on_train_batch_end`` only counts; the first traced step gets the class's hooks back.
 
     def _go_idle(self) -> None:
-        ahead = self.profiler.idle_steps_ahead("train")
-        if ahead < 2:
+        # The last idle step runs the class's hooks: its on_train_batch_end starts the clock of the recorded step.
+        ahead = self.profiler.idle_steps_ahead("train") - 1
+        if ahead < 1:
             return
         self._idle.left, self._idle.done = ahead, 0
         for name in IDLE_HOOKS:
@@ -216,7 +217,7 @@ class FXProfilerCallback(Callback):
     def _count_idle_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         idle = self._idle  # (a plain object: setting its counter skips the callback's own __setattr__)
         idle.done += 1
-        if idle.done >= idle.left:  # the next step is traced
+        if idle.done >= idle.left:  # the next step runs the class's hooks (the one after it is traced)
             self._wake()
 
     def _catch_up(self) -> None:

@@ -58,26 +58,31 @@ class Cycle:
     batch_sizes: list[int] = field(default_factory=list)  # samples in each recorded step, where the driver said
 
     def choose_backward(self, warn: Callable[[str], None]) -> None:
-        """Where backward times come from: the trace when there is one; else profiler events of the backward
-        scope alone, unless another profiler is running (then hooks); timers that do not use events (CUDA
+        """Where backward times come from, decided at each recorded training step for its timer: the trace when
+        there is one; else profiler events of the backward scope alone (a session started at the cycle's first
+        recorded step), unless another profiler is running (then hooks); timers that do not use events (CUDA
         without a profiler, compiled modules) have their own way."""
         if self.trace is not None:
             self.backward = TRACE
         elif self.timer is None or not self.timer.uses_backward_events:
             self.backward = TIMER
-        elif self.backward_events is None:
-            self.backward_events = BackwardEvents()
-            self.backward = EVENTS if self.backward_events.start() else HOOKS
-            if self.backward == HOOKS:
-                warn(f"another profiler is running, so this cycle's backward times {self.timer.without_events}")
+        else:
+            if self.backward_events is None:
+                self.backward_events = BackwardEvents()
+                if not self.backward_events.start():
+                    warn(f"another profiler is running, so this cycle's backward times {self.timer.without_events}")
+            self.backward = EVENTS if self.backward_events.running else HOOKS
 
     @property
     def ran_in_step(self) -> bool:
         """Whether the module ran in the step in progress (its samples are in the timer)."""
         return self.timer is not None and self.timer.calls > self.samples_at_step
 
-    def begin_step(self, module: nn.Module, recording: bool, times_backward: bool) -> None:
-        """Install the timer for a traced step (a recorded step's first resets what warm-up measured)."""
+    def begin_step(self, module: nn.Module, recording: bool, times_backward: bool, warn: Callable[[str], None]) -> None:
+        """Install the timer for a traced step (a recorded step's first resets what warm-up measured);
+        ``times_backward``: a recorded training step, whose backward is timed (``choose_backward``)."""
+        if times_backward:
+            self.choose_backward(warn)
         if self.timer is not None:
             if recording and not self.recorded:
                 self.timer.reset()
@@ -156,7 +161,7 @@ class Cycle:
                              trace_paths=list(self.trace.paths) if self.trace is not None else [],
                              step_ms=self.step_ms, step_cpu_ms=self.step_cpu_ms, device=self.device,
                              phases=_mean_phases(self.phases),
-                             batch_size=int(statistics.median(self.batch_sizes)) if self.batch_sizes else None)
+                             batch_size=round(statistics.mean(self.batch_sizes)) if self.batch_sizes else None)
         report.ranges = summarize_ranges(ranges, len(self.recorded))
         if self.backward_wall_ns:
             report.backward_wall_ms = sum(self.backward_wall_ns) / len(self.backward_wall_ns) / 1e6

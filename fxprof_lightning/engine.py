@@ -347,9 +347,8 @@ class Engine:
         cycle = stage.open
         if cycle.timer is not None and not cycle.timer.usable and not cycle.recorded:  # nothing recorded is lost: switch
             cycle.timer, cycle.capture = self.timers.for_module(self.target)
-            cycle.choose_backward(self.warn)
         recording = action in RECORDING
-        cycle.begin_step(self.target, recording, times_backward=stage is self._train and recording)
+        cycle.begin_step(self.target, recording, stage is self._train and recording, self.warn)
 
     def _stop_collecting(self, stage: _Stage, step: int, action: ProfilerAction) -> None:
         stage.open.end_step(self.target, step, action in RECORDING)
@@ -371,8 +370,6 @@ class Engine:
                       f"{how.describe()} in this cycle, which starts at its first call; later cycles are traced on "
                       "that call")
         cycle = Cycle(index, directory, trace, timer, how, self.target.training)
-        if stage is self._train:
-            cycle.choose_backward(self.warn)
         if trace is not None:
             trace.node_ranges = cycle.node_ranges
         return cycle

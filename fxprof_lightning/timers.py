@@ -104,6 +104,7 @@ class Timers:
         self.warn = warn
         self.capture, self.backward, self.ranges = "dynamo", True, False
         self.compiled: CompiledKernels | None = None  # a compiled module: the Inductor settings its kernels need
+        self._kernels: CompiledKernels | None = None  # kept for the process: graphs compiled in earlier runs
         self._timers: dict[bool, tuple[Timer, Capture]] = {}
         self._examples: dict[bool, Example] = {}  # a recorded call per mode, until a capture uses it
         self._observers: dict[bool, RemovableHandle] = {}  # recording the first call of a mode
@@ -124,10 +125,9 @@ class Timers:
         self.capture, self.backward, self.ranges = capture, backward, ranges
         self._timers, self._examples = {}, {}
         if compiled:
-            self.compiled = self.compiled or CompiledKernels()
-            self.compiled.start()
-        else:
-            self.compiled = None
+            self._kernels = self._kernels or CompiledKernels()
+            self._kernels.start()
+        self.compiled = self._kernels if compiled else None
 
     def stop(self) -> None:
         """Remove the hooks waiting for a mode's first call and put Inductor's settings back."""

@@ -297,3 +297,33 @@ def test_idle_steps_skip_the_hooks_and_count_every_step(tmp_path):
         saved = torch.load(path, weights_only=False)["callbacks"]
         (state,) = [v for k, v in saved.items() if k.startswith("FXProfilerCallback")]
         assert state["step"] == int(path.stem.split("step=")[1]), path.name  # the steps that ended when it was saved
+
+
+def test_a_cycle_without_warm_up_after_idle_steps_has_its_phases(tmp_path):
+    """The step before a recorded step runs the callback's own on_train_batch_end, which starts the phase clock."""
+    callback = FXProfilerCallback(wait=5, warmup=0, active=1, repeat=2, pictures=False, module="model")
+    make_trainer(tmp_path, [callback], max_steps=14, logger=False).fit(LitClassifier(), image_loader(samples=4 * 14))
+    assert [c.steps for c in callback.cycles] == [[5], [11]]
+    assert all({"backward", "data"} <= set(c.phases) for c in callback.cycles), [c.phases for c in callback.cycles]
+
+
+class StartsAProfiler(pl.Callback):
+    """The user's own torch.profiler, started in the cycle's warm-up step and left running."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 1:
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.profiler.start()
+
+    def on_train_end(self, trainer, pl_module):
+        self.profiler.stop()
+
+
+def test_a_profiler_started_in_warm_up_leaves_backward_timed_by_hooks(tmp_path):
+    callback = FXProfilerCallback(wait=1, warmup=1, active=2, repeat=1, torch_profiler=False, pictures=False,
+                                  module="model")
+    with pytest.warns(UserWarning, match="another profiler is running"):
+        make_trainer(tmp_path, [StartsAProfiler(), callback], max_steps=4, logger=False).fit(
+            LitClassifier(), image_loader(samples=16))
+    (cycle,) = callback.cycles
+    assert all(n.bwd_calls == 2 for n in cycle.nodes if n.name in ("conv", "head")), [(n.name, n.bwd_calls) for n in cycle.nodes]
