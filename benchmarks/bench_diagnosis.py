@@ -10,7 +10,8 @@ from a busy thread when ``--load``).
 
 Cases: a Python loop over rows in forward, an unfused elementwise chain, a memory-bound op on a small batch, a dense
 embedding gradient, a host sync (``.item()``) in forward, a DataLoader-bound step, an optimizer-bound step (Adam
-over many parameters), a regression that triples the step, a steady run. Not here yet: a slow rank in 2-process DDP.
+over many parameters), a regression that triples the step, a slow rank in 2-process DDP (gloo, spawned; the first
+advice line of rank 0's last cycle is read back from the run's files), a steady run.
 """
 
 from __future__ import annotations
@@ -93,6 +94,16 @@ class Heavy(nn.Module):
         return x
 
 
+class SlowRank(Lit):
+    """Rank 1 trains on 8x the samples of rank 0 in each step (uneven inputs): every layer is slower there."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.global_rank == 1:
+            x, y = x.repeat(8, 1), y.repeat(8)
+        return F.cross_entropy(self.model(x), y)
+
+
 class SlowData(Dataset):
     def __init__(self, x: torch.Tensor, y: torch.Tensor, seconds: float) -> None:
         self.x, self.y, self.seconds = x, y, seconds
@@ -134,6 +145,7 @@ class Case:
     cause: tuple[str, ...]  # any of these words names the cause
     steps: int = 24
     regression: bool = False
+    ddp: bool = False  # on 2 processes
 
 
 def regression_case() -> tuple[Lit, DataLoader]:
@@ -157,6 +169,8 @@ CASES = [
                                                                         width=2048), optimizer="adam"), loader(64, 2)),
          "optimizer", ("optimizer",)),
     Case("a regression that triples the step", regression_case, "2", ("slower",), steps=40, regression=True),
+    Case("a slow rank in 2-process DDP", lambda: (SlowRank(mlp(nn.Linear(256, 256))), loader(64, 64)), "2", ("rank 1",),
+         steps=24, ddp=True),
 ]
 
 
@@ -170,6 +184,26 @@ def train(case: Case, root: str) -> FXProfilerCallback:
         warnings.simplefilter("ignore")
         trainer.fit(lit, data)
     return callback
+
+
+def train_ddp(case: Case, root: str) -> str:
+    """The case on 2 CPU processes (DDP, gloo, spawned); the first advice line of rank 0's last cycle, from disk."""
+    from datetime import timedelta
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from fxprof_lightning.runs import load_run
+
+    lit, data = case.make()
+    callback = FXProfilerCallback(wait=1, warmup=1, active=3, repeat=0, module="model")
+    trainer = pl.Trainer(default_root_dir=root, logger=False, callbacks=[callback], max_steps=case.steps,
+                         accelerator="cpu", devices=2, strategy=DDPStrategy(start_method="spawn", timeout=timedelta(seconds=120)),
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, max_epochs=-1)
+    with warnings.catch_warnings(), quiet_stderr(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        trainer.fit(lit, data)
+    cycles = load_run(root)
+    return cycles[-1].advice[0] if cycles and cycles[-1].advice else "(no advice)"
 
 
 def first_line(callback: FXProfilerCallback, regression: bool) -> str:
@@ -217,7 +251,7 @@ def main() -> int:
     print(f"{'case':<45}  {'scored':<6}  first thing the user reads")
     for case in cases:
         with tempfile.TemporaryDirectory() as root:
-            line = first_line(train(case, root), case.regression)
+            line = train_ddp(case, root) if case.ddp else first_line(train(case, root), case.regression)
         ok = scores(line, case)
         right += ok
         print(f"{case.name:<45}  {'yes' if ok else 'NO':<6}  {line[:160]}", flush=True)

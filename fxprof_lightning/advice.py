@@ -22,6 +22,7 @@ LOW_PEAK = 30.0  # % of the roofline's attainable rate below which a large matmu
 BACKWARD_RATIO = 3.0  # backward this many times its forward is suspicious (2x is normal for matmuls)
 ELEMENTWISE_SHARE = 15.0  # % of the step's node time in one module's elementwise nodes
 LOOKUP_READS = 100  # a node reading this many times the bytes it writes, with no FLOPs, is a table lookup
+SLOW_RANK_EXCESS = 10.0  # % of node time the slow rank's forward must lag behind the ranks' mean
 SLOW_RANK_SHARE = 2 / 3  # the same rank slowest in this share of the cycles
 STEP_SHARE = 25.0  # % of the whole step in data, optimizer or other callbacks worth saying first
 MODEL_SHARE = 40.0  # % of the whole step in training_step + backward below which node-level advice is left out
@@ -148,7 +149,9 @@ def elementwise_share(nodes: list[NodeStats]) -> list[Advice]:
 
 
 def slow_rank(history: list[list[NodeStats]], ranks: int) -> list[Advice]:
-    """The same rank the slowest (for most node time) in most of the cycles so far."""
+    """The same rank the slowest (for most node time) in most of the cycles so far, and by a material margin in the
+    latest: its nodes' excess over the mean of the ranks at least ``SLOW_RANK_EXCESS`` of node time (with two ranks
+    one of them is always the slowest; noise alone must not make it a finding)."""
     if ranks < 2 or len(history) < 3:
         return []
     slowest = []
@@ -159,18 +162,17 @@ def slow_rank(history: list[list[NodeStats]], ranks: int) -> list[Advice]:
         if weight:
             slowest.append(weight.most_common(1)[0][0])
     rank, count = Counter(slowest).most_common(1)[0] if slowest else (0, 0)
-    if count < SLOW_RANK_SHARE * len(history):
-        return []
     latest = history[-1]
     behind = sorted(((n.slowest_rank_ms - n.mean_ms) * n.calls, n) for n in latest if n.slowest_rank == rank)
-    where = ""
-    if behind and behind[-1][0] > 0:
-        n = behind[-1][1]
-        where = (f", most in `{n.name}` ({n.slowest_rank_ms:.3f} ms per call on rank {rank} against {n.mean_ms:.3f} "
-                 "averaged over the ranks)")
-    return [Advice(50.0, (
-        f"Rank {rank} was the slowest in {count} of {len(history)} cycles{where}: the others wait for it at every "
-        "collective. Check its data loading, its GPU (clocks, other processes) and uneven inputs (sequence lengths)."))]
+    excess = 100.0 * sum(max(ms, 0.0) for ms, _ in behind) / max(sum(n.total_ms for n in latest), 1e-12)
+    if count < SLOW_RANK_SHARE * len(history) or excess < SLOW_RANK_EXCESS:
+        return []
+    n = behind[-1][1]
+    return [Advice(min(100.0, 50.0 + excess), (
+        f"Rank {rank} was the slowest in {count} of {len(history)} cycles, most in `{n.name}` ({n.slowest_rank_ms:.3f} "
+        f"ms per call on rank {rank} against {n.mean_ms:.3f} averaged over the ranks; its forward is {excess:.0f}% "
+        "of node time above the ranks' mean): the others wait for it at every collective. Check its data loading "
+        "and uneven inputs (batch sizes, sequence lengths), its GPU (clocks, other processes)."))]
 
 
 def whole_step(phases: dict[str, float], nodes: list[NodeStats] = ()) -> list[Advice]:
