@@ -214,7 +214,8 @@ def _dense_tables(nodes: list[NodeStats]) -> str:
 def model_share(phases: dict[str, float]) -> float | None:
     """The share (%) of the step in training_step, zero_grad and backward: what node-level advice can act on."""
     total = sum(phases.values())
-    return 100.0 * sum(phases.get(p, 0.0) for p in ("training_step", "zero_grad", "backward")) / total if total > 0 else None
+    model = ("training_step", "zero_grad", "backward", "forward")  # (forward: a plain loop's, ``LoopClock``)
+    return 100.0 * sum(phases.get(p, 0.0) for p in model) / total if total > 0 else None
 
 
 def regressed(regressions: list) -> list[Advice]:

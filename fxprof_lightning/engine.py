@@ -37,6 +37,7 @@ from fxprof_lightning.report import CycleReport, merge_ranks
 from fxprof_lightning.roofline import Peaks, device_peaks
 from fxprof_lightning.schedule import ProfilerAction, Schedule
 from fxprof_lightning.sinks import ConsoleSink, CsvSink, PictureSink, Sink
+from fxprof_lightning.step_phases import LoopClock
 from fxprof_lightning.timers import CAPTURES, Timers
 from fxprof_lightning.torch_trace import CycleTrace, check_profiler_kwargs
 
@@ -160,6 +161,7 @@ class Engine:
         self._fx_on = fx_timing  # False when the target cannot be traced
         self.timers = Timers(self.warn)  # which timer times the module (set up at each begin_run)
         self._backward_start: int | None = None
+        self._clock: LoopClock | None = None  # the plain loop's phases (``Profiler``; the callback has its own)
         self._taken: set[str] = set()  # directory names in dirpath from earlier runs
 
     @property
@@ -536,6 +538,7 @@ class Profiler(Engine):
         self.prepare()
         self._running = True
         self.begin_step("train")
+        self._time_phases()
 
     def step(self, batch_size: int | None = None) -> None:
         """End the current step and begin the next (inside ``validation()``: a validation step).
@@ -547,14 +550,32 @@ class Profiler(Engine):
                                "or call prof.start() first")
         stage = self._current.name
         self.add_batch_size(batch_size, stage)
+        if stage == "train" and self._clock is not None:
+            self.add_step_phases(self._clock.lap())
         self.end_step(stage)
         self.begin_step(stage)
+        self._time_phases()
+
+    def _time_phases(self) -> None:
+        """A ``LoopClock`` on the module while training steps are recorded (``CycleReport.phases``)."""
+        if self.recording("train") and self._clock is None and self.target is not None:
+            self._clock = LoopClock(self.target)
+        elif not self.recording("train"):
+            self._close_clock()
+
+    def _close_clock(self) -> None:
+        if self._clock is not None:
+            self._clock.close()
+            self._clock = None
 
     def stop(self) -> None:
         """End profiling: a step in progress that ran the module counts, a cycle in progress is written cut short."""
         if not self._running:
             return
         self._running = False
+        if self._clock is not None and self._current is self._train and self._train.in_step:
+            self.add_step_phases(self._clock.lap())
+        self._close_clock()
         self._finish_step(self._current)
         self.end_stage("train")
         self.end_run()
@@ -573,6 +594,7 @@ class Profiler(Engine):
             self.stop()
         else:
             self._running = False
+            self._close_clock()
             self.abort()
 
     @contextlib.contextmanager
