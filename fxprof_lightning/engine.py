@@ -33,11 +33,11 @@ from torch import nn
 from fxprof_lightning.compiled import is_compiled
 from fxprof_lightning.cycle import Cycle
 from fxprof_lightning.history import StageHistory
+from fxprof_lightning.loop_phases import LoopClock
 from fxprof_lightning.report import CycleReport, merge_ranks
 from fxprof_lightning.roofline import Peaks, device_peaks
 from fxprof_lightning.schedule import ProfilerAction, Schedule
 from fxprof_lightning.sinks import ConsoleSink, CsvSink, PictureSink, Sink
-from fxprof_lightning.step_phases import LoopClock
 from fxprof_lightning.timers import CAPTURES, Timers
 from fxprof_lightning.torch_trace import CycleTrace, check_profiler_kwargs
 

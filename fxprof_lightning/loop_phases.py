@@ -1,0 +1,63 @@
+"""``LoopClock``: where a plain loop's recorded steps go, from the module's own calls (see ``step_phases``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxprof_lightning.autograd_walk import tensors_in
+
+__all__ = ["LoopClock"]
+
+
+class LoopClock:
+    """The phases of a plain loop's steps from the module's calls (``step_phases``: forward, backward, other), from ``LoopClock(...)``
+    on: a forward pre-hook and hook on the module, and a hook on each call's first output that needs a gradient
+    (it returns None: the gradient is untouched). ``lap()`` returns ns per phase since the last lap; ``close()``
+    removes the module's hooks."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
+        self._forward = self._backward = 0
+        self._started: int | None = None  # the module call in progress
+        self._backward_from: int | None = None  # the backward pass in progress
+        self._last = time.perf_counter_ns()
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        if torch._C._current_graph_task_id() == -1:  # (not a recomputation inside backward)
+            self._started = time.perf_counter_ns()
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._started is None:
+            return
+        self._forward += time.perf_counter_ns() - self._started
+        self._started = None
+        if torch.is_grad_enabled():
+            needs_grad = next((t for t in tensors_in(output) if t.requires_grad), None)
+            if needs_grad is not None:
+                needs_grad.register_hook(self._gradient_arrives)
+
+    def _gradient_arrives(self, grad: torch.Tensor) -> None:
+        if self._backward_from is None:
+            self._backward_from = time.perf_counter_ns()
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        self._backward += time.perf_counter_ns() - self._backward_from
+        self._backward_from = None
+
+    def lap(self) -> dict[str, int]:
+        now = time.perf_counter_ns()
+        phases = {"forward": self._forward, "backward": self._backward}
+        phases["other"] = max(now - self._last - self._forward - self._backward, 0)
+        self._forward = self._backward = 0
+        self._last = now
+        return phases
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
