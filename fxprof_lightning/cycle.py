@@ -56,6 +56,7 @@ class Cycle:
     device: dict[str, float] | None = None  # where the trace's GPU time went (gpu_trace.summary)
     phases: list[dict[str, int]] = field(default_factory=list)  # ns per phase of each recorded step (step_phases)
     batch_sizes: list[int] = field(default_factory=list)  # samples in each recorded step, where the driver said
+    backward_outside_ns: int | None = None  # backward events no node call accounts for (``measure``)
 
     def choose_backward(self, warn: Callable[[str], None]) -> None:
         """Where backward times come from, decided at each recorded training step for its timer: the trace when
@@ -146,6 +147,8 @@ class Cycle:
             forward, backward, spans, idle = node_device_times([info.name for info in timer.nodes], device)
             self.device = device_summary(device)
         nodes = summarize_nodes(timer.nodes, forward, backward, costs, timer.mem_delta, timer.mem_peak)
+        if timer.uses_backward_events and self.backward != HOOKS:
+            self.backward_outside_ns = timer.backward_outside_ns
         if device is not None:
             rows = {info.name: i for i, info in enumerate(timer.nodes)}
             nodes = [replace(n, device_span_ms=_mean_ms(spans[rows[n.name]]), device_idle_ms=_mean_ms(idle[rows[n.name]]))
@@ -165,6 +168,10 @@ class Cycle:
         report.ranges = summarize_ranges(ranges, len(self.recorded))
         if self.backward_wall_ns:
             report.backward_wall_ms = sum(self.backward_wall_ns) / len(self.backward_wall_ns) / 1e6
+        elif "forward" in report.phases:  # a plain loop's (``loop_phases``): from the output's gradient on
+            report.backward_wall_ms = report.phases.get("backward") or None
+        if self.backward_outside_ns is not None and nodes:
+            report.backward_outside_ms = self.backward_outside_ns / len(self.recorded) / 1e6
         if report.nodes and self.timer is not None:
             report.modules = summarize_modules(self.timer.nodes, report.nodes, len(self.recorded), type_name)
         return report

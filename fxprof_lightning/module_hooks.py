@@ -69,6 +69,7 @@ class ModuleHookTimer:
         self._calls: list[tuple[int, int, int, int]] = []  # per module call that made autograd nodes: first, end, depth, index
         self._totals: dict[tuple[int, int, int, int], int] = {}  # backward ns per call, from add_backward
         self._open = []
+        self.backward_outside_ns = 0  # backward events that no module call's autograd nodes account for
 
     def add_backward(self, events: list[tuple[int, int]]) -> None:
         """Add each ``(sequence number, duration ns)`` to the innermost module call whose range holds it.
@@ -91,6 +92,8 @@ class ModuleHookTimer:
                 i = parents[i]
             if i >= 0:
                 totals[i] += duration
+            else:
+                self.backward_outside_ns += duration
         for call, total in zip(calls, totals, strict=True):
             self._totals[call] = self._totals.get(call, 0) + total
         self.bwd = [[] for _ in self.nodes]

@@ -251,6 +251,7 @@ class NodeTimer:
         self.bwd = [[] for _ in self.nodes]
         self._spans = [[] for _ in self.nodes]
         self.forward_inputs = None
+        self.backward_outside_ns = 0  # backward events that no node call's autograd nodes account for
         self._marks = []
         self._in_pass = False
 
@@ -359,6 +360,8 @@ class NodeTimer:
             i = bisect.bisect_right(firsts, sequence_nr) - 1
             if i >= 0 and sequence_nr < ends[i]:
                 totals[i] += duration
+            else:
+                self.backward_outside_ns += duration
         self.bwd = [[] for _ in self.nodes]
         for owner, total in zip(self._owners, totals, strict=True):
             if total:

@@ -308,6 +308,8 @@ class CycleReport:
         stage: ``"train"`` or ``"val"``.
         capture: how the module was captured (``capture.Capture``: method, leaf modules and why), or None.
         backward_wall_ms: measured wall time of ``backward`` per recorded step (training), or None.
+        backward_outside_ms: per recorded step, the backward time of autograd nodes that no node call created
+            (the loss or ops outside the timed module, between its captured graphs), or None.
         ranges: FSDP2's ranges in the trace (all-gather, reduce-scatter... per module), slowest first.
         step_ms: wall time of each recorded step (from its start to the next step's start), rank 0's.
         step_cpu_ms: this process's CPU time (all threads) over each recorded step.
@@ -341,6 +343,7 @@ class CycleReport:
     stage: str = "train"
     capture: Any = None
     backward_wall_ms: float | None = None
+    backward_outside_ms: float | None = None
     ranges: list[RangeStats] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)
     step_cpu_ms: list[float] = field(default_factory=list)
@@ -370,7 +373,7 @@ class CycleReport:
         return {
             "index": self.index, "stage": self.stage, "steps": self.steps, "partial": self.partial, "ranks": self.ranks,
             "forward_ms_per_step": self.forward_ms_per_step, "backward_ms_per_step": self.backward_ms_per_step,
-            "backward_wall_ms": self.backward_wall_ms, "step_ms": self.step_ms, "step_cpu_ms": self.step_cpu_ms,
+            "backward_wall_ms": self.backward_wall_ms, "backward_outside_ms": self.backward_outside_ms, "step_ms": self.step_ms, "step_cpu_ms": self.step_cpu_ms,
             "capture": self.capture.describe() if self.capture is not None else None,
             "regressions": [asdict(r) for r in self.regressions],
             "unconfirmed": [asdict(r) for r in self.unconfirmed], "advice": self.advice,
@@ -378,6 +381,18 @@ class CycleReport:
             "trace_files": [p.name for p in self.trace_paths], "device": self.device, "peaks": self.peaks, "phases": self.phases,
             "batch_size": self.batch_size,
         }
+
+    def backward_account(self) -> str:
+        """Where the measured backward went: the nodes' share, autograd nodes no node call created, and the rest
+        (the autograd engine between nodes, hooks)."""
+        wall, nodes = self.backward_wall_ms, self.backward_ms_per_step
+        text = f"the nodes' backward times cover {100 * nodes / wall:.0f}% of the measured backward"
+        if self.backward_outside_ms is not None:
+            rest = max(wall - nodes - self.backward_outside_ms, 0.0)
+            text += (f"; autograd nodes no node call created (the loss or ops outside the timed module, between its "
+                     f"captured graphs) {100 * self.backward_outside_ms / wall:.0f}%, the rest (the autograd engine "
+                     f"between nodes, hooks) {100 * rest / wall:.0f}%")
+        return text
 
     def to_markdown(self, top_k: int | None = None) -> str:
         """The cycle as Markdown: header, node table (slowest first, ``top_k`` rows at most), trust line,
@@ -392,8 +407,7 @@ class CycleReport:
         if self.backward_ms_per_step:
             header += f", backward {self.backward_ms_per_step:.3f} ms"
             if self.backward_wall_ms:
-                header += (f" (the nodes' backward times cover {100 * self.backward_ms_per_step / self.backward_wall_ms:.0f}% "
-                           "of the measured backward)")
+                header += f" ({self.backward_account()})"
         header += f" per step over {len(self.nodes)} nodes{over_ranks}"
         if self.capture is not None and self.capture.method != "symbolic_trace":
             header += f"; captured by {self.capture.describe()}"

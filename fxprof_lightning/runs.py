@@ -35,7 +35,7 @@ SUMMARY_FILES = ("cycle.jsonl", "cycle.json")  # CycleReport.to_summary as one J
 SEARCH_DEPTH = 4  # levels below the given path searched for cycle directories
 SUMMARY_FIELDS = {  # taken from the summary as they are, when present: name -> accepted JSON types
     "index": (int,), "stage": (str,), "steps": (list,), "partial": (bool,), "ranks": (int,),
-    "backward_wall_ms": (int, float, type(None)), "step_ms": (list,), "step_cpu_ms": (list,), "advice": (list,),
+    "backward_wall_ms": (int, float, type(None)), "backward_outside_ms": (int, float, type(None)), "step_ms": (list,), "step_cpu_ms": (list,), "advice": (list,),
     "distortion": (str, type(None)), "tracked": (list,), "phases": (dict,), "peaks": (str, type(None)),
     "batch_size": (int, type(None)),
 }

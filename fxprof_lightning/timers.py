@@ -55,6 +55,7 @@ class Timer(Protocol):
     device_times_from_trace: bool  # on CUDA, node calls take their kernels' device time from the trace
     without_events: str  # what backward times become when no profiler events can come (for the warning)
     costs_error: str | None  # why FLOPs could not be counted, since the engine last said so
+    backward_outside_ns: int  # backward events given to ``collect`` that no node call accounts for
 
     @property
     def calls(self) -> int:

@@ -327,3 +327,15 @@ def test_a_profiler_started_in_warm_up_leaves_backward_timed_by_hooks(tmp_path):
             LitClassifier(), image_loader(samples=16))
     (cycle,) = callback.cycles
     assert all(n.bwd_calls == 2 for n in cycle.nodes if n.name in ("conv", "head")), [(n.name, n.bwd_calls) for n in cycle.nodes]
+
+
+def test_the_measured_backward_is_accounted_for(tmp_path):
+    """The header says where the measured backward went: the nodes, autograd nodes no node call created (here the
+    loss, outside the profiled ``model``), and the rest; the parts are measured, not made to add up."""
+    callback = FXProfilerCallback(wait=1, warmup=1, active=3, repeat=1, pictures=False, module="model")
+    make_trainer(tmp_path, [callback], max_steps=5, logger=False).fit(LitClassifier(), image_loader(samples=20))
+    (cycle,) = callback.cycles
+    assert 0 < cycle.backward_outside_ms < cycle.backward_wall_ms
+    assert cycle.backward_ms_per_step + cycle.backward_outside_ms <= 1.05 * cycle.backward_wall_ms
+    header = cycle.to_markdown().splitlines()[0]
+    assert "autograd nodes no node call created" in header and "the rest (the autograd engine" in header
