@@ -28,7 +28,9 @@ from fxprof_lightning.roofline import Peaks
 from fxprof_lightning.sinks import (
     ConsoleSink,
     CsvSink,
+    Display,
     PictureSink,
+    RunSummary,
     cycle_scalars,
     log_to_summary_writer,
     log_trend_to_summary_writer,
@@ -308,27 +310,27 @@ class LoggerSink:
     def __init__(self, loggers: list[Logger]) -> None:
         self.loggers = loggers
 
-    def write_cycle(self, report: CycleReport, profiler: Profiler) -> None:
+    def write_cycle(self, report: CycleReport, display: Display) -> None:
         from fxprof_lightning.trackers import log_cycle_files
 
         step = report.steps[-1]
         for logger in self.loggers:
             if isinstance(logger, TensorBoardLogger):
-                log_to_summary_writer(logger.experiment, report, profiler)
+                log_to_summary_writer(logger.experiment, report, display)
             else:
                 logger.log_metrics(cycle_scalars(report), step=step)
-            log_cycle_files(logger, report, profiler)  # tables and files to CSV, MLflow, W&B
+            log_cycle_files(logger, report, display)  # tables and files to CSV, MLflow, W&B
             logger.save()
 
-    def close(self, profiler: Profiler) -> None:
+    def close(self, run: RunSummary) -> None:
         from fxprof_lightning.trackers import log_trend
 
-        trend = profiler.cycles[-1].directory / "trend.png" if profiler.cycles else None
+        trend = run.cycles[-1].directory / "trend.png" if run.cycles else None  # (PictureSink wrote it, before)
         for logger in self.loggers:
             if isinstance(logger, TensorBoardLogger):
-                log_trend_to_summary_writer(logger.experiment, profiler)
+                log_trend_to_summary_writer(logger.experiment, run)
             elif trend is not None and trend.is_file():
-                log_trend(logger, trend, profiler.cycles[-1], profiler)
+                log_trend(logger, trend, run.cycles[-1], run.display)
 
 
 @dataclass

@@ -37,7 +37,7 @@ from fxprof_lightning.loop_phases import LoopClock
 from fxprof_lightning.report import CycleReport, merge_ranks
 from fxprof_lightning.roofline import Peaks, device_peaks
 from fxprof_lightning.schedule import ProfilerAction, Schedule
-from fxprof_lightning.sinks import ConsoleSink, CsvSink, PictureSink, Sink
+from fxprof_lightning.sinks import ConsoleSink, CsvSink, Display, PictureSink, RunSummary, Sink
 from fxprof_lightning.timers import CAPTURES, Timers
 from fxprof_lightning.torch_trace import CycleTrace, check_profiler_kwargs
 
@@ -295,8 +295,14 @@ class Engine:
         """Profiling ends: remove the first-call recorders, put Inductor's settings back and let the sinks finish (rank 0)."""
         self.timers.stop()
         if self.rank == 0:
+            run = RunSummary(self._train.cycles, self.dirpath, self.display())
             for sink in self.sinks:
-                self._safely("closing a sink", sink.close, self)
+                self._safely("closing a sink", sink.close, run)
+
+    def display(self) -> Display:
+        """What the sinks show, from the settings now (``sinks.Display``)."""
+        return Display(self.name, self.top_k, self.module_depth, self.pictures, self.verbose, self.profile_validation,
+                       self.warn)
 
     def backward_started(self) -> None:
         """Mark the start of a recorded step's backward (measures ``CycleReport.backward_wall_ms``)."""
@@ -423,8 +429,9 @@ class Engine:
                       "(the Lightning callback: module='...').")
         if report.nodes and self.rank == 0:
             self._safely("analysing a cycle", self._analyse, stage, report)
+            display = self.display()
             for sink in self.sinks:
-                sink.write_cycle(report, self)
+                sink.write_cycle(report, display)
             report.pictures.clear()  # written: a long run keeps no image bytes
         stage.cycles.append(report)
         stage.forget_old_cycles(self.keep_cycles, self.rank)

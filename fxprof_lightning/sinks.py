@@ -1,10 +1,11 @@
 """Sinks: where a finished cycle's report goes (files, TensorBoard, the console).
 
-A sink is any object with ``write_cycle(report, profiler)``, called on global rank 0 after each
-cycle that timed nodes, and ``close(profiler)``, called on rank 0 when profiling ends. Sinks are
+A sink is any object with ``write_cycle(report, display)``, called on global rank 0 after each
+cycle that timed nodes, and ``close(run)``, called on rank 0 when profiling ends. Sinks are
 handed in (``Profiler(..., sinks=[...])``), as ``on_trace_ready`` is to ``torch.profiler``; they
-read the report and the profiler's settings (``top_k``, ``module_depth``) and never reach back
-into collection. The Lightning callback adds one that writes to the Trainer's loggers.
+are given the report and what to show (``Display``: the profiler's name, ``top_k``, ``module_depth``,
+pictures, verbosity) or the run's cycles (``RunSummary``), never the profiler itself, and never reach
+back into collection. The Lightning callback adds one that writes to the Trainer's loggers.
 
 Tags are shared by every sink that logs scalars, text or pictures (``cycle_scalars``,
 ``cycle_texts``): the run's totals in the ``fxprof`` group (``fxprof/forward_ms_per_step``,
@@ -21,8 +22,10 @@ import json
 import os
 import re
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from fxprof_lightning.report import CycleReport
 from fxprof_lightning.trust import cpu_per_wall, step_spread
@@ -30,17 +33,51 @@ from fxprof_lightning.trust import cpu_per_wall, step_spread
 # What TensorBoard's summary writer would replace in a tag (with a warning each time): all but letters, digits, _ - . /
 TAG_UNSAFE = re.compile(r"[^-\w./]+")
 
-if TYPE_CHECKING:
-    from fxprof_lightning.engine import Profiler
+__all__ = ["ConsoleSink", "CsvSink", "Display", "PictureSink", "RunSummary", "Sink", "TensorBoardSink", "cycle_pictures",
+           "cycle_scalars", "cycle_texts", "tag_prefix"]
 
-__all__ = ["ConsoleSink", "CsvSink", "PictureSink", "Sink", "TensorBoardSink", "cycle_pictures", "cycle_scalars",
-           "cycle_texts", "tag_prefix"]
+
+def _warn(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
+
+
+@dataclass(frozen=True)
+class Display:
+    """What the sinks show, from the profiler's settings at the time (given with each call).
+
+    Attributes:
+        name: starts console lines and warnings (``Profiler``, ``FXProfilerCallback``).
+        top_k: rows of the node tables.
+        module_depth: deepest level of the module tree.
+        pictures: draw the pictures.
+        verbose: print every cycle's full tables.
+        validation: validation cycles are profiled too (the CUSTOM SCALARS layout then has their charts).
+        warn: how a sink warns (rank 0; the profiler's ``warn``).
+    """
+
+    name: str = "Profiler"
+    top_k: int = 20
+    module_depth: int = 3
+    pictures: bool = True
+    verbose: bool = False
+    validation: bool = False
+    warn: Callable[[str], None] = field(default=_warn, compare=False)
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What the sinks are given when profiling ends: the run's training cycles, where they were written, and
+    ``display``."""
+
+    cycles: list[CycleReport]
+    dirpath: Path
+    display: Display = field(default_factory=Display)
 
 
 class Sink(Protocol):
-    def write_cycle(self, report: CycleReport, profiler: Profiler) -> None: ...
+    def write_cycle(self, report: CycleReport, display: Display) -> None: ...
 
-    def close(self, profiler: Profiler) -> None: ...
+    def close(self, run: RunSummary) -> None: ...
 
 
 def tag_prefix(report: CycleReport) -> str:
@@ -98,46 +135,49 @@ def cycle_texts(report: CycleReport, top_k: int, module_depth: int) -> dict[str,
     return texts
 
 
-def cycle_pictures(report: CycleReport, profiler: Profiler) -> dict[str, bytes]:
+def cycle_pictures(report: CycleReport, display: Display) -> dict[str, bytes]:
     """The cycle's pictures as PNG, by tag: the slowest layers and the module tree (rendered once per cycle).
 
-    Empty when ``profiler.pictures`` is off or matplotlib is missing (warned once).
+    Empty when ``display.pictures`` is off or matplotlib is missing (warned once per process).
     """
-    if not profiler.pictures or not report.nodes:
+    if not display.pictures or not report.nodes:
         return {}
     if not report.pictures:
-        plots = _plots(profiler)
+        plots = _plots(display)
         if plots is None:
             return {}
         prefix = tag_prefix(report)
-        report.pictures[f"{prefix}/slowest_layers"] = plots.png_bytes(plots.slowest_layers(report, profiler.top_k))
+        report.pictures[f"{prefix}/slowest_layers"] = plots.png_bytes(plots.slowest_layers(report, display.top_k))
         if report.modules:
-            report.pictures[f"{prefix}/module_tree"] = plots.png_bytes(plots.module_icicle(report, profiler.module_depth))
+            report.pictures[f"{prefix}/module_tree"] = plots.png_bytes(plots.module_icicle(report, display.module_depth))
     return report.pictures
 
 
-def trend_picture(profiler: Profiler) -> bytes | None:
+def trend_picture(run: RunSummary) -> bytes | None:
     """The trend of the top layers over the run's training cycles, as PNG (None without 2 cycles or matplotlib)."""
-    cycles = [c for c in profiler.cycles if c.nodes]
-    if not profiler.pictures or len(cycles) < 2:
+    cycles = [c for c in run.cycles if c.nodes]
+    if not run.display.pictures or len(cycles) < 2:
         return None
     if "fxprof/trend" not in cycles[-1].pictures:
-        plots = _plots(profiler)
+        plots = _plots(run.display)
         if plots is None:
             return None
         cycles[-1].pictures["fxprof/trend"] = plots.png_bytes(plots.trend(cycles))
     return cycles[-1].pictures["fxprof/trend"]
 
 
-def _plots(profiler: Profiler) -> Any:
+_NO_PICTURES: list[str] = []  # why pictures cannot be drawn, once known (said once per process)
+
+
+def _plots(display: Display) -> Any:
     try:
         import matplotlib  # noqa: F401  (the plots module imports it lazily)
 
         from fxprof_lightning import plots
     except ImportError as error:
-        if not getattr(profiler, "_warned_pictures", False):
-            profiler._warned_pictures = True
-            profiler.warn(f"no pictures: {error}")
+        if not _NO_PICTURES:
+            _NO_PICTURES.append(str(error))
+            display.warn(f"no pictures: {error}")
         return None
     return plots
 
@@ -152,25 +192,25 @@ def png_to_array(png: bytes) -> Any:
     return (pixels * 255).round().astype("uint8") if pixels.dtype.kind == "f" else pixels
 
 
-def log_to_summary_writer(writer: Any, report: CycleReport, profiler: Profiler) -> None:
+def log_to_summary_writer(writer: Any, report: CycleReport, display: Display) -> None:
     """Scalars, text and pictures of a cycle to a ``SummaryWriter`` (also what the callback sends to a TensorBoardLogger)."""
     step = report.steps[-1]
     if not getattr(writer, "_fxprof_layout", False):
-        writer.add_custom_scalars(custom_scalars_layout(profiler.profile_validation))
+        writer.add_custom_scalars(custom_scalars_layout(display.validation))
         writer._fxprof_layout = True
     for tag, value in cycle_scalars(report).items():
         writer.add_scalar(tag, value, global_step=step)
-    for tag, text in cycle_texts(report, profiler.top_k, profiler.module_depth).items():
+    for tag, text in cycle_texts(report, display.top_k, display.module_depth).items():
         writer.add_text(tag, text, global_step=step)
-    for tag, png in cycle_pictures(report, profiler).items():
+    for tag, png in cycle_pictures(report, display).items():
         writer.add_image(tag, png_to_array(png), global_step=step, dataformats="HWC")
     writer.flush()
 
 
-def log_trend_to_summary_writer(writer: Any, profiler: Profiler) -> None:
-    png = trend_picture(profiler)
+def log_trend_to_summary_writer(writer: Any, run: RunSummary) -> None:
+    png = trend_picture(run)
     if png is not None:
-        writer.add_image("fxprof/trend", png_to_array(png), global_step=profiler.cycles[-1].steps[-1], dataformats="HWC")
+        writer.add_image("fxprof/trend", png_to_array(png), global_step=run.cycles[-1].steps[-1], dataformats="HWC")
     writer.flush()
 
 
@@ -179,16 +219,16 @@ class CsvSink:
     written atomically. ``cycle.jsonl`` holds the rest of the report (``CycleReport.to_summary``) as one JSON line:
     not ``.json``, because HolisticTraceAnalysis reads every ``.json`` file of a directory as a trace."""
 
-    def write_cycle(self, report: CycleReport, profiler: Profiler) -> None:
-        write_atomically(report.directory / "fx_nodes.csv", report.to_csv(), profiler.name)
+    def write_cycle(self, report: CycleReport, display: Display) -> None:
+        write_atomically(report.directory / "fx_nodes.csv", report.to_csv(), display.name)
         if report.modules:
-            write_atomically(report.directory / "fx_modules.csv", report.modules_to_csv(), profiler.name)
+            write_atomically(report.directory / "fx_modules.csv", report.modules_to_csv(), display.name)
         if report.ranges:
-            write_atomically(report.directory / "fsdp_ranges.csv", report.ranges_to_csv(), profiler.name)
+            write_atomically(report.directory / "fsdp_ranges.csv", report.ranges_to_csv(), display.name)
         summary = json.dumps(report.to_summary(), default=str) + "\n"
-        write_atomically(report.directory / "cycle.jsonl", summary, profiler.name)
+        write_atomically(report.directory / "cycle.jsonl", summary, display.name)
 
-    def close(self, profiler: Profiler) -> None:
+    def close(self, run: RunSummary) -> None:
         pass
 
 
@@ -203,32 +243,32 @@ class TensorBoardSink:
     def __init__(self, writer: Any) -> None:
         self.writer = writer
 
-    def write_cycle(self, report: CycleReport, profiler: Profiler) -> None:
-        log_to_summary_writer(self.writer, report, profiler)
+    def write_cycle(self, report: CycleReport, display: Display) -> None:
+        log_to_summary_writer(self.writer, report, display)
 
-    def close(self, profiler: Profiler) -> None:
-        log_trend_to_summary_writer(self.writer, profiler)
+    def close(self, run: RunSummary) -> None:
+        log_trend_to_summary_writer(self.writer, run)
 
 
 class PictureSink:
     """``slowest_layers.png`` and ``module_tree.png`` in each cycle's directory; at the end ``trend.png`` in the last
     cycle's (a directory of this run: a later run in the same ``dirpath`` leaves it alone)."""
 
-    def write_cycle(self, report: CycleReport, profiler: Profiler) -> None:
-        for tag, png in cycle_pictures(report, profiler).items():
-            write_atomically(report.directory / f"{tag.rsplit('/', 1)[1]}.png", png, profiler.name)
+    def write_cycle(self, report: CycleReport, display: Display) -> None:
+        for tag, png in cycle_pictures(report, display).items():
+            write_atomically(report.directory / f"{tag.rsplit('/', 1)[1]}.png", png, display.name)
 
-    def close(self, profiler: Profiler) -> None:
-        png = trend_picture(profiler)
+    def close(self, run: RunSummary) -> None:
+        png = trend_picture(run)
         if png is not None:
-            write_atomically(profiler.cycles[-1].directory / "trend.png", png, profiler.name)
+            write_atomically(run.cycles[-1].directory / "trend.png", png, run.display.name)
 
 
 class ConsoleSink:
     """One line per cycle as it is written, and a summary when profiling ends.
 
     The line gives the steps, forward and backward ms per step, the slowest node, the regressions
-    and a distortion warning; with the profiler's ``verbose`` the full node table and module tree follow.
+    and a distortion warning; with ``verbose`` (``Display``) the full node table and module tree follow.
 
     Args:
         every_cycle: print the line per cycle (the end-of-run summary always comes).
@@ -239,16 +279,16 @@ class ConsoleSink:
         self.every_cycle = every_cycle
         self.logdir = logdir
 
-    def write_cycle(self, report: CycleReport, profiler: Profiler) -> None:
+    def write_cycle(self, report: CycleReport, display: Display) -> None:
         if self.every_cycle:
-            print(cycle_line(report, profiler.name))
-        if profiler.verbose:
-            for text in cycle_texts(report, profiler.top_k, profiler.module_depth).values():
+            print(cycle_line(report, display.name))
+        if display.verbose:
+            for text in cycle_texts(report, display.top_k, display.module_depth).values():
                 print(f"\n{text}\n")
 
-    def close(self, profiler: Profiler) -> None:
-        if profiler.cycles:
-            print(summary(profiler.cycles, profiler.name, profiler.dirpath, self.logdir or profiler.dirpath))
+    def close(self, run: RunSummary) -> None:
+        if run.cycles:
+            print(summary(run.cycles, run.display.name, run.dirpath, self.logdir or run.dirpath))
 
 
 def cycle_line(report: CycleReport, name: str) -> str:

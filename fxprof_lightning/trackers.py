@@ -1,6 +1,6 @@
 """A cycle's tables and files to the Trainer's experiment trackers, each in the form that tracker uses.
 
-``log_cycle_files(logger, report, profiler)`` is called by the callback's ``LoggerSink`` for every
+``log_cycle_files(logger, report, display)`` is called by the callback's ``LoggerSink`` for every
 logger after the scalars (rank 0 only). It looks at the logger's type:
 
 - ``CSVLogger``: ``fx_nodes.csv``, ``fx_modules.csv`` and the cycle's other files (traces,
@@ -18,7 +18,7 @@ logger after the scalars (rank 0 only). It looks at the logger's type:
 ``<cycle>`` is the name of the cycle's directory (``cycle_0003``, ``val_cycle_0000``). The
 packages ``mlflow`` and ``wandb`` are imported only when such a logger is in use. A tracker that
 fails never stops training: the error is reported once per logger and kind of output
-(``Profiler.warn``), and later cycles try again.
+(``Display.warn``: the profiler's), and later cycles try again.
 """
 
 from __future__ import annotations
@@ -30,13 +30,10 @@ import weakref
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fxprof_lightning.report import CycleReport, ModuleStats, NodeStats
-from fxprof_lightning.sinks import cycle_texts, tag_prefix
-
-if TYPE_CHECKING:
-    from fxprof_lightning.engine import Profiler
+from fxprof_lightning.sinks import Display, cycle_texts, tag_prefix
 
 __all__ = ["log_cycle_files", "log_trend", "module_table", "node_table"]
 
@@ -59,14 +56,14 @@ def _table(record_type: type, records: list) -> tuple[list[str], list[list[Any]]
     return columns, [[getattr(record, c) for c in columns] for record in records]
 
 
-def log_cycle_files(logger: Any, report: CycleReport, profiler: Profiler) -> None:
+def log_cycle_files(logger: Any, report: CycleReport, display: Display) -> None:
     """Send the cycle's tables and files to ``logger`` if it is a tracker that keeps them (see the module's doc)."""
     from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, WandbLogger
 
     if isinstance(logger, CSVLogger):
         parts = _csv_parts(logger, report)
     elif isinstance(logger, MLFlowLogger):
-        parts = _mlflow_parts(logger, report, profiler)
+        parts = _mlflow_parts(logger, report, display)
     elif isinstance(logger, WandbLogger):
         parts = _wandb_parts(logger, report)
     else:
@@ -75,10 +72,10 @@ def log_cycle_files(logger: Any, report: CycleReport, profiler: Profiler) -> Non
         try:
             send()
         except Exception as error:  # a tracker's failure must never break training
-            _report_once(logger, profiler, what, report, error)
+            _report_once(logger, display, what, report, error)
 
 
-def log_trend(logger: Any, path: Path, report: CycleReport, profiler: Profiler) -> None:
+def log_trend(logger: Any, path: Path, report: CycleReport, display: Display) -> None:
     """Send the end-of-run ``trend.png`` (in ``report``'s directory, the run's last cycle) to a tracker logger."""
     from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, WandbLogger
 
@@ -96,10 +93,10 @@ def log_trend(logger: Any, path: Path, report: CycleReport, profiler: Profiler) 
     try:
         send()
     except Exception as error:  # a tracker's failure must never break training
-        _report_once(logger, profiler, "trend picture", report, error)
+        _report_once(logger, display, "trend picture", report, error)
 
 
-def _report_once(logger: Any, profiler: Profiler, what: str, report: CycleReport, error: Exception) -> None:
+def _report_once(logger: Any, display: Display, what: str, report: CycleReport, error: Exception) -> None:
     try:
         reported = _reported.setdefault(logger, set())
     except TypeError:  # not weak-referenceable: report every time
@@ -107,7 +104,7 @@ def _report_once(logger: Any, profiler: Profiler, what: str, report: CycleReport
     if what in reported:
         return
     reported.add(what)
-    profiler.warn(f"{type(logger).__name__} could not log the {what} of {_cycle_name(report)} "
+    display.warn(f"{type(logger).__name__} could not log the {what} of {_cycle_name(report)} "
                   f"({type(error).__name__}: {error}); training goes on, later cycles try again and further failures "
                   "of this kind are not reported")
 
@@ -148,7 +145,7 @@ def _csv_parts(logger: Any, report: CycleReport) -> list[tuple[str, Callable[[],
 # ---------------------------------------------------------------- MLFlowLogger
 
 
-def _mlflow_parts(logger: Any, report: CycleReport, profiler: Profiler) -> list[tuple[str, Callable[[], None]]]:
+def _mlflow_parts(logger: Any, report: CycleReport, display: Display) -> list[tuple[str, Callable[[], None]]]:
     base = f"fxprof/{_cycle_name(report)}"
 
     def tables() -> None:
@@ -159,7 +156,7 @@ def _mlflow_parts(logger: Any, report: CycleReport, profiler: Profiler) -> list[
 
     def texts() -> None:
         client, run_id = logger.experiment, logger.run_id
-        for tag, text in cycle_texts(report, profiler.top_k, profiler.module_depth).items():
+        for tag, text in cycle_texts(report, display.top_k, display.module_depth).items():
             client.log_text(run_id, text, f"{base}/{tag.rsplit('/', 1)[-1]}.md")
 
     def files() -> None:
