@@ -4,7 +4,7 @@ Each case trains a small model through a real Lightning ``Trainer`` with ``FXPro
 planted problem, and reads what a user reads first: the first advice line of the last cycle, or the regression
 flag for the regression case. A case scores when that text names the place (a module or the step's phase) and the
 cause (the words expected). The steady case scores when no cycle flags anything, run twice (the second under load
-from a busy thread when ``--load``).
+from another process keeping a core busy).
 
     .venv/bin/python benchmarks/bench_diagnosis.py [--quick] [--threads N]
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import multiprocessing
 import re
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -225,20 +225,23 @@ def scores(line: str, case: Case) -> bool:
     return place and any(word.lower() in lowered for word in case.cause)
 
 
-def busy(stop: threading.Event) -> None:
-    while not stop.is_set():
+def busy(seconds: float) -> None:
+    """Keep one core busy (another process: the load a shared machine has)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
         sum(i * i for i in range(10_000))
 
 
 def steady(root: str, load: bool) -> int:
-    stop = threading.Event()
-    thread = threading.Thread(target=busy, args=(stop,), daemon=True) if load else None
-    if thread is not None:
-        thread.start()
+    other = multiprocessing.get_context("spawn").Process(target=busy, args=(600.0,), daemon=True) if load else None
+    if other is not None:
+        other.start()
     try:
         callback = train(Case("steady", lambda: (Lit(mlp()), loader(64, 64)), "", (), steps=60), root)
     finally:
-        stop.set()
+        if other is not None:
+            other.terminate()
+            other.join()
     return sum(len(c.regressions) for c in callback.cycles)
 
 
