@@ -23,6 +23,7 @@ from torch import nn
 from typing_extensions import override
 
 from fxprof_lightning.engine import Profiler
+from fxprof_lightning.layout import DEFAULT_DIRPATH, TREND_FILE
 from fxprof_lightning.report import CycleReport
 from fxprof_lightning.roofline import Peaks
 from fxprof_lightning.sinks import (
@@ -146,7 +147,7 @@ class FXProfilerCallback(Callback):
         self._idle.done = 0
         self.profiler.target = None  # resolved when the loop starts: setup/configure_model may build it
         self.profiler.reset(train=stage == "fit")  # a new fit counts from 0 unless a checkpoint says otherwise
-        out_dir = self.dirpath if self.dirpath is not None else Path(trainer.log_dir or trainer.default_root_dir) / "fxprof"
+        out_dir = self.dirpath if self.dirpath is not None else Path(trainer.log_dir or trainer.default_root_dir) / DEFAULT_DIRPATH
         self.profiler.dirpath = out_dir
         logdir = next((lg.root_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), out_dir)
         self.profiler.sinks = [CsvSink(), PictureSink(), LoggerSink(trainer.loggers), ConsoleSink(logdir=logdir)]
@@ -325,7 +326,7 @@ class LoggerSink:
     def close(self, run: RunSummary) -> None:
         from fxprof_lightning.trackers import log_trend
 
-        trend = run.cycles[-1].directory / "trend.png" if run.cycles else None  # (PictureSink wrote it, before)
+        trend = run.cycles[-1].directory / TREND_FILE if run.cycles else None  # (PictureSink wrote it, before)
         for logger in self.loggers:
             if isinstance(logger, TensorBoardLogger):
                 log_trend_to_summary_writer(logger.experiment, run)

@@ -29,6 +29,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from fxprof_lightning.layout import HTML_FILE
 from fxprof_lightning.regressions import (
     CONFIRM_RATIO,
     DEFAULT_K,
@@ -54,7 +55,7 @@ EXIT_OK, EXIT_REGRESSION, EXIT_USAGE = 0, 1, 2
 WIDTH = 120
 NAME_WIDTH = 44
 TREND_LAYERS = 6
-HTML_NAME = "fxprof_report.html"  # fxprof report RUN --html: the page's default place, in RUN
+HTML_NAME = HTML_FILE  # fxprof report RUN --html: the page's default place, in RUN
 BASELINE_CYCLES = 5  # as the engine: each cycle against the last 5 sound ones before it
 
 EPILOG = """\

@@ -33,6 +33,7 @@ from torch import nn
 from fxprof_lightning.compiled import is_compiled
 from fxprof_lightning.cycle import Cycle
 from fxprof_lightning.history import StageHistory
+from fxprof_lightning.layout import CYCLE_PREFIXES, DEFAULT_DIRPATH
 from fxprof_lightning.loop_phases import LoopClock
 from fxprof_lightning.report import CycleReport, merge_ranks
 from fxprof_lightning.roofline import Peaks, device_peaks
@@ -44,8 +45,7 @@ from fxprof_lightning.torch_trace import CycleTrace, check_profiler_kwargs
 __all__ = ["DEFAULT_DIRPATH", "Engine", "Profiler", "cycle_name"]
 
 RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
-DEFAULT_DIRPATH = "fxprof"  # relative to the working directory, as torch.utils.tensorboard's "runs"
-STAGES = {"train": "cycle_", "val": "val_cycle_"}  # stage -> directory prefix
+STAGES = CYCLE_PREFIXES  # stage -> directory prefix
 IDLE_FOREVER = 2**62  # ``idle_steps_ahead`` when no step will be traced again
 
 

@@ -24,14 +24,13 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
+from fxprof_lightning.layout import MODULES_FILE, NODES_FILE, RANGES_FILE, SUMMARY_FILES
 from fxprof_lightning.regressions import Regression
 from fxprof_lightning.report import CycleReport, ModuleStats, NodeStats, RangeStats
 
 __all__ = ["CYCLE_NAME", "RunError", "cycle_key", "find_cycles", "load_cycle", "load_run"]
 
 CYCLE_NAME = re.compile(r"(?P<val>val_)?cycle_(?P<index>\d+)(?:-p(?P<piece>\d+))?(?:-r(?P<run>\d+))?")
-NODES_FILE, MODULES_FILE, RANGES_FILE = "fx_nodes.csv", "fx_modules.csv", "fsdp_ranges.csv"
-SUMMARY_FILES = ("cycle.jsonl", "cycle.json")  # CycleReport.to_summary as one JSON line (or an object), first found
 SEARCH_DEPTH = 4  # levels below the given path searched for cycle directories
 SUMMARY_FIELDS = {  # taken from the summary as they are, when present: name -> accepted JSON types
     "index": (int,), "stage": (str,), "steps": (list,), "partial": (bool,), "ranks": (int,),

@@ -27,6 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from fxprof_lightning.layout import (
+    MODULES_FILE,
+    NODES_FILE,
+    PICTURE_FILES,
+    RANGES_FILE,
+    SUMMARY_FILE,
+    TREND_FILE,
+    TREND_TAG,
+    stage_tag,
+)
 from fxprof_lightning.report import CycleReport
 from fxprof_lightning.trust import cpu_per_wall, step_spread
 
@@ -82,7 +92,7 @@ class Sink(Protocol):
 
 def tag_prefix(report: CycleReport) -> str:
     """``fxprof`` for training cycles, ``fxprof_val`` for validation cycles (``..._nodes`` for the node series)."""
-    return "fxprof_val" if report.stage == "val" else "fxprof"
+    return stage_tag(report.stage)
 
 
 def cycle_scalars(report: CycleReport) -> dict[str, float]:
@@ -158,12 +168,12 @@ def trend_picture(run: RunSummary) -> bytes | None:
     cycles = [c for c in run.cycles if c.nodes]
     if not run.display.pictures or len(cycles) < 2:
         return None
-    if "fxprof/trend" not in cycles[-1].pictures:
+    if TREND_TAG not in cycles[-1].pictures:
         plots = _plots(run.display)
         if plots is None:
             return None
-        cycles[-1].pictures["fxprof/trend"] = plots.png_bytes(plots.trend(cycles))
-    return cycles[-1].pictures["fxprof/trend"]
+        cycles[-1].pictures[TREND_TAG] = plots.png_bytes(plots.trend(cycles))
+    return cycles[-1].pictures[TREND_TAG]
 
 
 _NO_PICTURES: list[str] = []  # why pictures cannot be drawn, once known (said once per process)
@@ -210,7 +220,7 @@ def log_to_summary_writer(writer: Any, report: CycleReport, display: Display) ->
 def log_trend_to_summary_writer(writer: Any, run: RunSummary) -> None:
     png = trend_picture(run)
     if png is not None:
-        writer.add_image("fxprof/trend", png_to_array(png), global_step=run.cycles[-1].steps[-1], dataformats="HWC")
+        writer.add_image(TREND_TAG, png_to_array(png), global_step=run.cycles[-1].steps[-1], dataformats="HWC")
     writer.flush()
 
 
@@ -220,13 +230,13 @@ class CsvSink:
     not ``.json``, because HolisticTraceAnalysis reads every ``.json`` file of a directory as a trace."""
 
     def write_cycle(self, report: CycleReport, display: Display) -> None:
-        write_atomically(report.directory / "fx_nodes.csv", report.to_csv(), display.name)
+        write_atomically(report.directory / NODES_FILE, report.to_csv(), display.name)
         if report.modules:
-            write_atomically(report.directory / "fx_modules.csv", report.modules_to_csv(), display.name)
+            write_atomically(report.directory / MODULES_FILE, report.modules_to_csv(), display.name)
         if report.ranges:
-            write_atomically(report.directory / "fsdp_ranges.csv", report.ranges_to_csv(), display.name)
+            write_atomically(report.directory / RANGES_FILE, report.ranges_to_csv(), display.name)
         summary = json.dumps(report.to_summary(), default=str) + "\n"
-        write_atomically(report.directory / "cycle.jsonl", summary, display.name)
+        write_atomically(report.directory / SUMMARY_FILE, summary, display.name)
 
     def close(self, run: RunSummary) -> None:
         pass
@@ -256,12 +266,12 @@ class PictureSink:
 
     def write_cycle(self, report: CycleReport, display: Display) -> None:
         for tag, png in cycle_pictures(report, display).items():
-            write_atomically(report.directory / f"{tag.rsplit('/', 1)[1]}.png", png, display.name)
+            write_atomically(report.directory / PICTURE_FILES[tag.rsplit('/', 1)[1]], png, display.name)
 
     def close(self, run: RunSummary) -> None:
         png = trend_picture(run)
         if png is not None:
-            write_atomically(run.cycles[-1].directory / "trend.png", png, run.display.name)
+            write_atomically(run.cycles[-1].directory / TREND_FILE, png, run.display.name)
 
 
 class ConsoleSink:

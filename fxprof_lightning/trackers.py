@@ -32,6 +32,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from fxprof_lightning.layout import MODULES_FILE, NODES_FILE
 from fxprof_lightning.report import CycleReport, ModuleStats, NodeStats
 from fxprof_lightning.sinks import Display, cycle_texts, tag_prefix
 
@@ -135,9 +136,9 @@ def _csv_parts(logger: Any, report: CycleReport) -> list[tuple[str, Callable[[],
 
     def tables() -> None:
         target.mkdir(parents=True, exist_ok=True)
-        (target / "fx_nodes.csv").write_text(report.to_csv())
+        (target / NODES_FILE).write_text(report.to_csv())
         if report.modules:
-            (target / "fx_modules.csv").write_text(report.modules_to_csv())
+            (target / MODULES_FILE).write_text(report.modules_to_csv())
 
     return [("cycle's files", files), ("node and module tables", tables)]
 
