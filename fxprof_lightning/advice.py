@@ -21,6 +21,7 @@ MEMORY_SHARE = 20.0  # % of node time in one memory-bound matmul/conv: worth say
 LOW_PEAK = 30.0  # % of the roofline's attainable rate below which a large matmul or conv is "low"
 BACKWARD_RATIO = 3.0  # backward this many times its forward is suspicious (2x is normal for matmuls)
 ELEMENTWISE_SHARE = 15.0  # % of the step's node time in one module's elementwise nodes
+BACKWARD_RATE = 2.0  # heavy_backward: a backward slower per FLOP than this times its forward is worth a look
 LOOKUP_READS = 100  # a node reading this many times the bytes it writes, with no FLOPs, is a table lookup
 SLOW_RANK_EXCESS = 10.0  # % of node time the slow rank's forward must lag behind the ranks' mean
 SLOW_RANK_SHARE = 2 / 3  # the same rank slowest in this share of the cycles
@@ -99,6 +100,8 @@ def heavy_backward(nodes: list[NodeStats]) -> list[Advice]:
     for n in nodes:
         if n.bwd_calls == 0 or n.mean_ms <= 0 or n.bwd_mean_ms < BACKWARD_RATIO * n.mean_ms or _share(n, grand) < MIN_SHARE:
             continue
+        if n.fwd_flops and n.bwd_flops and (n.bwd_mean_ms / n.mean_ms) / (n.bwd_flops / n.fwd_flops) < BACKWARD_RATE:
+            continue  # its backward does that much more work at a rate near its forward's (a conv on a CPU): expected
         evidence = (f"`{n.name}` ({n.target}) takes {n.bwd_mean_ms / n.mean_ms:.1f}x as long in backward as in forward "
                     f"({n.bwd_mean_ms:.3f} vs {n.mean_ms:.3f} ms per call, {_share(n, grand):.0f}% of node time; about 2x is "
                     "usual for a matmul or conv)")

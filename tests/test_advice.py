@@ -155,3 +155,11 @@ def test_slow_rank_names_where_that_rank_falls_behind():
              node("head", 0.5, slowest_rank=0, slowest_rank_ms=2.0)]
     (found,) = slow_rank([cycle] * 3, ranks=2)
     assert "Rank 1 was the slowest in 3 of 3 cycles, most in `heavy` (3.500 ms per call on rank 1" in found.text
+
+
+def test_a_backward_that_does_twice_the_work_at_the_forwards_rate_is_not_flagged():
+    """A conv on a CPU: backward 3.8x the forward's time for 2x its FLOPs (1.9x slower per FLOP) is expected; the
+    same time for the same FLOPs as the forward (3.8x slower per FLOP) is worth a look."""
+    conv = node("conv", 1.0, 3.8, fwd_flops=10**9, bwd_flops=2 * 10**9)
+    odd = node("odd", 1.0, 3.8, fwd_flops=10**9, bwd_flops=10**9)
+    assert [a.text.split("`")[1] for a in heavy_backward([conv, odd])] == ["odd"]
