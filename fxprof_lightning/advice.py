@@ -166,16 +166,21 @@ def slow_rank(history: list[list[NodeStats]], ranks: int) -> list[Advice]:
             slowest.append(weight.most_common(1)[0][0])
     rank, count = Counter(slowest).most_common(1)[0] if slowest else (0, 0)
     latest = history[-1]
-    behind = sorted(((n.slowest_rank_ms - n.mean_ms) * n.calls, n) for n in latest if n.slowest_rank == rank)
-    excess = 100.0 * sum(max(ms, 0.0) for ms, _ in behind) / max(sum(n.total_ms for n in latest), 1e-12)
+    mine = [n for n in latest if n.slowest_rank == rank]
+    excess = 100.0 * sum(max(_lag_ms(n), 0.0) for n in mine) / max(sum(n.total_ms for n in latest), 1e-12)
     if count < SLOW_RANK_SHARE * len(history) or excess < SLOW_RANK_EXCESS:
         return []
-    n = behind[-1][1]
+    n = max(mine, key=_lag_ms)
     return [Advice(min(100.0, 50.0 + excess), (
         f"Rank {rank} was the slowest in {count} of {len(history)} cycles, most in `{n.name}` ({n.slowest_rank_ms:.3f} "
         f"ms per call on rank {rank} against {n.mean_ms:.3f} averaged over the ranks; its forward is {excess:.0f}% "
         "of node time above the ranks' mean): the others wait for it at every collective. Check its data loading "
         "and uneven inputs (batch sizes, sequence lengths), its GPU (clocks, other processes)."))]
+
+
+def _lag_ms(n: NodeStats) -> float:
+    """How far the slowest rank's calls of a node lag the ranks' mean, ms per step of calls."""
+    return (n.slowest_rank_ms - n.mean_ms) * n.calls
 
 
 def whole_step(phases: dict[str, float], nodes: list[NodeStats] = ()) -> list[Advice]:

@@ -163,3 +163,10 @@ def test_a_backward_that_does_twice_the_work_at_the_forwards_rate_is_not_flagged
     conv = node("conv", 1.0, 3.8, fwd_flops=10**9, bwd_flops=2 * 10**9)
     odd = node("odd", 1.0, 3.8, fwd_flops=10**9, bwd_flops=10**9)
     assert [a.text.split("`")[1] for a in heavy_backward([conv, odd])] == ["odd"]
+
+
+def test_slow_rank_with_nodes_lagging_equally_names_one():
+    """Two of the slow rank's nodes lag by the same amount (sorting them must not compare the nodes themselves)."""
+    cycle = [node("a", 1.0, slowest_rank=1, slowest_rank_ms=2.0), node("b", 1.0, slowest_rank=1, slowest_rank_ms=2.0)]
+    (found,) = slow_rank([cycle] * 3, ranks=2)
+    assert "Rank 1 was the slowest in 3 of 3 cycles, most in `" in found.text
