@@ -98,7 +98,7 @@ def heavy_backward(nodes: list[NodeStats]) -> list[Advice]:
     """A node whose backward takes many times its forward."""
     grand, found = _grand(nodes), []
     for n in nodes:
-        if n.bwd_calls == 0 or n.mean_ms <= 0 or n.bwd_mean_ms < BACKWARD_RATIO * n.mean_ms or _share(n, grand) < MIN_SHARE:
+        if not _heavy_backward(n) or _share(n, grand) < MIN_SHARE:
             continue
         if n.fwd_flops and n.bwd_flops and (n.bwd_mean_ms / n.mean_ms) / (n.bwd_flops / n.fwd_flops) < BACKWARD_RATE:
             continue  # its backward does that much more work at a rate near its forward's (a conv on a CPU): expected
@@ -117,6 +117,11 @@ def heavy_backward(nodes: list[NodeStats]) -> list[Advice]:
             f"{evidence}: look for gradients nobody needs (frozen weights, inputs with requires_grad) "
             "or an op whose backward is slow on this device; the node's backward ops in the trace show which.")))
     return found
+
+
+def _heavy_backward(n: NodeStats) -> bool:
+    """Whether a node's backward takes ``BACKWARD_RATIO`` times its forward or more."""
+    return n.bwd_calls > 0 and n.mean_ms > 0 and n.bwd_mean_ms >= BACKWARD_RATIO * n.mean_ms
 
 
 def _table_lookup(n: NodeStats) -> bool:
@@ -179,7 +184,7 @@ def slow_rank(history: list[list[NodeStats]], ranks: int) -> list[Advice]:
 
 
 def _lag_ms(n: NodeStats) -> float:
-    """How far the slowest rank's calls of a node lag the ranks' mean, ms per step of calls."""
+    """How far the slowest rank's calls of a node lag the ranks' mean, ms over the cycle's calls."""
     return (n.slowest_rank_ms - n.mean_ms) * n.calls
 
 
@@ -210,7 +215,7 @@ def whole_step(phases: dict[str, float], nodes: list[NodeStats] = ()) -> list[Ad
 
 def _dense_tables(nodes: list[NodeStats]) -> str:
     """What the optimizer step has to update because of table lookups with a heavy (dense) backward, or ''."""
-    tables = [n for n in nodes if _table_lookup(n) and n.bwd_calls and n.bwd_mean_ms >= BACKWARD_RATIO * n.mean_ms]
+    tables = [n for n in nodes if _table_lookup(n) and _heavy_backward(n)]
     if not tables:
         return ""
     names = ", ".join(f"`{n.name}`" for n in tables)

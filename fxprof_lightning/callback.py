@@ -144,7 +144,6 @@ class FXProfilerCallback(Callback):
             return
         self._pl_module = pl_module
         self._wake()
-        self._idle.done = 0
         self.profiler.target = None  # resolved when the loop starts: setup/configure_model may build it
         self.profiler.reset(train=stage == "fit")  # a new fit counts from 0 unless a checkpoint says otherwise
         out_dir = self.dirpath if self.dirpath is not None else Path(trainer.log_dir or trainer.default_root_dir) / DEFAULT_DIRPATH
@@ -196,10 +195,11 @@ class FXProfilerCallback(Callback):
             self.profiler.add_step_phases(self._clock.lap())
         self.profiler.end_step("train")
         # Time the whole of each recorded step, from the end of the step before (so its wait for data is in it).
-        if self.profiler.recording("train") and self._clock is None:
+        recording = self.profiler.recording("train")
+        if recording and self._clock is None:
             self._clock = PhaseClock(trainer.profiler, f"[Callback]{self.state_key}",
                                      inside=f"[Callback]{self.state_key}.on_train_batch_end")
-        elif not self.profiler.recording("train"):
+        elif not recording:
             self._close_clock()
             self._go_idle()
 
@@ -300,7 +300,6 @@ class FXProfilerCallback(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._wake()
-        self._idle.done = 0
         self.profiler.load_state_dict(state_dict)
 
 

@@ -1,8 +1,9 @@
 """``Cycle``: one cycle in progress, from its first traced step to its report.
 
 It owns where the cycle writes, its ``torch.profiler`` session (``CycleTrace``), its timer and what the timer
-is given: the steps it recorded, their wall and CPU times and phases, and where backward times come from
-(``backward``, decided when it opens). The engine (``engine.Profiler``) decides when a cycle opens and closes.
+is given: the steps it recorded, their wall and CPU times, phases and batch sizes, and where backward times come
+from (``backward``, chosen at each recorded training step). The engine (``engine.Engine``) decides when a cycle
+opens and closes.
 """
 
 from __future__ import annotations

@@ -45,7 +45,6 @@ from fxprof_lightning.torch_trace import CycleTrace, check_profiler_kwargs
 __all__ = ["DEFAULT_DIRPATH", "Engine", "Profiler", "cycle_name"]
 
 RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
-STAGES = CYCLE_PREFIXES  # stage -> directory prefix
 IDLE_FOREVER = 2**62  # ``idle_steps_ahead`` when no step will be traced again
 
 
@@ -67,7 +66,7 @@ class _Stage:
         """The directory of the cycle ``index`` opening now (a new piece of a cycle cut earlier gets its own)."""
         self.piece = self.piece + 1 if index == self.last_index else 0
         self.last_index = index
-        directory = dirpath / cycle_name(STAGES[self.name], index, self.piece, taken)
+        directory = dirpath / cycle_name(CYCLE_PREFIXES[self.name], index, self.piece, taken)
         directory.mkdir(parents=True, exist_ok=True)
         if not self.directories or self.directories[-1] != directory:
             self.directories.append(directory)
@@ -240,16 +239,21 @@ class Engine:
             state.step += count
 
     def add_batch_size(self, samples: int | None, stage: str = "train") -> None:
-        """The samples in the recorded step in progress (``CycleReport.batch_size``: their median); before ``end_step``."""
-        state = self._stage(stage)
-        if samples is not None and state is not None and state.open is not None and self.recording(stage):
-            state.open.batch_sizes.append(int(samples))
+        """The samples in the recorded step in progress (``CycleReport.batch_size``: their mean); before ``end_step``."""
+        cycle = self._recording_cycle(stage)
+        if samples is not None and cycle is not None:
+            cycle.batch_sizes.append(int(samples))
 
     def add_step_phases(self, phases_ns: dict[str, int], stage: str = "train") -> None:
         """Where the recorded step in progress went, ns per phase (``step_phases.PhaseClock.lap``); before ``end_step``."""
+        cycle = self._recording_cycle(stage)
+        if cycle is not None:
+            cycle.phases.append(phases_ns)
+
+    def _recording_cycle(self, stage: str) -> Cycle | None:
+        """The stage's open cycle while its step in progress is a recorded step, else None."""
         state = self._stage(stage)
-        if state is not None and state.open is not None and self.recording(stage):
-            state.open.phases.append(phases_ns)
+        return state.open if state is not None and state.open is not None and self.recording(stage) else None
 
     def end_step(self, stage: str = "train") -> None:
         """A step of ``stage`` ends: count it, and write the cycle at its last recorded step."""
@@ -332,7 +336,7 @@ class Engine:
 
     def _stage(self, name: str) -> _Stage | None:
         """The stage's state, or None for validation without ``profile_validation`` (nothing to do)."""
-        if name not in STAGES:
+        if name not in CYCLE_PREFIXES:
             raise ValueError(f"stage must be 'train' or 'val', got {name!r}")
         if name == "val" and not self.profile_validation:
             return None
@@ -565,9 +569,10 @@ class Profiler(Engine):
 
     def _time_phases(self) -> None:
         """A ``LoopClock`` on the module while training steps are recorded (``CycleReport.phases``)."""
-        if self.recording("train") and self._clock is None and self.target is not None:
+        recording = self.recording("train")
+        if recording and self._clock is None and self.target is not None:
             self._clock = LoopClock(self.target)
-        elif not self.recording("train"):
+        elif not recording:
             self._close_clock()
 
     def _close_clock(self) -> None:
