@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import random
 import re
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -41,7 +42,7 @@ from torch.utils import _pytree as pytree
 
 from fxprof_lightning.flops import NodeCosts, count_costs
 from fxprof_lightning.node_timing import NodeTimer
-from fxprof_lightning.nodes import JOINS, ROW, NodeInfo, describe_target, is_timed, mark_untimed, node_info
+from fxprof_lightning.nodes import JOINS, NESTS, ROW, NodeInfo, describe_target, is_timed, mark_untimed, node_info
 
 if TYPE_CHECKING:
     from fxprof_lightning.capture import Capture
@@ -159,11 +160,12 @@ class DynamoTimer(NodeTimer):
                                                guard_fail_fn=lambda failure: self._guard_failures.append(failure.reason))
 
     def _backend(self, captured: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        annotate_rows(captured, self._names)
+        for graph_module in (captured, *_checkpointed_bodies(captured)):
+            annotate_rows(graph_module, self._names)
         graph = _Graph(captured, self._instrument(captured, self._annotate, hooked=self._cuda))
         self.graphs.append(graph)
         # Counted when asked (``costs``, after the cycle), not here inside the capture's checked calls.
-        self._uncounted.append((captured, [torch.empty(t.shape, dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
+        self._uncounted.append((inline_checkpoints(captured), [torch.empty(t.shape, dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
                                            if isinstance(t, torch.Tensor) else t for t in example_inputs]))
 
         def run(*args: Any) -> Any:
@@ -242,6 +244,48 @@ class DynamoTimer(NodeTimer):
         self.capture_s.append(time.perf_counter() - started)
         return out
 
+    def _instrument(self, traced: fx.GraphModule, annotate: bool, hooked: bool) -> fx.GraphModule:
+        """``NodeTimer``'s instrumented graph, with each checkpointed region opened: its ops are rows of their own
+        (``open_checkpoints``)."""
+        opened = open_checkpoints(traced, lambda body: self._instrument(body, annotate, hooked),
+                                  None if hooked else self._recompute_log)
+        return super()._instrument(opened, annotate, hooked)
+
+    def _recompute_log(self, body: fx.GraphModule) -> Callable[[int, int], None]:
+        """What a checkpointed region's recompute reports to (``open_checkpoints``): the row ``<region>_recompute``,
+        whose backward time it is, taken out of the backward time of the autograd node that asked for it."""
+        stacks = [info.module_stack for node in body.graph.nodes if (info := node.meta.get(ROW)) is not None]
+        common = [parts[0] for parts in zip(*stacks) if len(set(parts)) == 1] if stacks else []
+        path = common[-1].partition("@")[0] if common else ""
+        name = f"{path.replace('.', '_')}_recompute" if path else "checkpoint_recompute"
+        row = self._row_of(NodeInfo(name, "recompute", "torch.utils.checkpoint (recompute in backward)", path,
+                                    tuple(common)))
+
+        def recomputed(sequence_nr: int, ns: int) -> None:
+            self._recomputes.append((row, sequence_nr, ns))
+
+        return recomputed
+
+    def reset(self) -> None:
+        super().reset()
+        self._recomputes: list[tuple[int, int, int]] = []  # (row, sequence number of the asking node, ns)
+
+    def add_backward(self, events: list[tuple[int, int]]) -> None:
+        """``NodeTimer.add_backward``, with each checkpointed region's recompute moved out of the backward time of
+        the autograd node that ran it (matched by sequence number) into the region's ``_recompute`` row."""
+        if not self._recomputes:
+            return super().add_backward(events)
+        inside: dict[int, int] = {}
+        for _row, sequence_nr, ns in self._recomputes:
+            inside[sequence_nr] = inside.get(sequence_nr, 0) + ns
+        adjusted = []
+        for sequence_nr, duration in events:
+            taken = min(duration, inside.pop(sequence_nr, 0))
+            adjusted.append((sequence_nr, duration - taken))
+        super().add_backward(adjusted)
+        for row, _sequence_nr, ns in self._recomputes:
+            self.bwd[row].append(ns)
+
     def _count_costs(self, captured: fx.GraphModule, example_inputs: list[Any]) -> None:
         """FLOPs and bytes of each row of a captured graph, in a meta-device pass at capture time (never in a timed
         step); the ops of one row add up. A graph whose pass fails leaves its rows without costs."""
@@ -309,6 +353,117 @@ class DynamoTimer(NodeTimer):
         self._in_pass = False
 
 
+# ---------------------------------------------------------------- checkpointed regions, opened
+
+
+def _is_checkpoint(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.ops.higher_order.tag_activation_checkpoint
+
+
+def _checkpointed_bodies(graph_module: fx.GraphModule) -> list[fx.GraphModule]:
+    """The graphs of the checkpointed regions in a Dynamo graph, nested ones too."""
+    bodies = [getattr(graph_module, node.args[0].target) for node in graph_module.graph.nodes if _is_checkpoint(node)]
+    return [graph for body in bodies for graph in (body, *_checkpointed_bodies(body))]
+
+
+def open_checkpoints(graph_module: fx.GraphModule, instrumented: Callable[[fx.GraphModule], fx.GraphModule],
+                     recompute_log: Callable[[fx.GraphModule], Callable[[int, int], None]] | None = None) -> fx.GraphModule:
+    """A copy of ``graph_module`` in which each checkpointed region (Dynamo's ``tag_activation_checkpoint``) runs as
+    eager runs it, ``torch.utils.checkpoint.checkpoint`` with the caller's arguments (``use_reentrant``,
+    ``preserve_rng_state``, ``context_fn``...), over the region's graph ``instrumented`` (its ops timed, as rows of
+    their own) in forward, and over the graph as captured when backward recomputes it. ``recompute_log(body)``
+    gives the function each recompute reports to: the sequence number of the autograd node that asked for it (whose
+    backward time holds it) and its nanoseconds.
+
+    Dynamo's own eager implementation of that op is not the eager program: it checkpoints with
+    ``preserve_rng_state=False`` and a selective-checkpointing policy, so dropout inside a region draws other
+    numbers in the recompute, and the tensors saved for backward differ.
+    """
+    if not any(_is_checkpoint(node) for node in graph_module.graph.nodes):
+        return graph_module
+    graph = fx.Graph()
+    copies: dict[fx.Node, fx.Node] = {}
+    graph.set_codegen(graph_module.graph._codegen)
+    output = graph.graph_copy(graph_module.graph, copies)
+    graph.output(output)
+    for node in graph.nodes:
+        if not _is_checkpoint(node):
+            continue
+        body = getattr(graph_module, node.args[0].target)
+        checkpoint_kwargs, body_kwargs = torch.ops.higher_order.tag_activation_checkpoint.divide_kwargs(node.kwargs)
+        if "_checkpoint_context_fn" in body.meta:
+            checkpoint_kwargs["context_fn"] = body.meta["_checkpoint_context_fn"]
+        operands = node.args[1:]
+        state = [i for i, operand in enumerate(operands) if _is_module_state(operand)]
+        node.target = _checkpoint(instrumented(body), body, checkpoint_kwargs, state,
+                                  recompute_log(body) if recompute_log is not None else None)
+        node.args, node.kwargs = operands, body_kwargs
+        node.meta[NESTS] = True
+        mark_untimed(node)
+    graph.eliminate_dead_code()
+    return fx.GraphModule(graph_module, graph, class_name=type(graph_module).__name__)
+
+
+def inline_checkpoints(graph_module: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``graph_module`` with each checkpointed region's ops in place of the region (no checkpointing), for
+    counting FLOPs and bytes per row (``flops.count_costs``): the same rows in the same order as the timed graph."""
+    if not any(_is_checkpoint(node) for node in graph_module.graph.nodes):
+        return graph_module
+    graph = fx.Graph()
+    graph.set_codegen(graph_module.graph._codegen)
+    copies: dict[fx.Node, Any] = {}
+    for node in graph_module.graph.nodes:
+        if not _is_checkpoint(node):
+            copies[node] = graph.node_copy(node, lambda n: copies[n])
+            continue
+        body = inline_checkpoints(getattr(graph_module, node.args[0].target))
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        inputs = dict(zip(placeholders, fx.map_arg(node.args[1:], lambda n: copies[n]), strict=True))
+        copies[node] = graph.graph_copy(body.graph, inputs)  # the region's outputs: a tuple, as the op returns
+    graph.eliminate_dead_code()
+    return fx.GraphModule(graph_module, graph, class_name=type(graph_module).__name__)
+
+
+def _is_module_state(operand: Any) -> bool:
+    """Whether an operand of a checkpointed region is a parameter or buffer of a module (Dynamo passes them as
+    graph inputs; eager's region reads them from its module, so ``checkpoint`` does not save them)."""
+    if not isinstance(operand, fx.Node):
+        return False
+    source = getattr(operand.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", "") if source is not None else ""
+    return operand.op == "get_attr" or "._parameters[" in name or "._buffers[" in name
+
+
+def _checkpoint(timed: fx.GraphModule, captured: fx.GraphModule, kwargs: dict[str, Any], state: list[int],
+                recomputed: Callable[[int, int], None] | None) -> Callable[..., Any]:
+    """The call that replaces a checkpointed region (``open_checkpoints``). ``state``: the positions of the region's
+    operands that are module parameters or buffers; they reach the region from outside ``checkpoint``'s arguments,
+    as in eager, so that ``checkpoint`` saves the same inputs."""
+
+    def checkpoint(*operands: Any, **body_kwargs: Any) -> Any:
+        held = {i: operands[i] for i in state}
+        inputs = [operand for i, operand in enumerate(operands) if i not in held]
+
+        def region(*passed: Any, **passed_kwargs: Any) -> Any:
+            rest = iter(passed)
+            args = [held[i] if i in held else next(rest) for i in range(len(operands))]
+            if torch._C._current_graph_task_id() == -1:
+                return timed(*args, **passed_kwargs)
+            # Run by the autograd engine: backward recomputes the region for the node it is running (and may stop
+            # it early with an exception once the saved tensors it needs are back).
+            start = time.perf_counter_ns()
+            try:
+                return captured(*args, **passed_kwargs)
+            finally:
+                asking = torch._C._current_autograd_node()
+                if recomputed is not None and asking is not None:
+                    recomputed(asking._sequence_nr(), time.perf_counter_ns() - start)
+
+        return torch.utils.checkpoint.checkpoint(region, *inputs, **kwargs, **body_kwargs)
+
+    return checkpoint
+
+
 def _graph_break_counter() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
@@ -336,7 +491,8 @@ def _run(forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], 
     sizes: list[int] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        sizes.append(tensor.numel() * tensor.element_size())
+        if not _checkpoint_inputs_saved():
+            sizes.append(tensor.numel() * tensor.element_size())
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -354,6 +510,26 @@ def _run(forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], 
             gradients = [(name, g) for (name, _), g in zip(named, grads, strict=True)]
     buffers = [(name, b.detach().clone()) for name, b in module.named_buffers()]
     return CallResult([t.detach() for t in outputs], gradients, buffers, _random_states(), len(sizes), sum(sizes))
+
+
+_SAVE_INPUTS = getattr(getattr(torch.utils.checkpoint, "_CheckpointFrame", None), "save_inputs", None)
+
+
+def _checkpoint_inputs_saved() -> bool:
+    """Whether the tensor being packed is an input a checkpointed region keeps for its recompute (``checkpoint``'s
+    ``_CheckpointFrame.save_inputs``). Those are not counted: eager passes some of a region's inputs as arguments
+    and reads others from a closure (HF passes ``partial(layer, **kwargs)``), the captured graph passes them all,
+    and they are alive in both either way."""
+    if _SAVE_INPUTS is None:
+        return False
+    frame = sys._getframe(2)
+    for _ in range(3):
+        if frame is None:
+            return False
+        if frame.f_code is _SAVE_INPUTS.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def first_difference(eager: CallResult, captured: CallResult) -> str | None:

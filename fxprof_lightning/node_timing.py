@@ -52,7 +52,7 @@ from torch import fx, nn
 
 from fxprof_lightning.autograd_walk import autograd_nodes, sequence_nr_now, tensors_in
 from fxprof_lightning.flops import NodeCosts, count_costs, input_signature
-from fxprof_lightning.nodes import JOINS, ROW, NodeInfo, is_timed, node_info
+from fxprof_lightning.nodes import JOINS, NESTS, ROW, NodeInfo, is_timed, node_info
 from fxprof_lightning.quiet import quiet_kineto
 
 if TYPE_CHECKING:
@@ -520,7 +520,9 @@ class NodeTimer:
 
     def _row(self, node: fx.Node) -> int:
         """The index in ``nodes`` of the row a node's times go to: an existing row of its name, or a new one."""
-        info = node.meta.get(ROW) or node_info(node)
+        return self._row_of(node.meta.get(ROW) or node_info(node))
+
+    def _row_of(self, info: NodeInfo) -> int:
         row = self._rows.get(info.name)
         if row is None:
             row = self._rows[info.name] = len(self.nodes)
@@ -542,13 +544,15 @@ def instrument(self: NodeTimer, traced: fx.GraphModule, annotate: bool, hooked: 
     (the two lists are those ``_begin_call`` returns at the start of the call), and ``_fold`` makes samples of them.
     A node marked ``joins_previous`` (``JOINS``) is timed together with the timed node before it: one row, one
     pair of clock reads around both (the ops of one ``torch.nn`` layer in a Dynamo graph). A row is shared by
-    every graph that has a node of its name.
+    every graph that has a node of its name. After a node marked ``NESTS`` (it runs an instrumented graph, whose
+    call logs its own entries in between) the call goes on in a log of the rows still to come (``_GraphLog.resume``).
     """
     graph = fx.Graph()
     copies: dict[fx.Node, fx.Node] = {}
     timed = [n for n in traced.graph.nodes if is_timed(n) and not _own_state_of_root(traced, n)]
     closes = {a for a, b in itertools.pairwise(timed) if not b.meta.get(JOINS)} | set(timed[-1:])
     log = _GraphLog(self)
+    open_logs = [log]  # the graph's log and those that go on with its call after a nested graph's
     index = -1
     graph.set_codegen(copy.deepcopy(traced.graph._codegen))  # keep how inputs are passed (e.g. pytree codegen)
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
@@ -569,12 +573,20 @@ def instrument(self: NodeTimer, traced: fx.GraphModule, annotate: bool, hooked: 
             continue
         if not is_timed(node):
             copies[node] = graph.node_copy(node, copies.__getitem__)
+            if node.meta.get(NESTS):
+                if lean:
+                    open_logs.append(resumed := _GraphLog(self))
+                    graph.call_function(resumed.resume)
+                    if self._backward:
+                        graph.call_method("append", (sequence_nrs, graph.call_method("_get_sequence_nr", (autograd,))))
+                sequence_nr = None  # hooked: read again after the nested graph's autograd nodes
             continue
         opens = index < 0 or not node.meta.get(JOINS)
         if opens:
             index += 1
             row = self._row(node)
-            log.add(row)
+            for each in open_logs:
+                each.add(row)
         if index == 0 and opens and self._trace_ranges and lean:
             graph.call_function(self._anchor)
         callee = _callee(graph, node, traced, modules, log.called)
@@ -625,6 +637,10 @@ class _GraphLog:
 
     def begin(self) -> tuple[list[int], list[int], list[nn.Module], Any]:
         return self.timer._begin_call(self)
+
+    def resume(self) -> None:
+        """Go on with the running call in this log (its rows: those after a nested graph's call)."""
+        self.timer._calls.append((len(self.timer._stamps), len(self.timer._sequence_nrs), self))
 
 
 def _own_state_of_root(traced: fx.GraphModule, node: fx.Node) -> bool:

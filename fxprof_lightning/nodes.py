@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import fx
 
-__all__ = ["JOINS", "ROW", "TIMED_OPS", "UNTIMED", "NodeInfo", "describe_target", "is_timed", "mark_untimed", "node_info"]
+__all__ = ["JOINS", "NESTS", "ROW", "TIMED_OPS", "UNTIMED", "NodeInfo", "describe_target", "is_timed", "mark_untimed", "node_info"]
 
 # Node kinds that run code worth timing; placeholders, get_attr and output only move references.
 TIMED_OPS = ("call_module", "call_function", "call_method")
@@ -22,6 +22,9 @@ UNTIMED = "fxprof_untimed"
 # the node is timed together with the timed node before it (one row for several ops).
 ROW = "fxprof_row"
 JOINS = "fxprof_joins_previous"
+# ``node.meta`` key of an untimed node that runs an instrumented graph of its own (a checkpointed region, whose ops
+# are rows): the timed nodes after it go on with the call of the graph it is in.
+NESTS = "fxprof_nests"
 
 
 def mark_untimed(node: fx.Node) -> fx.Node:

@@ -174,7 +174,8 @@ def summarize_nodes(
     mem_delta: list[list[int]] | None = None,
     mem_peak: list[list[int]] | None = None,
 ) -> list[NodeStats]:
-    """Statistics per node (nodes that never ran are left out), slowest (forward + backward) first.
+    """Statistics per node (nodes that never ran are left out; a node with backward time only, such as a checkpointed
+    region's recompute, has no forward calls), slowest (forward + backward) first.
 
     ``costs`` is a ``flops.NodeCosts`` for the same nodes, or None.
     """
@@ -183,7 +184,7 @@ def summarize_nodes(
     bwd_grand = sum(sum(s) for s in bwd) or 1
     stats = []
     for i, info in enumerate(nodes):
-        if not fwd[i]:
+        if not fwd[i] and not bwd[i]:
             continue
         mean, median, low, high, total = _spread(fwd[i])
         b_mean, b_median, b_low, b_high, b_total = _spread(bwd[i])

@@ -277,14 +277,45 @@ class Checkpointed(nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
-def test_activation_checkpointing_is_kept_or_the_graph_refused(tmp_path):
-    # Dropout inside the checkpointed blocks: its recompute must draw the same mask.
+def test_checkpointed_regions_are_kept_and_opened(tmp_path):
+    # Dropout inside the checkpointed blocks: its recompute must draw the same mask (preserve_rng_state, as eager).
     _, callback = train_both(tmp_path, lambda: Lit(Checkpointed()), steps=4)
-    capture = callback.cycles[0].capture
-    if capture.method == "dynamo":  # verified: same saved tensors (count and bytes) as eager
-        assert {"stem", "head"} <= names(callback.cycles[0])
-    else:
-        assert capture.method == "module_hooks" and "Dynamo" in capture.error
+    cycle = callback.cycles[0]
+    # verified against eager: the same tensors saved for backward (count and bytes), so checkpointing is kept
+    assert cycle.capture.method == "dynamo" and "refused" not in cycle.capture.error
+    # the layers inside each region are rows, and each region's recompute in backward is a row of its own
+    assert {"stem", "blocks_0_conv", "blocks_0_bn", "blocks_0_drop", "blocks_1_conv", "head"} <= names(cycle)
+    recompute = {n.name: n for n in cycle.nodes if n.op == "recompute"}
+    assert set(recompute) == {"blocks_0_recompute", "blocks_1_recompute"}
+    assert all(n.calls == 0 and n.bwd_calls == 2 and n.bwd_mean_ms > 0 and n.module_path.startswith("blocks.")
+               for n in recompute.values())
+    conv = next(n for n in cycle.nodes if n.name == "blocks_1_conv")  # FLOPs counted inside the regions too
+    assert conv.fwd_flops == 2 * 4 * 8 * 8 * 8 * 8 * 9
+
+
+def test_checkpointed_regions_through_the_plain_loop_keep_their_saved_tensors(tmp_path):
+    """The saved tensors of a step through the timed graph are those of eager: count and bytes."""
+    torch.manual_seed(0)
+    model = Checkpointed()
+    x = torch.randn(4, 3, 8, 8)
+
+    def saved_by_one_step() -> tuple[int, int]:
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            loss = model(x).sum()
+        loss.backward()
+        return len(sizes), sum(sizes)
+
+    eager = saved_by_one_step()
+    seen = []
+    with Profiler(model, wait=0, warmup=1, active=2, repeat=1, dirpath=tmp_path, torch_profiler=False,
+                  pictures=False, sinks=[]) as prof:
+        for _ in range(3):
+            seen.append(saved_by_one_step())
+            prof.step()
+    assert prof.cycles[0].capture.method == "dynamo"
+    assert seen[1:] == [eager, eager]  # the warm-up step captured (and checked); the recorded steps ran the graph
 
 
 class CompilerAware(Net):
