@@ -28,11 +28,12 @@ function Dynamo saw and the module that called it (``layer1_0_iadd``, ``self_att
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,24 @@ DYNAMO = ("captured by Dynamo (torch._dynamo, run eagerly by a backend that time
 
 # Dynamo's defaults leave out guards on module hooks (a hook added after the capture would be bypassed): ours keep them.
 GUARD_SETTINGS = {"skip_nnmodule_hook_guards": False}
+
+
+# Python functions of torch that Dynamo puts into its graphs as one call, though they run many ops (the trace rule
+# ``TorchInGraphFunctionVariable``): while we capture, Dynamo traces into them, so their ops are rows.
+OPENED = (torch.nn.functional.multi_head_attention_forward,)
+
+
+@contextlib.contextmanager
+def _opened(functions: tuple[Callable[..., Any], ...]) -> Iterator[None]:
+    """Let Dynamo trace into ``functions`` (rather than keep each call whole) inside the block."""
+    from torch._dynamo import trace_rules
+
+    rules = trace_rules.get_torch_obj_rule_map()
+    saved = {f: rules.pop(f) for f in functions if f in rules}
+    try:
+        yield
+    finally:
+        rules.update(saved)
 
 
 def annotate_rows(graph_module: fx.GraphModule, names: dict[int, tuple[str, nn.Module]]) -> None:
@@ -156,8 +175,9 @@ class DynamoTimer(NodeTimer):
         self._names: dict[int, tuple[str, nn.Module]] = {}
         self._guard_failures: list[str] = []
         self._graph_breaks: dict[str, int] = {}
-        self._context = torch._dynamo.optimize(self._backend, isolate_recompiles=True,
-                                               guard_fail_fn=lambda failure: self._guard_failures.append(failure.reason))
+        self._opening = OPENED  # torch functions traced into (dropped after they broke a graph)
+        self._context = self._new_context()
+        self._compiled: Callable[..., Any] | None = None  # the installed module's forward under our Dynamo context
 
     def _backend(self, captured: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         for graph_module in (captured, *_checkpointed_bodies(captured)):
@@ -185,26 +205,36 @@ class DynamoTimer(NodeTimer):
         self._saved_forward[id(module)] = module.__dict__.get("forward")
         self._root = module
         own_forward = module.forward
-        compiled = self._context(own_forward)
+        self._compiled = self._context(own_forward)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if module.training is not self.training or self.mismatch is not None:
                 return own_forward(*args, **kwargs)
             if self._pending is not None:
-                return self._capture_call(module, own_forward, compiled, args, kwargs)
+                return self._capture_call(module, own_forward, args, kwargs)
             before = self.calls
             with torch.compiler.set_stance("eager_on_recompile"):
-                out = compiled(*args, **kwargs)
+                out = self._compiled(*args, **kwargs)
             if self.calls - before != self._expected:  # a guard failed: that code ran eagerly, untimed
                 self._pending = "a guard failed"
             return out
 
         module.forward = forward
 
-    def _capture_call(self, module: nn.Module, own_forward: Callable[..., Any], compiled: Callable[..., Any],
-                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Capture (Dynamo compiles where its guards fail), verify against eager, then make the call itself."""
+    def _new_context(self) -> Any:
+        """A Dynamo context with a cache of its own (the user's ``torch.compile`` of the same code is untouched)."""
+        return torch._dynamo.optimize(self._backend, isolate_recompiles=True,
+                                      guard_fail_fn=lambda failure: self._guard_failures.append(failure.reason))
+
+    def _capture_call(self, module: nn.Module, own_forward: Callable[..., Any], args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> Any:
+        """Capture (Dynamo compiles where its guards fail), verify against eager, then make the call itself.
+
+        Torch functions Dynamo keeps whole are traced into (``OPENED``); if that breaks the graph (the checks inside
+        ``F.multi_head_attention_forward`` with a padding mask do), the capture is made again without, in a fresh
+        Dynamo cache, and those functions stay whole from then on."""
         started = time.perf_counter()
+        graphs, uncounted = len(self.graphs), len(self._uncounted)
         reason, self._pending = self._pending, None
         self._names = {id(m): (name, m) for name, m in module.named_modules(remove_duplicate=False)}
         self._guard_failures.clear()
@@ -216,8 +246,8 @@ class DynamoTimer(NodeTimer):
             eager = _run(own_forward, module, args, kwargs)
             state.restore()
             before = self.calls
-            with torch._dynamo.config.patch(GUARD_SETTINGS):
-                captured = _run(compiled, module, args, kwargs)
+            with torch._dynamo.config.patch(GUARD_SETTINGS), _opened(self._opening):
+                captured = _run(self._compiled, module, args, kwargs)
             graph_calls = self.calls - before
             state.restore()
             difference = first_difference(eager, captured)
@@ -227,6 +257,13 @@ class DynamoTimer(NodeTimer):
             state.restore()
             difference = f"capturing with Dynamo failed: {type(error).__name__}: {error}"
         self._truncate(mark)
+        if self._opening and _graph_break_counter() != breaks:
+            self._opening = ()
+            del self.graphs[graphs:], self._uncounted[uncounted:]
+            self._context = self._new_context()  # a fresh cache, without the graphs of the opened capture
+            self._compiled = self._context(own_forward)
+            self._pending = reason
+            return self._capture_call(module, own_forward, args, kwargs)
         for why, count in _graph_break_counter().items():
             if count > breaks.get(why, 0):
                 self._graph_breaks[why] = self._graph_breaks.get(why, 0) + count - breaks.get(why, 0)
@@ -240,7 +277,7 @@ class DynamoTimer(NodeTimer):
             return own_forward(*args, **kwargs)
         self._expected = graph_calls
         with torch.compiler.set_stance("eager_on_recompile"):
-            out = compiled(*args, **kwargs)
+            out = self._compiled(*args, **kwargs)
         self.capture_s.append(time.perf_counter() - started)
         return out
 

@@ -220,9 +220,32 @@ def test_dynamic_padding_and_a_short_last_batch_with_a_composite_layer(tmp_path)
     _, callback = train_both(tmp_path, lambda: Lit(Encoder()), steps=12,
                              loader_fn=lambda: DataLoader(Tokens(), batch_size=4, collate_fn=pad))
     rows = set().union(*(names(c) for c in callback.cycles))
-    # TransformerEncoderLayer is opened: its layers are rows of their own.
+    # TransformerEncoderLayer is opened: its layers are rows of their own. Its attention with a padding mask stays one
+    # row: traced into, F.multi_head_attention_forward's mask checks break the graph, so it is captured whole.
     assert {"layer_linear1", "layer_linear2", "layer_norm1", "layer_norm2", "layer_dropout1"} <= rows
+    assert "layer_self_attn_multi_head_attention_forward" in rows
+    assert not any(c.capture.graph_breaks for c in callback.cycles)
     assert any(c.capture.recaptures for c in callback.cycles)  # a new length (or the short batch) was captured again
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, 16)
+        self.attn = nn.MultiheadAttention(16, 2, dropout=0.1, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = self.embed(x.flatten(2).transpose(1, 2))  # an image of 8 x 8 pixels as 64 tokens of 3 channels
+        return self.head(self.attn(x, x, x)[0].mean(dim=1))
+
+
+def test_multi_head_attention_is_opened(tmp_path):
+    """``F.multi_head_attention_forward`` (one call in Dynamo's graph) is traced into: its ops are rows."""
+    _, callback = train_both(tmp_path, lambda: Lit(Attention()), steps=4)
+    rows = names(callback.cycles[0])
+    assert {"attn_linear", "attn_bmm", "attn_softmax", "attn_dropout", "attn_linear_1"} <= rows, rows
+    assert not any("multi_head_attention_forward" in row for row in rows)
 
 
 class TensorChecks(nn.Module):
