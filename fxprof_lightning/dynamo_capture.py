@@ -34,7 +34,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,6 +61,7 @@ GUARD_SETTINGS = {"skip_nnmodule_hook_guards": False}
 # Python functions of torch that Dynamo puts into its graphs as one call, though they run many ops (the trace rule
 # ``TorchInGraphFunctionVariable``): while we capture, Dynamo traces into them, so their ops are rows.
 OPENED = (torch.nn.functional.multi_head_attention_forward,)
+OPENED_BY = (nn.MultiheadAttention,)  # the modules that call them
 
 
 @contextlib.contextmanager
@@ -134,6 +135,40 @@ def _path_of(source: str) -> str:
     return re.sub(r"\._modules\.", ".", path).strip(".")
 
 
+@dataclass(frozen=True)
+class _Way:
+    """How Dynamo captures: the torch functions it traces into, and whether it follows torch's own frames after a
+    graph break (``dont_skip_tracing``)."""
+
+    opening: tuple[Callable[..., Any], ...] = ()
+    follow: bool = False
+
+
+@dataclass
+class _Attempt:
+    """One capture (``DynamoTimer._attempt``): its way, where its graphs begin in the timer's lists, what it gave."""
+
+    way: _Way
+    graphs: int
+    uncounted: int
+    graph_calls: int = 0
+    difference: str | None = None  # how it differs from eager (None: bitwise the same)
+    breaks: dict[str, int] = field(default_factory=dict)  # its graph breaks, by reason
+    timed: int = 0  # how many of its timed ops are placed in a layer (``_placed``)
+
+
+def _placed(node: fx.Node, first: bool) -> int:
+    """A timed op's score in the choice of a way to capture (``DynamoTimer._explore``): 1 inside a submodule; -1
+    outside any module in a graph after the first (code of torch's own that Dynamo followed after a graph break,
+    whose rows could not say which layer ran them); else 0 (the root's own ops: the same in every way)."""
+    if not is_timed(node):
+        return 0
+    info = node.meta.get(ROW)
+    if info is not None and info.module_stack:
+        return 1
+    return 0 if first else -1
+
+
 @dataclass
 class _Graph:
     """One graph Dynamo captured: as captured, and instrumented (events) and hooked (CUDA, or another profiler)."""
@@ -175,9 +210,11 @@ class DynamoTimer(NodeTimer):
         self._names: dict[int, tuple[str, nn.Module]] = {}
         self._guard_failures: list[str] = []
         self._graph_breaks: dict[str, int] = {}
-        self._opening = OPENED  # torch functions traced into (dropped after they broke a graph)
+        self._way = _Way(OPENED)  # how Dynamo captures (``_explore`` may change it at the first graph break)
+        self._explored = False
         self._context = self._new_context()
         self._compiled: Callable[..., Any] | None = None  # the installed module's forward under our Dynamo context
+        self._own_forward: Callable[..., Any] | None = None  # and its own
 
     def _backend(self, captured: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         for graph_module in (captured, *_checkpointed_bodies(captured)):
@@ -204,7 +241,7 @@ class DynamoTimer(NodeTimer):
         self._hooks_now = backward_hooks
         self._saved_forward[id(module)] = module.__dict__.get("forward")
         self._root = module
-        own_forward = module.forward
+        own_forward = self._own_forward = module.forward
         self._compiled = self._context(own_forward)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -230,56 +267,91 @@ class DynamoTimer(NodeTimer):
                       kwargs: dict[str, Any]) -> Any:
         """Capture (Dynamo compiles where its guards fail), verify against eager, then make the call itself.
 
-        Torch functions Dynamo keeps whole are traced into (``OPENED``); if that breaks the graph (the checks inside
-        ``F.multi_head_attention_forward`` with a padding mask do), the capture is made again without, in a fresh
-        Dynamo cache, and those functions stay whole from then on."""
+        The first capture with graph breaks also tries other ways (``_explore``)."""
         started = time.perf_counter()
-        graphs, uncounted = len(self.graphs), len(self._uncounted)
         reason, self._pending = self._pending, None
         self._names = {id(m): (name, m) for name, m in module.named_modules(remove_duplicate=False)}
         self._guard_failures.clear()
-        mark = self._log_mark()
-        breaks = dict(_graph_break_counter())
         state = _State(module)
-        graph_calls = 0
         try:
-            eager = _run(own_forward, module, args, kwargs)
-            state.restore()
-            before = self.calls
-            with torch._dynamo.config.patch(GUARD_SETTINGS), _opened(self._opening):
-                captured = _run(self._compiled, module, args, kwargs)
-            graph_calls = self.calls - before
-            state.restore()
-            difference = first_difference(eager, captured)
-            if difference is None and graph_calls == 0:
-                difference = "Dynamo captured no graph of the forward (it ran the module's code eagerly)"
-        except Exception as error:  # Dynamo or the graph failed: refuse, the call runs eagerly
-            state.restore()
-            difference = f"capturing with Dynamo failed: {type(error).__name__}: {error}"
-        self._truncate(mark)
-        if self._opening and _graph_break_counter() != breaks:
-            self._opening = ()
-            del self.graphs[graphs:], self._uncounted[uncounted:]
-            self._context = self._new_context()  # a fresh cache, without the graphs of the opened capture
-            self._compiled = self._context(own_forward)
-            self._pending = reason
-            return self._capture_call(module, own_forward, args, kwargs)
-        for why, count in _graph_break_counter().items():
-            if count > breaks.get(why, 0):
-                self._graph_breaks[why] = self._graph_breaks.get(why, 0) + count - breaks.get(why, 0)
+            eager: CallResult | Exception = _run(own_forward, module, args, kwargs)
+        except Exception as error:  # the module's own forward failed: the call below fails as it would without us
+            eager = error
+        state.restore()
+        attempt = self._attempt(module, eager, state, args, kwargs, self._way)
+        if attempt.breaks and not self._explored:
+            attempt = self._explore(module, eager, state, args, kwargs, attempt)
+        for why, count in attempt.breaks.items():
+            self._graph_breaks[why] = self._graph_breaks.get(why, 0) + count
         if self._guard_failures and reason != "first call":  # Dynamo's first line says what changed
             reason = f"{reason}: {'; '.join(dict.fromkeys(f.splitlines()[0] for f in self._guard_failures))}"
         if reason != "first call":
             self.recaptures.append(reason)
-        if difference is not None:
+        if attempt.difference is not None:
             self.capture_s.append(time.perf_counter() - started)
-            self._refuse(difference)
+            self._refuse(attempt.difference)
             return own_forward(*args, **kwargs)
-        self._expected = graph_calls
+        self._expected = attempt.graph_calls
         with torch.compiler.set_stance("eager_on_recompile"):
             out = self._compiled(*args, **kwargs)
         self.capture_s.append(time.perf_counter() - started)
         return out
+
+    def _explore(self, module: nn.Module, eager: CallResult | Exception, state: _State, args: tuple[Any, ...],
+                 kwargs: dict[str, Any], first: _Attempt) -> _Attempt:
+        """A capture broke the graph: try, each in a fresh Dynamo cache, without tracing into ``OPENED`` (where it
+        did: the checks inside ``F.multi_head_attention_forward`` with a padding mask break the graph, and torch's
+        own code after a break runs untimed) and with Dynamo following torch's own frames after a break
+        (``dont_skip_tracing``: ``nn.Transformer``'s causal-mask check breaks the graph, after which its layers
+        would run untimed). Keeps the way that verifies and times the most ops inside layers (``_placed``; the
+        first of equals), from now on."""
+        self._explored = True
+        way, tried = first.way, [first]
+        opens = any(isinstance(m, OPENED_BY) for m in module.modules())  # calls a function in ``OPENED``
+        others = [_Way((), way.follow)] if way.opening and opens else []
+        others += [] if way.follow else [_Way(way.opening, True)]
+        for other in others:
+            self._drop(tried[-1])
+            tried.append(self._attempt(module, eager, state, args, kwargs, other))
+        best = max(tried, key=lambda a: (a.difference is None, a.timed, -sum(a.breaks.values())))
+        if best is not tried[-1]:
+            self._drop(tried[-1])
+            best = self._attempt(module, eager, state, args, kwargs, best.way)
+        self._way = best.way
+        return best
+
+    def _attempt(self, module: nn.Module, eager: CallResult | Exception, state: _State, args: tuple[Any, ...],
+                 kwargs: dict[str, Any], way: _Way) -> _Attempt:
+        """One capture through Dynamo (the ``way``), run and compared with ``eager``; the module's state and the
+        timer's logs put back after."""
+        attempt = _Attempt(way, len(self.graphs), len(self._uncounted))
+        mark = self._log_mark()
+        breaks = dict(_graph_break_counter())
+        try:
+            if isinstance(eager, Exception):
+                raise eager
+            before = self.calls
+            with torch._dynamo.config.patch({**GUARD_SETTINGS, "dont_skip_tracing": way.follow}), _opened(way.opening):
+                captured = _run(self._compiled, module, args, kwargs)
+            attempt.graph_calls = self.calls - before
+            attempt.difference = first_difference(eager, captured)
+            if attempt.difference is None and attempt.graph_calls == 0:
+                attempt.difference = "Dynamo captured no graph of the forward (it ran the module's code eagerly)"
+        except Exception as error:  # Dynamo or the graph failed: refuse, the call runs eagerly
+            attempt.difference = f"capturing with Dynamo failed: {type(error).__name__}: {error}"
+        state.restore()
+        self._truncate(mark)
+        attempt.breaks = {why: count - breaks.get(why, 0) for why, count in _graph_break_counter().items()
+                          if count > breaks.get(why, 0)}
+        ours = self.graphs[attempt.graphs:]
+        attempt.timed = sum(_placed(node, first=i == 0) for i, graph in enumerate(ours) for node in graph.captured.graph.nodes)
+        return attempt
+
+    def _drop(self, attempt: _Attempt) -> None:
+        """Forget an attempt's graphs: a fresh Dynamo cache, so that the next call captures again."""
+        del self.graphs[attempt.graphs:], self._uncounted[attempt.uncounted:]
+        self._context = self._new_context()
+        self._compiled = self._context(self._own_forward)
 
     def _instrument(self, traced: fx.GraphModule, annotate: bool, hooked: bool) -> fx.GraphModule:
         """``NodeTimer``'s instrumented graph, with each checkpointed region opened: its ops are rows of their own

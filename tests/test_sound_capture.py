@@ -248,6 +248,44 @@ def test_multi_head_attention_is_opened(tmp_path):
     assert not any("multi_head_attention_forward" in row for row in rows)
 
 
+class DemoTransformer(pl.LightningModule):
+    """Lightning's own demo model (``lightning.pytorch.demos.Transformer``: ``nn.Transformer`` with a causal mask),
+    trained as its demo trains it, on random tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from lightning.pytorch.demos import Transformer
+
+        self.model = Transformer(vocab_size=50, ninp=16, nhead=2, nhid=32, nlayers=1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.nll_loss(self.model(x, y), y.view(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def token_loader():
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 50, (32, 2, 10), generator=generator)
+    return DataLoader(torch.utils.data.TensorDataset(tokens[:, 0], tokens[:, 1]), batch_size=4)
+
+
+def test_lightning_demo_transformer_is_timed_layer_by_layer(tmp_path):
+    """``nn.Transformer``'s causal-mask check (``.item()``) breaks Dynamo's graph, after which torch's own frames would
+    run untimed: the capture follows them, and every layer of the encoder and decoder, attention included, is rows."""
+    _, callback = train_both(tmp_path, DemoTransformer, steps=4, loader_fn=token_loader)
+    cycle = callback.cycles[0]
+    rows = names(cycle)
+    assert cycle.capture.method == "dynamo" and cycle.capture.graph_breaks
+    assert {"transformer_encoder_layers_0_linear1", "transformer_encoder_layers_0_self_attn_scaled_dot_product_attention",
+            "transformer_decoder_layers_0_multihead_attn_linear", "transformer_decoder_layers_0_norm3", "decoder"} <= rows
+    assert not any("multi_head_attention_forward" in row for row in rows)
+    whole = sum(n.total_ms for n in cycle.nodes if n.module_path == "" and n.name not in ("decoder", "log_softmax"))
+    assert whole < 0.2 * sum(n.total_ms for n in cycle.nodes)
+
+
 class TensorChecks(nn.Module):
     """Libraries check their inputs' types (diffusers, torchvision detection, PyG): torch.fx's proxies fail them."""
 
