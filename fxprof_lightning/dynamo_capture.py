@@ -431,8 +431,12 @@ class DynamoTimer(NodeTimer):
         return f"the graph Dynamo captured was refused: {self.mismatch}"
 
     def describe(self, capture: Capture) -> Capture:
+        whole = {f"{f.__module__}.{f.__name__}" for f in OPENED}
+        leaves = {info.module_path: (f"{info.target} timed as one row: traced into, it broke Dynamo's graph (its "
+                                     "checks), so it was captured whole")
+                  for info in self.nodes if info.target in whole}
         return replace(capture, graphs=len(self.graphs), recaptures=list(self.recaptures), capture_s=list(self.capture_s),
-                       graph_breaks=self.graph_breaks())
+                       graph_breaks=self.graph_breaks(), leaves=leaves)
 
     def graph_breaks(self) -> dict[str, int]:
         """Dynamo's graph breaks in this timer's captures, by reason (each code path is broken once per capture)."""

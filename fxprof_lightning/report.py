@@ -369,6 +369,21 @@ class CycleReport:
         """Summed node backward time per recorded step."""
         return sum(n.bwd_total_ms for n in self.nodes) / max(len(self.steps), 1)
 
+    @property
+    def whole_share(self) -> float:
+        """Percent of node time (forward and backward) in rows that time a block whole: a leaf module of the
+        torch.fx capture, a torch function Dynamo's capture kept as one call (both named in ``capture.leaves`` with
+        why), every module under module hooks."""
+        if self.capture is None or not self.nodes:
+            return 0.0
+        leaves = self.capture.leaves
+        whole = (n for n in self.nodes if self.capture.method == "module_hooks"
+                 or (n.op == "call_module" and n.target in leaves)
+                 or (n.op in ("call_function", "call_method") and n.module_path in leaves and "." in n.target
+                     and n.target.rsplit(".", 1)[-1] in leaves[n.module_path]))
+        grand = sum(n.total_ms + n.bwd_total_ms for n in self.nodes) or 1.0
+        return 100.0 * sum(n.total_ms + n.bwd_total_ms for n in whole) / grand
+
     def to_summary(self) -> dict[str, Any]:
         """The cycle apart from its tables, as JSON-ready values (``cycle.jsonl`` in the cycle's directory)."""
         return {
@@ -412,6 +427,8 @@ class CycleReport:
         header += f" per step over {len(self.nodes)} nodes{over_ranks}"
         if self.capture is not None and self.capture.method != "symbolic_trace":
             header += f"; captured by {self.capture.describe()}"
+            if self.capture.leaves or self.capture.method == "module_hooks":
+                header += f"; {self.whole_share:.0f}% of node time in blocks timed whole"
         if self.device is not None:
             d = self.device
             header += (f". GPU time from the trace's {d['kernels']:.0f} kernels/memcpys/memsets ({d['device_ms']:.3f} ms): "

@@ -225,6 +225,12 @@ def test_dynamic_padding_and_a_short_last_batch_with_a_composite_layer(tmp_path)
     assert {"layer_linear1", "layer_linear2", "layer_norm1", "layer_norm2", "layer_dropout1"} <= rows
     assert "layer_self_attn_multi_head_attention_forward" in rows
     assert not any(c.capture.graph_breaks for c in callback.cycles)
+    cycle = callback.cycles[-1]  # what stays whole is named, with why and its share of node time
+    assert list(cycle.capture.leaves) == ["layer.self_attn"] and "broke Dynamo's graph" in cycle.capture.leaves["layer.self_attn"]
+    attention = next(n for n in cycle.nodes if n.name == "layer_self_attn_multi_head_attention_forward")
+    grand = sum(n.total_ms + n.bwd_total_ms for n in cycle.nodes)
+    assert cycle.whole_share == pytest.approx(100 * (attention.total_ms + attention.bwd_total_ms) / grand)
+    assert f"{cycle.whole_share:.0f}% of node time in blocks timed whole" in cycle.to_markdown()
     assert any(c.capture.recaptures for c in callback.cycles)  # a new length (or the short batch) was captured again
 
 
@@ -282,6 +288,7 @@ def test_lightning_demo_transformer_is_timed_layer_by_layer(tmp_path):
     assert {"transformer_encoder_layers_0_linear1", "transformer_encoder_layers_0_self_attn_scaled_dot_product_attention",
             "transformer_decoder_layers_0_multihead_attn_linear", "transformer_decoder_layers_0_norm3", "decoder"} <= rows
     assert not any("multi_head_attention_forward" in row for row in rows)
+    assert cycle.capture.leaves == {} and cycle.whole_share == 0
     whole = sum(n.total_ms for n in cycle.nodes if n.module_path == "" and n.name not in ("decoder", "log_softmax"))
     assert whole < 0.2 * sum(n.total_ms for n in cycle.nodes)
 
