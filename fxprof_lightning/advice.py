@@ -149,11 +149,25 @@ def elementwise_share(nodes: list[NodeStats]) -> list[Advice]:
                 f"{share:.0f}% of node time: a Python loop over rows, each op paying the fixed cost of an op "
                 "(overhead-bound). Vectorise it: one batched op over the whole tensor instead of one per row.")))
             continue
+        group = [n for n in group if not _is_view(n)]  # a view reads and writes nothing: fusing saves nothing there
+        share = sum(_share(n, grand) for n in group)
+        if len(group) < 2 or share < ELEMENTWISE_SHARE:
+            continue
+        names = ", ".join(f"`{n.name}`" for n in group[:4]) + (", ..." if len(group) > 4 else "")
         found.append(Advice(share, (
             f"{len(group)} elementwise nodes of `{module or '(root)'}` ({names}) take {share:.0f}% of node time, each "
             "reading and writing whole tensors: fusing them (torch.compile, or a fused kernel for the pattern) "
             "would save most of it.")))
     return found
+
+
+# Ops that give another view of their input (shape, order, a slice) without reading or writing its elements.
+VIEWS = {"view", "view_as", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "flatten", "unflatten", "expand",
+         "expand_as", "t", "split", "chunk", "getitem", "size", "narrow", "select", "unbind", "movedim", "as_strided"}
+
+
+def _is_view(n: NodeStats) -> bool:
+    return n.target.rsplit(".", 1)[-1] in VIEWS or re.sub(r"_\d+$", "", n.name).rsplit("_", 1)[-1] in VIEWS
 
 
 def slow_rank(history: list[list[NodeStats]], ranks: int) -> list[Advice]:

@@ -75,6 +75,17 @@ def test_elementwise_share_groups_flopless_nodes_by_module():
     assert len(found) == 1 and "4 elementwise nodes of `block`" in found[0].text
 
 
+def test_elementwise_share_leaves_views_out():
+    """Transposes, views and reshapes read and write nothing: they are not counted as elementwise work to fuse."""
+    views = [node(f"attn_{op}", 0.5, 0.5, op="call_method", target=op, module_path="attn", fwd_flops=0)
+             for op in ("transpose", "view", "transpose_1", "reshape", "permute")]
+    assert elementwise_share(views) == []
+    mixed = [*views, *(node(f"attn_{op}", 0.5, 0.5, op="call_function", target=f"torch.{op}", module_path="attn",
+                            fwd_flops=0) for op in ("softmax", "mul"))]
+    (found,) = elementwise_share(mixed)
+    assert "2 elementwise nodes of `attn` (`attn_softmax`, `attn_mul`)" in found.text
+
+
 def test_slow_rank_needs_the_same_rank_in_most_cycles_and_a_material_margin():
     on_rank = [[node("fc", 1.0, slowest_rank=1, slowest_rank_ms=1.3)], [node("fc", 1.0, slowest_rank=1, slowest_rank_ms=1.3)],
                [node("fc", 1.0, slowest_rank=0, slowest_rank_ms=1.3)], [node("fc", 1.0, slowest_rank=1, slowest_rank_ms=1.3)]]
