@@ -293,6 +293,38 @@ def test_lightning_demo_transformer_is_timed_layer_by_layer(tmp_path):
     assert whole < 0.2 * sum(n.total_ms for n in cycle.nodes)
 
 
+def checkpointed_llama():
+    from test_transformers import tiny_llama
+
+    model = tiny_llama()
+    model.gradient_checkpointing_enable()  # every decoder layer through torch.utils.checkpoint (HF's default kwargs)
+    return model
+
+
+def test_hf_gradient_checkpointing_is_kept_and_opened(tmp_path):
+    from test_transformers import LitHF, lm_loader
+
+    _, callback = train_both(tmp_path, lambda: LitHF(checkpointed_llama), steps=4, loader_fn=lm_loader)
+    cycle = callback.cycles[0]
+    assert cycle.capture.method == "dynamo" and "refused" not in cycle.capture.error
+    rows = names(cycle)
+    assert {"model_layers_0_self_attn_q_proj", "model_layers_1_mlp_down_proj", "lm_head"} <= rows
+    assert {n.name for n in cycle.nodes if n.op == "recompute"} == {"model_layers_0_recompute", "model_layers_1_recompute"}
+    assert cycle.whole_share == 0
+
+
+def test_llama_in_bf16_with_a_padding_mask(tmp_path):
+    """HF builds its attention mask differently while Dynamo traces (``is_torchdynamo_compiling()``): in bf16 the
+    gradients could differ from eager's. Either the graph is bitwise eager's and used, or it is refused with the
+    first differing tensor named; training is unchanged either way."""
+    from test_transformers import LitHF, lm_loader, tiny_llama
+
+    _, callback = train_both(tmp_path, lambda: LitHF(tiny_llama), steps=4, loader_fn=lm_loader,
+                             trainer_kwargs={"precision": "bf16-mixed"})
+    capture = callback.cycles[0].capture
+    assert capture.method == "dynamo" or "differs from eager" in capture.error, capture.error
+
+
 class TensorChecks(nn.Module):
     """Libraries check their inputs' types (diffusers, torchvision detection, PyG): torch.fx's proxies fail them."""
 
