@@ -220,6 +220,7 @@ class KernelTimer:
     trace_ranges = False
     # ``timers.Timer``:
     mismatch = None
+    untimed = None
     usable = True
     costs_error = None
     backward_outside_ns = 0  # (no backward events: rows come from the trace's kernels)

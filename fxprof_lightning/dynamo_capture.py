@@ -55,7 +55,10 @@ DYNAMO = ("captured by Dynamo (torch._dynamo, run eagerly by a backend that time
 
 
 # Dynamo's defaults leave out guards on module hooks (a hook added after the capture would be bypassed): ours keep them.
-GUARD_SETTINGS = {"skip_nnmodule_hook_guards": False}
+GUARD_SETTINGS = {"skip_nnmodule_hook_guards": False,
+                  # NumPy's random functions run eagerly (graph breaks), drawing from NumPy's own state as in eager
+                  # (Dynamo's default draws them from torch's: wav2vec2's SpecAugment masks would differ).
+                  "use_numpy_random_stream": True}
 
 
 # Python functions of torch that Dynamo puts into its graphs as one call, though they run many ops (the trace rule
@@ -75,6 +78,29 @@ def _opened(functions: tuple[Callable[..., Any], ...]) -> Iterator[None]:
         yield
     finally:
         rules.update(saved)
+
+
+# What Dynamo answers for "are we compiling?" while it traces (constant-folded: no guard on it).
+COMPILING = (torch.compiler.is_compiling, torch.compiler.is_dynamo_compiling, torch._dynamo.external_utils.is_compiling,
+             torch._utils.is_compiling)
+
+
+@contextlib.contextmanager
+def _not_compiling(on: bool) -> Iterator[None]:
+    """Inside the block (``on``), Dynamo answers ``torch.compiler.is_compiling()`` and its aliases with False, so the
+    traced code takes the branches eager takes (or breaks the graph where those cannot be traced)."""
+    if not on:
+        yield
+        return
+    from torch._dynamo.variables.torch import tracing_state_functions
+
+    answers = tracing_state_functions()
+    saved = {f: answers[f] for f in COMPILING if f in answers}
+    answers.update(dict.fromkeys(saved, False))
+    try:
+        yield
+    finally:
+        answers.update(saved)
 
 
 def annotate_rows(graph_module: fx.GraphModule, names: dict[int, tuple[str, nn.Module]]) -> None:
@@ -137,11 +163,12 @@ def _path_of(source: str) -> str:
 
 @dataclass(frozen=True)
 class _Way:
-    """How Dynamo captures: the torch functions it traces into, and whether it follows torch's own frames after a
-    graph break (``dont_skip_tracing``)."""
+    """How Dynamo captures: the torch functions it traces into, whether it follows torch's own frames after a graph
+    break (``dont_skip_tracing``), and whether the traced code is told it is not being compiled."""
 
     opening: tuple[Callable[..., Any], ...] = ()
     follow: bool = False
+    eager_branches: bool = False  # Dynamo answers ``torch.compiler.is_compiling()`` with False
 
 
 @dataclass
@@ -222,8 +249,7 @@ class DynamoTimer(NodeTimer):
         graph = _Graph(captured, self._instrument(captured, self._annotate, hooked=self._cuda))
         self.graphs.append(graph)
         # Counted when asked (``costs``, after the cycle), not here inside the capture's checked calls.
-        self._uncounted.append((inline_checkpoints(captured), [torch.empty(t.shape, dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
-                                           if isinstance(t, torch.Tensor) else t for t in example_inputs]))
+        self._uncounted.append((inline_checkpoints(captured), [_meta_input(t) for t in example_inputs]))
 
         def run(*args: Any) -> Any:
             if self._hooks_now and not self._cuda:
@@ -254,6 +280,7 @@ class DynamoTimer(NodeTimer):
                 out = self._compiled(*args, **kwargs)
             if self.calls - before != self._expected:  # a guard failed: that code ran eagerly, untimed
                 self._pending = "a guard failed"
+                self._misses += 1
             return out
 
         module.forward = forward
@@ -267,7 +294,7 @@ class DynamoTimer(NodeTimer):
                       kwargs: dict[str, Any]) -> Any:
         """Capture (Dynamo compiles where its guards fail), verify against eager, then make the call itself.
 
-        The first capture with graph breaks also tries other ways (``_explore``)."""
+        The first capture that has graph breaks or is refused also tries other ways (``_explore``)."""
         started = time.perf_counter()
         reason, self._pending = self._pending, None
         self._names = {id(m): (name, m) for name, m in module.named_modules(remove_duplicate=False)}
@@ -279,7 +306,7 @@ class DynamoTimer(NodeTimer):
             eager = error
         state.restore()
         attempt = self._attempt(module, eager, state, args, kwargs, self._way)
-        if attempt.breaks and not self._explored:
+        if (attempt.breaks or attempt.difference) and not self._explored:
             attempt = self._explore(module, eager, state, args, kwargs, attempt)
         for why, count in attempt.breaks.items():
             self._graph_breaks[why] = self._graph_breaks.get(why, 0) + count
@@ -299,17 +326,24 @@ class DynamoTimer(NodeTimer):
 
     def _explore(self, module: nn.Module, eager: CallResult | Exception, state: _State, args: tuple[Any, ...],
                  kwargs: dict[str, Any], first: _Attempt) -> _Attempt:
-        """A capture broke the graph: try, each in a fresh Dynamo cache, without tracing into ``OPENED`` (where it
-        did: the checks inside ``F.multi_head_attention_forward`` with a padding mask break the graph, and torch's
-        own code after a break runs untimed) and with Dynamo following torch's own frames after a break
-        (``dont_skip_tracing``: ``nn.Transformer``'s causal-mask check breaks the graph, after which its layers
-        would run untimed). Keeps the way that verifies and times the most ops inside layers (``_placed``; the
-        first of equals), from now on."""
+        """The first capture broke the graph or was refused: try other ways, each in a fresh Dynamo cache.
+
+        * Without tracing into ``OPENED`` (the checks inside ``F.multi_head_attention_forward`` with a padding mask
+          break the graph, and torch's own code after a break runs untimed).
+        * Following torch's own frames after a break (``dont_skip_tracing``: ``nn.Transformer``'s causal-mask check
+          breaks the graph, after which its layers would run untimed).
+        * Refused: on the branches eager takes (``torch.compiler.is_compiling()`` answered False while Dynamo
+          traces): libraries take other branches while compiling (HF drops an all-ones attention mask in eager
+          only, and picks its MoE kernels by it), which computes the same values by other ops.
+
+        Keeps the way that verifies and times the most ops inside layers (``_placed``; the first of equals), from
+        now on."""
         self._explored = True
         way, tried = first.way, [first]
         opens = any(isinstance(m, OPENED_BY) for m in module.modules())  # calls a function in ``OPENED``
-        others = [_Way((), way.follow)] if way.opening and opens else []
-        others += [] if way.follow else [_Way(way.opening, True)]
+        others = [replace(way, opening=())] if way.opening and opens and first.breaks else []
+        others += [replace(way, follow=True)] if first.breaks and not way.follow else []
+        others += [replace(way, eager_branches=True)] if first.difference and not way.eager_branches else []
         for other in others:
             self._drop(tried[-1])
             tried.append(self._attempt(module, eager, state, args, kwargs, other))
@@ -331,7 +365,8 @@ class DynamoTimer(NodeTimer):
             if isinstance(eager, Exception):
                 raise eager
             before = self.calls
-            with torch._dynamo.config.patch({**GUARD_SETTINGS, "dont_skip_tracing": way.follow}), _opened(way.opening):
+            with (torch._dynamo.config.patch({**GUARD_SETTINGS, "dont_skip_tracing": way.follow}), _opened(way.opening),
+                  _not_compiling(way.eager_branches)):
                 captured = _run(self._compiled, module, args, kwargs)
             attempt.graph_calls = self.calls - before
             attempt.difference = first_difference(eager, captured)
@@ -378,6 +413,16 @@ class DynamoTimer(NodeTimer):
     def reset(self) -> None:
         super().reset()
         self._recomputes: list[tuple[int, int, int]] = []  # (row, sequence number of the asking node, ns)
+        self._misses = 0  # calls since that failed a guard (and ran untimed)
+
+    @property
+    def untimed(self) -> str | None:
+        if not self._misses:
+            return None
+        why = self.recaptures[-1] if self.recaptures else "a guard failed"
+        return (f"{self._misses} call(s) failed Dynamo's guards and ran the module's own code, untimed; each next call "
+                f"captured it again. The last reason: {why}. A guard that fails at every call (a forward hook "
+                "that appends to a list makes Dynamo guard on the list's length) leaves nothing timed.")
 
     def add_backward(self, events: list[tuple[int, int]]) -> None:
         """``NodeTimer.add_backward``, with each checkpointed region's recompute moved out of the backward time of
@@ -464,6 +509,18 @@ class DynamoTimer(NodeTimer):
                 del values[length:]
         self.forward_inputs = inputs
         self._in_pass = False
+
+
+def _meta_input(value: Any) -> Any:
+    """A graph input for counting FLOPs on the meta device: a tensor of its size; a symbolic size (Dynamo made a
+    dimension dynamic: Mask R-CNN's boxes per image) as the number it stood for at capture, so that the counts are
+    plain numbers."""
+    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return value.node.hint
+    if isinstance(value, torch.Tensor):
+        shape = [s.node.hint if isinstance(s, torch.SymInt) else s for s in value.shape]
+        return torch.empty(shape, dtype=value.dtype, device="meta").requires_grad_(value.requires_grad)
+    return value
 
 
 # ---------------------------------------------------------------- checkpointed regions, opened
@@ -665,7 +722,9 @@ def first_difference(eager: CallResult, captured: CallResult) -> str | None:
             return f"the {name} random state after the call differs from eager (random numbers drawn differently)"
     if (eager.saved, eager.saved_bytes) != (captured.saved, captured.saved_bytes):
         return (f"tensors saved for backward: {captured.saved} ({captured.saved_bytes / 1e6:.2f} MB) against "
-                f"{eager.saved} ({eager.saved_bytes / 1e6:.2f} MB) in eager (activation checkpointing not kept?)")
+                f"{eager.saved} ({eager.saved_bytes / 1e6:.2f} MB) in eager: the graph computes the same values by "
+                "other ops (a library taking another branch while compiling: torch.compiler.is_compiling(), HF's "
+                "is_torchdynamo_compiling()) or activation checkpointing was not kept")
     return None
 
 

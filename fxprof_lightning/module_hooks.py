@@ -41,6 +41,7 @@ class ModuleHookTimer:
     uses_backward_events = True  # backward times come from add_backward
     # ``timers.Timer``:
     mismatch = None
+    untimed = None
     usable = True
     costs_error = None
     reads_trace_events = False

@@ -300,6 +300,7 @@ class NodeTimer:
 
     # ``timers.Timer``: what the engine asks of every timer.
     mismatch: str | None = None  # why the graph stopped fitting the calls (traced on an example, Dynamo)
+    untimed: str | None = None  # why calls of the cycle ran untimed (Dynamo's guards), or None
     reads_trace_events = False  # its rows come from the trace's events (a compiled module's kernels)
     device_times_from_trace = True  # on CUDA, each node call takes its kernels' device time from the trace
     without_events = "come from hooks on the autograd nodes (slower)"  # backward times when no profiler events come

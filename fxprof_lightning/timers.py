@@ -50,6 +50,7 @@ class Timer(Protocol):
     mem_delta: list[list[int]]
     mem_peak: list[list[int]]
     mismatch: str | None  # why the timer stopped fitting the calls (then it times nothing)
+    untimed: str | None  # why calls since ``reset`` ran untimed though the timer fits them, or None
     uses_backward_events: bool  # backward times come from profiler events given to ``collect``
     reads_trace_events: bool  # its rows come from the trace's own events (the trace must keep them)
     device_times_from_trace: bool  # on CUDA, node calls take their kernels' device time from the trace
