@@ -58,6 +58,7 @@ class Cycle:
     phases: list[dict[str, int]] = field(default_factory=list)  # ns per phase of each recorded step (step_phases)
     batch_sizes: list[int] = field(default_factory=list)  # samples in each recorded step, where the driver said
     backward_outside_ns: int | None = None  # backward events no node call accounts for (``measure``)
+    untimed: str | None = None  # why the timer's calls ran untimed (``Timer.untimed``, kept by ``measure``)
 
     def choose_backward(self, warn: Callable[[str], None]) -> None:
         """Where backward times come from, decided at each recorded training step for its timer: the trace when
@@ -126,6 +127,7 @@ class Cycle:
         """This rank's node statistics for the cycle (None when nothing was timed); the timer is emptied."""
         timer = self.timer
         timer.uninstall(module)
+        self.untimed = timer.untimed
         events = self.backward_events.stop() if self.backward_events is not None else None
         if self.backward_events is not None and self.backward_events.lost:
             warn("another profiler started while this cycle recorded and took over the profiler session, "

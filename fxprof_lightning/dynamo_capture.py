@@ -275,13 +275,7 @@ class DynamoTimer(NodeTimer):
                 return own_forward(*args, **kwargs)
             if self._pending is not None:
                 return self._capture_call(module, own_forward, args, kwargs)
-            before = self.calls
-            with torch.compiler.set_stance("eager_on_recompile"):
-                out = self._compiled(*args, **kwargs)
-            if self.calls - before != self._expected:  # a guard failed: that code ran eagerly, untimed
-                self._pending = "a guard failed"
-                self._misses += 1
-            return out
+            return self._timed_call(args, kwargs)
 
         module.forward = forward
 
@@ -319,9 +313,19 @@ class DynamoTimer(NodeTimer):
             self._refuse(attempt.difference)
             return own_forward(*args, **kwargs)
         self._expected = attempt.graph_calls
+        out = self._timed_call(args, kwargs)
+        self.capture_s.append(time.perf_counter() - started)
+        return out
+
+    def _timed_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call through the captured graphs; where a guard fails, that code runs eagerly (untimed) and the next
+        call captures again."""
+        before = self.calls
         with torch.compiler.set_stance("eager_on_recompile"):
             out = self._compiled(*args, **kwargs)
-        self.capture_s.append(time.perf_counter() - started)
+        if self.calls - before != self._expected:
+            self._pending = "a guard failed"
+            self._misses += 1
         return out
 
     def _explore(self, module: nn.Module, eager: CallResult | Exception, state: _State, args: tuple[Any, ...],

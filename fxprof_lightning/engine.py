@@ -428,9 +428,9 @@ class Engine:
         report = cycle.report(stage.name, nodes or [], ranges, max(ranks, 1),
                               partial=cycle.recorded != self.schedule.recorded_steps(cycle.index), type_name=self._type_name)
         if cycle.timer is not None and not report.nodes and cycle.timer.usable and not cycle.timer.reads_trace_events:
-            why = cycle.timer.untimed or ("If the training step calls a submodule instead, profile that submodule "
+            why = cycle.untimed or ("If the training step calls a submodule instead, profile that submodule "
                                           "(the Lightning callback: module='...').")
-            ran = "did not run" if cycle.timer.untimed is None else "ran untimed"
+            ran = "did not run" if cycle.untimed is None else "ran untimed"
             self.warn(f"{type(self.target).__name__}.forward {ran} in the recorded steps {cycle.recorded}, so no node "
                       f"was timed. {why}")
         if report.nodes and self.rank == 0:
