@@ -34,7 +34,8 @@ Columns, one row per pattern and capture, (b) or (c) against (a):
         Trainer has no logger", as ``logger=False``); those that mention
         "refused", "module hooks" or "not the program eager runs" are printed under the row.
     error: the first 120 characters of ``capture.error`` when the method is ``module_hooks``, or the run's exception.
-Then a summary per capture: patterns timed node by node, whole% <= 10, bitwise counts, checkpointing kept.
+Then a summary per capture: patterns timed node by node (the last cycle has rows, not from module hooks), whole% <= 10,
+bitwise counts, checkpointing kept.
 """
 
 from __future__ import annotations
@@ -505,7 +506,7 @@ def row_for(pattern: Pattern, capture: str, ref: Run, run: Run, details: bool = 
     cap_s = whole = "-"
     if how is not None:
         row.method = how.method
-        row.node_level = how.method == "dynamo" or (capture == "fx" and how.method not in ("module_hooks", ""))
+        row.node_level = bool(cycle.nodes) and how.method not in ("module_hooks", "")  # rows timed, not by hooks
         rows, graphs, breaks, recaps = len(cycle.nodes), how.graphs, sum(how.graph_breaks.values()), len(how.recaptures)
         row.whole = max(c.whole_share for c in run.callback.cycles)
         whole = f"{row.whole:.1f}"

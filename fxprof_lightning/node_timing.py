@@ -345,8 +345,19 @@ class NodeTimer:
         return self._costs[key]
 
     def describe(self, capture: Capture) -> Capture:
-        """A cycle report's own copy of how the module was captured, with what the timer learnt meanwhile."""
-        return replace(capture)
+        """A cycle report's own copy of how the module was captured, with what the timer learnt meanwhile: the
+        module calls of the graph that time a module with children whole are named in ``leaves`` (torch.fx keeps
+        ``torch.nn`` modules such as ``nn.MultiheadAttention`` or ``nn.Transformer`` as one call)."""
+        leaves = dict(capture.leaves)
+        if self._traced is not None:
+            for node in self._traced.graph.nodes:
+                if node.op != "call_module" or node.target in leaves:
+                    continue
+                module = self._traced.get_submodule(node.target)
+                if next(module.children(), None) is not None:
+                    leaves[node.target] = (f"{type(module).__name__} has submodules: torch.fx calls a torch.nn module "
+                                           "as one node (a leaf by default); capture='dynamo' opens it")
+        return replace(capture, leaves=leaves)
 
     def add_backward(self, events: list[tuple[int, int]]) -> None:
         """Add each ``(sequence number, duration ns)`` to the node call whose autograd node it timed.
