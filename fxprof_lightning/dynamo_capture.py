@@ -54,6 +54,9 @@ DYNAMO = ("captured by Dynamo (torch._dynamo, run eagerly by a backend that time
           "bitwise against eager (outputs, gradients, buffers, random states) before use, captured again when a guard fails")
 
 
+# A guard that fails at this many captures in a row fails at every call: the graphs are refused.
+RECAPTURES_IN_A_ROW = 3
+
 # Dynamo's defaults leave out guards on module hooks (a hook added after the capture would be bypassed): ours keep them.
 GUARD_SETTINGS = {"skip_nnmodule_hook_guards": False,
                   # NumPy's random functions run eagerly (graph breaks), drawing from NumPy's own state as in eager
@@ -308,6 +311,12 @@ class DynamoTimer(NodeTimer):
             reason = f"{reason}: {'; '.join(dict.fromkeys(f.splitlines()[0] for f in self._guard_failures))}"
         if reason != "first call":
             self.recaptures.append(reason)
+        # The newest cache entry's failed guard, numbers (lengths, entry numbers) left out
+        last = [re.sub(r"\d+", "N", r.split(";")[0]) for r in self.recaptures[-RECAPTURES_IN_A_ROW:]]
+        if attempt.difference is None and len(last) == RECAPTURES_IN_A_ROW and len(set(last)) == 1:
+            attempt.difference = (f"the same guard failed at {RECAPTURES_IN_A_ROW} captures in a row ({reason}): the "
+                                  "code changes what Dynamo guards on at every call (a forward hook that appends to a "
+                                  "list makes it guard on the list's length), so no graph would ever be used")
         if attempt.difference is not None:
             self.capture_s.append(time.perf_counter() - started)
             self._refuse(attempt.difference)

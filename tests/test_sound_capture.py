@@ -153,14 +153,18 @@ def test_a_hook_added_mid_run_runs_at_every_step(tmp_path):
     # Dynamo guards on what the hook touches (the length of the list it appends to): every later call fails a
     # guard and runs untimed, and the user is told so (not that the forward did not run).
     with pytest.warns(UserWarning, match=r"forward ran untimed in the recorded steps \[\d+, \d+\].*failed Dynamo's guards"):
-        _, callback = train_both(tmp_path, Lit, changes=lambda: [At(5, add_hook)], steps=12)
-    assert len(seen["plain"]) == 7  # steps 5-11
-    recaptures = callback.cycles[-1].capture.recaptures
+        _, callback = train_both(tmp_path, Lit, changes=lambda: [At(5, add_hook)], steps=16)
+    assert len(seen["plain"]) == 11  # steps 5-15
+    recaptures = callback.cycles[-2].capture.recaptures
     assert "_forward_hooks" in recaptures[0]
     # The hook ran in every step, timed or not (never bypassed), and in the two checking calls of each capture made
     # after it was added (the module's own forward and the graph, compared). Dynamo guards on what the hook touches
     # (the length of the list it appends to), so a later call may be captured again.
     assert len(seen["profiled"]) == len(seen["plain"]) + 2 * len(recaptures)
+    # The same guard failing at three captures in a row: the graphs are refused, module hooks time the model.
+    last = callback.cycles[-1]
+    assert last.capture.method == "module_hooks" and "the same guard failed at 3 captures in a row" in last.capture.error
+    assert "blocks.1" in names(last)
 
 
 class Backbone(pl.LightningModule):
