@@ -23,3 +23,20 @@ def test_idle_benchmark_quick_run_prints_every_hook_and_the_total():
     for hook in ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end"):
         assert re.search(rf"^  {hook} +[\d.]+ +[\d.]+ +-?[\d.]+$", run.stdout, re.MULTILINE), run.stdout
     assert re.search(r"all hooks, added +-?[\d.]+ us/step", run.stdout), run.stdout
+
+
+def test_patterns_benchmark_quick_run_trains_bitwise_with_both_captures():
+    """bench_patterns --quick: four patterns (a block put in eval mid-run, a head swapped mid-run, timm ViT with
+    gradient checkpointing, Lightning's demo Transformer), each trained without the callback and with both captures."""
+    script = Path(__file__).parents[1] / "benchmarks" / "bench_patterns.py"
+    run = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {tuple(line.split()[:2]): line.split() for line in run.stdout.splitlines()
+            if re.match(r"^\w+ +(dynamo|fx) ", line)}
+    assert {name for name, _ in rows} == {"vit_eval_flip", "head_swap", "vit_grad_checkpointing", "lightning_demo_transformer"}
+    for (name, capture), cells in rows.items():
+        if capture == "dynamo":  # node-level, nothing whole, weights, buffers and gradients bitwise
+            assert cells[2] == "dynamo" and int(cells[3]) > 0 and cells[7] == "0.0", cells
+            assert cells[8:11] == ["yes", "yes", "yes"], cells
+    assert rows[("vit_grad_checkpointing", "dynamo")][11] == "yes"  # checkpointing kept
+    assert re.search(r"dynamo: 4 patterns; node-level 4; whole% <= 10: 4; weights bitwise 4, buffers 4, grads 4", run.stdout)
