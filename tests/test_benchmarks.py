@@ -34,7 +34,7 @@ def test_patterns_benchmark_quick_run_trains_bitwise_with_both_captures():
     rows = {tuple(line.split()[:2]): line.split() for line in run.stdout.splitlines()
             if re.match(r"^\w+ +(dynamo|fx) ", line)}
     assert {name for name, _ in rows} == {"vit_eval_flip", "head_swap", "vit_grad_checkpointing", "lightning_demo_transformer"}
-    for (name, capture), cells in rows.items():
+    for (_name, capture), cells in rows.items():
         if capture == "dynamo":  # node-level, nothing whole, weights, buffers and gradients bitwise
             assert cells[2] == "dynamo" and int(cells[3]) > 0 and cells[7] == "0.0", cells
             assert cells[8:11] == ["yes", "yes", "yes"], cells
