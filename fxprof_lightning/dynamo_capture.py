@@ -54,7 +54,7 @@ DYNAMO = ("captured by Dynamo (torch._dynamo, run eagerly by a backend that time
           "bitwise against eager (outputs, gradients, buffers, random states) before use, captured again when a guard fails")
 
 
-# A guard that fails at this many captures in a row fails at every call: the graphs are refused.
+# Timed calls that miss the guards this many times in a row, each right after a capture: the graphs are refused.
 RECAPTURES_IN_A_ROW = 3
 
 # Dynamo's defaults leave out guards on module hooks (a hook added after the capture would be bypassed): ours keep them.
@@ -240,6 +240,7 @@ class DynamoTimer(NodeTimer):
         self._names: dict[int, tuple[str, nn.Module]] = {}
         self._guard_failures: list[str] = []
         self._graph_breaks: dict[str, int] = {}
+        self._streak = 0  # timed calls in a row that missed the guards
         self._way = _Way(OPENED)  # how Dynamo captures (``_explore`` may change it at the first graph break)
         self._explored = False
         self._context = self._new_context()
@@ -295,7 +296,6 @@ class DynamoTimer(NodeTimer):
         started = time.perf_counter()
         reason, self._pending = self._pending, None
         self._names = {id(m): (name, m) for name, m in module.named_modules(remove_duplicate=False)}
-        self._guard_failures.clear()
         state = _State(module)
         try:
             eager: CallResult | Exception = _run(own_forward, module, args, kwargs)
@@ -307,16 +307,16 @@ class DynamoTimer(NodeTimer):
             attempt = self._explore(module, eager, state, args, kwargs, attempt)
         for why, count in attempt.breaks.items():
             self._graph_breaks[why] = self._graph_breaks.get(why, 0) + count
-        if self._guard_failures and reason != "first call":  # Dynamo's first line says what changed
+        if self._guard_failures and reason != "first call":  # Dynamo's first line says what changed (since the last capture)
             reason = f"{reason}: {'; '.join(dict.fromkeys(f.splitlines()[0] for f in self._guard_failures))}"
+        self._guard_failures.clear()
         if reason != "first call":
             self.recaptures.append(reason)
-        # The newest cache entry's failed guard, numbers (lengths, entry numbers) left out
-        last = [re.sub(r"\d+", "N", r.split(";")[0]) for r in self.recaptures[-RECAPTURES_IN_A_ROW:]]
-        if attempt.difference is None and len(last) == RECAPTURES_IN_A_ROW and len(set(last)) == 1:
-            attempt.difference = (f"the same guard failed at {RECAPTURES_IN_A_ROW} captures in a row ({reason}): the "
-                                  "code changes what Dynamo guards on at every call (a forward hook that appends to a "
-                                  "list makes it guard on the list's length), so no graph would ever be used")
+        if attempt.difference is None and self._streak >= RECAPTURES_IN_A_ROW:
+            attempt.difference = (f"the graphs missed Dynamo's guards at {RECAPTURES_IN_A_ROW} calls in a row, each "
+                                  f"right after a capture ({reason}): the code changes what Dynamo guards on at every "
+                                  "call (for example a forward hook that appends to a list makes it guard on the "
+                                  "list's length), so no graph would ever be used")
         if attempt.difference is not None:
             self.capture_s.append(time.perf_counter() - started)
             self._refuse(attempt.difference)
@@ -335,6 +335,9 @@ class DynamoTimer(NodeTimer):
         if self.calls - before != self._expected:
             self._pending = "a guard failed"
             self._misses += 1
+            self._streak += 1
+        else:
+            self._streak = 0
         return out
 
     def _explore(self, module: nn.Module, eager: CallResult | Exception, state: _State, args: tuple[Any, ...],
@@ -510,11 +513,11 @@ class DynamoTimer(NodeTimer):
         per_row = [(len(a), len(b), len(c), len(d), len(e)) for a, b, c, d, e in
                    zip(self._fwd, self._starts, self._spans, self.mem_delta, self.mem_peak, strict=True)]
         return (len(self._stamps), len(self._sequence_nrs), len(self._calls), len(self.anchors), len(self._marks),
-                per_row, self.forward_inputs)
+                per_row, self.forward_inputs, len(self._recomputes))
 
     def _truncate(self, mark: tuple[Any, ...]) -> None:
-        stamps, sequence_nrs, calls, anchors, marks, per_row, inputs = mark
-        del self._stamps[stamps:], self._sequence_nrs[sequence_nrs:], self._calls[calls:]
+        stamps, sequence_nrs, calls, anchors, marks, per_row, inputs, recomputes = mark
+        del self._stamps[stamps:], self._sequence_nrs[sequence_nrs:], self._calls[calls:], self._recomputes[recomputes:]
         del self.anchors[anchors:], self._marks[marks:]
         for row, lists in enumerate(zip(self._fwd, self._starts, self._spans, self.mem_delta, self.mem_peak, strict=True)):
             lengths = per_row[row] if row < len(per_row) else (0,) * 5
@@ -722,11 +725,11 @@ def first_difference(eager: CallResult, captured: CallResult) -> str | None:
     for i, (a, b) in enumerate(zip(eager.outputs, captured.outputs, strict=True)):
         if not _bitwise_equal(a, b):
             return f"output tensor {i} differs from eager"
+    if len(eager.gradients) != len(captured.gradients):
+        return "the gradients differ in number"
     for (name, a), (_, b) in zip(eager.gradients, captured.gradients, strict=True):
         if not _bitwise_equal(a, b):
             return f"{name} differs from eager"
-    if len(eager.gradients) != len(captured.gradients):
-        return "the gradients differ in number"
     for (name, a), (_, b) in zip(eager.buffers, captured.buffers, strict=True):
         if not _bitwise_equal(a, b):
             return f"buffer {name} after the call differs from eager"

@@ -586,11 +586,10 @@ def instrument(self: NodeTimer, traced: fx.GraphModule, annotate: bool, hooked: 
         if not is_timed(node):
             copies[node] = graph.node_copy(node, copies.__getitem__)
             if node.meta.get(NESTS):
-                if lean:
-                    open_logs.append(resumed := _GraphLog(self))
-                    graph.call_function(resumed.resume)
-                    if self._backward:
-                        graph.call_method("append", (sequence_nrs, graph.call_method("_get_sequence_nr", (autograd,))))
+                open_logs.append(resumed := _GraphLog(self))
+                graph.call_function(resumed.resume)  # hooked too: ``calls`` counts the same entries either way
+                if lean and self._backward and index >= 0:  # (before any timed node, the first one logs its own)
+                    graph.call_method("append", (sequence_nrs, graph.call_method("_get_sequence_nr", (autograd,))))
                 sequence_nr = None  # hooked: read again after the nested graph's autograd nodes
             continue
         opens = index < 0 or not node.meta.get(JOINS)
