@@ -1,5 +1,6 @@
 """The overhead benchmark still runs end to end (its numbers are for people, not for assertions)."""
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -33,10 +34,15 @@ def test_patterns_benchmark_quick_run_trains_bitwise_with_both_captures():
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {tuple(line.split()[:2]): line.split() for line in run.stdout.splitlines()
             if re.match(r"^\w+ +(dynamo|fx) ", line)}
-    assert {name for name, _ in rows} == {"vit_eval_flip", "head_swap", "vit_grad_checkpointing", "lightning_demo_transformer"}
+    expected = {"head_swap", "lightning_demo_transformer"}  # torchvision and Lightning: always installed
+    if importlib.util.find_spec("timm") is not None:  # not in the project's extras: skipped by the script without it
+        expected |= {"vit_eval_flip", "vit_grad_checkpointing"}
+    assert {name for name, _ in rows} == expected
     for (_name, capture), cells in rows.items():
         if capture == "dynamo":  # node-level, nothing whole, weights, buffers and gradients bitwise
             assert cells[2] == "dynamo" and int(cells[3]) > 0 and cells[7] == "0.0", cells
             assert cells[8:11] == ["yes", "yes", "yes"], cells
-    assert rows[("vit_grad_checkpointing", "dynamo")][11] == "yes"  # checkpointing kept
-    assert re.search(r"dynamo: 4 patterns; node-level 4; whole% <= 10: 4; weights bitwise 4, buffers 4, grads 4", run.stdout)
+    if ("vit_grad_checkpointing", "dynamo") in rows:
+        assert rows[("vit_grad_checkpointing", "dynamo")][11] == "yes"  # checkpointing kept
+    n = len(expected)
+    assert f"dynamo: {n} patterns; node-level {n}; whole% <= 10: {n}; weights bitwise {n}, buffers {n}, grads {n}" in run.stdout
