@@ -142,7 +142,7 @@ def elementwise_share(nodes: list[NodeStats]) -> list[Advice]:
         if len(group) < 2 or share < ELEMENTWISE_SHARE:
             continue
         names = ", ".join(f"`{n.name}`" for n in group[:4]) + (", ..." if len(group) > 4 else "")
-        indexing = sum(1 for n in group if re.sub(r"_\d+$", "", n.name).endswith(("getitem", "select", "unbind")))
+        indexing = sum(1 for n in group if _base_name(n).endswith(("getitem", "select", "unbind")))
         if len(group) >= LOOP_NODES and indexing >= len(group) / 4:  # ops on one slice at a time: a Python loop
             found.append(Advice(share, (
                 f"`{module or '(root)'}` runs {len(group)} small ops per call on slices of a tensor ({names}), "
@@ -167,7 +167,12 @@ VIEWS = {"view", "view_as", "reshape", "transpose", "permute", "unsqueeze", "squ
 
 
 def _is_view(n: NodeStats) -> bool:
-    return n.target.rsplit(".", 1)[-1] in VIEWS or re.sub(r"_\d+$", "", n.name).rsplit("_", 1)[-1] in VIEWS
+    return n.target.rsplit(".", 1)[-1] in VIEWS or _base_name(n).rsplit("_", 1)[-1] in VIEWS
+
+
+def _base_name(n: NodeStats) -> str:
+    """A row's name without the call number ``_N`` of a repeated op (``attn_transpose_3`` -> ``attn_transpose``)."""
+    return re.sub(r"_\d+$", "", n.name)
 
 
 def slow_rank(history: list[list[NodeStats]], ranks: int) -> list[Advice]:
