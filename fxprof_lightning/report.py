@@ -379,8 +379,8 @@ class CycleReport:
         leaves = self.capture.leaves
         whole = (n for n in self.nodes if self.capture.method == "module_hooks"
                  or (n.op == "call_module" and n.target in leaves)
-                 or (n.op in ("call_function", "call_method") and n.module_path in leaves and "." in n.target
-                     and n.target.rsplit(".", 1)[-1] in leaves[n.module_path]))
+                 or (n.op in ("call_function", "call_method")  # the reason of a function kept whole names it first
+                     and leaves.get(n.module_path, "").startswith(f"{n.target} ")))
         grand = sum(n.total_ms + n.bwd_total_ms for n in self.nodes) or 1.0
         return 100.0 * sum(n.total_ms + n.bwd_total_ms for n in whole) / grand
 
