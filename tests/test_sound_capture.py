@@ -391,6 +391,52 @@ def test_a_short_last_batch_every_epoch_is_captured_again_never_refused(tmp_path
     assert {n.name for n in cycle.nodes} == {"0", "1", "2"} and all(n.calls >= 9 for n in cycle.nodes)
 
 
+def test_a_recapture_in_a_recorded_step_adds_no_recompute_of_its_check(tmp_path):
+    """A smaller batch in a recorded step: captured again, and checked with a backward of its own, whose recompute
+    is not the training step's (the region's recompute row has one backward per recorded step, as its layers)."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4 if i < 2 else 3, 8, generator=generator), torch.randn(4 if i < 2 else 3, 4, generator=generator))
+               for i in range(6)]
+    prof, _ = train_plain_loop(tmp_path, CheckpointFirst, batches, wait=0, warmup=1, active=4, repeat=1)
+    (cycle,) = prof.cycles
+    assert cycle.capture.recaptures  # the 3-row batch
+    rows = {n.name: n for n in cycle.nodes}
+    # the step whose call missed the guards (the first 3-row batch) ran untimed: 3 of the 4 recorded steps
+    assert rows["block_recompute"].bwd_calls == rows["head"].bwd_calls == rows["head"].calls == 3
+
+
+def test_checkpointed_regions_under_the_users_own_profiler(tmp_path):
+    """Another profiler runs, so backward is timed by hooks (another instrumented graph): a checkpointed model is
+    not captured again at each cycle for it."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)) for _ in range(9)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        prof, _ = train_plain_loop(tmp_path, CheckpointFirst, batches, wait=0, warmup=1, active=2, repeat=3)
+    assert len(prof.cycles) == 3
+    assert all(c.capture.method == "dynamo" and not c.capture.recaptures and c.nodes for c in prof.cycles)
+
+
+def test_wav2vec2_with_its_numpy_masks(tmp_path):
+    """SpecAugment draws its masks with NumPy's random functions: they must draw from NumPy's own state, as in eager
+    (Dynamo's default draws them from torch's, and the graph was refused)."""
+    from test_transformers import LitHF, audio_loader, tiny_wav2vec2
+
+    _, callback = train_both(tmp_path, lambda: LitHF(tiny_wav2vec2), steps=4, loader_fn=audio_loader)
+    cycle = callback.cycles[0]
+    assert cycle.capture.method == "dynamo" and "refused" not in cycle.capture.error
+    assert any(name.startswith("wav2vec2_feature_extractor_conv_layers_0") for name in names(cycle))
+
+
+def test_fx_names_the_torch_nn_composites_it_times_whole(tmp_path):
+    _, callback = train_both(tmp_path, lambda: Lit(Encoder()), steps=4, capture="fx",
+                             loader_fn=lambda: DataLoader(Tokens(), batch_size=4, collate_fn=pad))
+    cycle = callback.cycles[0]
+    assert "TransformerEncoderLayer has submodules" in cycle.capture.leaves["layer"]
+    layer = next(n for n in cycle.nodes if n.op == "call_module" and n.target == "layer")
+    grand = sum(n.total_ms + n.bwd_total_ms for n in cycle.nodes)
+    assert cycle.whole_share == pytest.approx(100 * (layer.total_ms + layer.bwd_total_ms) / grand)
+
+
 def unpadded_lm_loader():
     """Causal LM batches with no padding: an all-ones attention mask, which HF drops in eager (sdpa with is_causal)
     but keeps while Dynamo traces (``is_tracing``)."""
