@@ -311,7 +311,8 @@ class RegressionWatch:
     """Checks a run's cycles in order, as the engine does during training and ``fxprof report`` afterwards.
 
     Each cycle is checked against the last ``baseline_cycles`` sound cycles before it (once there are
-    ``MIN_BASELINE``); a sound cycle (complete, not distorted by load, ``trust.distortion``) then joins the
+    ``MIN_BASELINE``; with fewer, from one, only a flag beyond doubt counts, so that a regression starting while the
+    baseline is short is not taken into it as a level the run had); a sound cycle (complete, not distorted by load, ``trust.distortion``) then joins the
     baseline. A flag is reported once confirmed (see ``Verdict``); a cycle whose only flags are unconfirmed
     joins the baseline only if the next sound cycle confirms them (a blip must not raise the baseline, nor
     hide the regression it was the start of).
@@ -352,10 +353,9 @@ class RegressionWatch:
             return Verdict(skipped="distorted", distortion=load)
         verdict = Verdict()
         rows = [*nodes, *module_rows(modules)]
-        if len(self.baseline) < MIN_BASELINE:
-            verdict.skipped = f"baseline: {len(self.baseline)} of {MIN_BASELINE} earlier cycles"
-        else:
-            flagged = find_regressions(self.baseline, rows, self.baseline_cycles, **self.options)
+        short = len(self.baseline) < MIN_BASELINE  # the cycle-to-cycle noise is not known yet: only the clear count
+        if self.baseline:
+            flagged = find_regressions(self.baseline, rows, self.baseline_cycles, min_baseline=1, **self.options)
             before = {s.name for s in self.baseline[-1] if s.op != "module"}
             new_in = {s.module_path for s in nodes if s.name not in before}  # modules with nodes the baseline lacks
             flagged = [r for r in flagged if not r.node.startswith("module ") or any(
@@ -368,9 +368,13 @@ class RegressionWatch:
                 stats = by_name[r.node]
                 added_per_step = (r.now_ms - r.baseline_ms) * _calls(stats, r.direction) / steps
                 clear = beyond_doubt(stats, r) and regular and step_rise >= added_per_step / 2
-                confirmed = clear or (r.node, r.direction) in self._flagged
-                (verdict.regressions if confirmed else verdict.unconfirmed).append(r)
-            self._flagged = {(r.node, r.direction) for r in flagged}
+                if clear or (not short and (r.node, r.direction) in self._flagged):
+                    verdict.regressions.append(r)
+                elif not short:
+                    verdict.unconfirmed.append(r)
+            self._flagged = set() if short else {(r.node, r.direction) for r in flagged}
+        if short and not verdict.regressions:
+            verdict.skipped = f"baseline: {len(self.baseline)} of {MIN_BASELINE} earlier cycles"
         entry = (rows, statistics.median(step_ms or [0.0]), cpu)
         if verdict.unconfirmed and not verdict.regressions:
             self._held = entry  # in question: kept out of the baseline until the next sound cycle decides
