@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from fxprof_lightning.report import NodeStats
 
-__all__ = ["Advice", "advise", "elementwise_share", "heavy_backward", "low_peak", "memory_bound", "model_share", "overhead_bound",
+__all__ = ["Advice", "advise", "elementwise_share", "heavy_backward", "host_syncs", "low_peak", "memory_bound", "model_share", "overhead_bound",
            "regressed", "slow_rank", "whole_step"]
 
 MIN_SHARE = 5.0  # % of the step's node time: smaller nodes are not worth advice
@@ -28,6 +28,7 @@ SLOW_RANK_SHARE = 2 / 3  # the same rank slowest in this share of the cycles
 STEP_SHARE = 25.0  # % of the whole step in data, optimizer or other callbacks worth saying first
 MODEL_SHARE = 40.0  # % of the whole step in training_step + backward below which node-level advice is left out
 LOOP_NODES = 16  # FLOP-less nodes of one module, a quarter of them indexing: a Python loop over a tensor's slices
+HOST_SYNC_WEIGHT = 90.0  # host_syncs: after the step's phases outside the model, before any node-level finding
 PER_RULE = 2  # findings of one rule kept, so that the few lines cover different problems
 
 
@@ -175,6 +176,23 @@ def _base_name(n: NodeStats) -> str:
     return re.sub(r"_\d+$", "", n.name)
 
 
+def host_syncs(reads: dict[str, str], on_cpu: bool = False) -> list[Advice]:
+    """Where the forward reads a tensor's value on the host (``Capture.host_reads``, found where Dynamo breaks its
+    graph): each such read is a host sync on a GPU. Weighted before node-level findings (``HOST_SYNC_WEIGHT``): the
+    place and cause are certain, and its cost, the device idle while the host catches up, is out of the node times'
+    sight (on a CPU there is none to see)."""
+    if not reads:
+        return []
+    places = "; ".join(f"`{path}` {what}" for path, what in list(reads.items())[:3])
+    more = f" (and {len(reads) - 3} more places)" if len(reads) > 3 else ""
+    cost = (" On this CPU it costs little, so no node time shows it; on a GPU it does." if on_cpu else "")
+    return [Advice(HOST_SYNC_WEIGHT, (
+        f"A host sync in the forward, at every call: {places}{more}. Reading a value on the host waits for all the "
+        "device work queued before it, so the GPU idles while Python catches up and the next kernels launch late. "
+        "Keep the value on the device (torch.where, masks of fixed shape, torch._assert_async for checks), or read "
+        f"it every N steps or outside the forward.{cost}"))]
+
+
 def slow_rank(history: list[list[NodeStats]], ranks: int) -> list[Advice]:
     """The same rank the slowest (for most node time) in most of the cycles so far, and by a material margin in the
     latest: its nodes' excess over the mean of the ranks at least ``SLOW_RANK_EXCESS`` of node time (with two ranks
@@ -259,20 +277,22 @@ def regressed(regressions: list) -> list[Advice]:
 
 
 def advise(nodes: list[NodeStats], history: list[list[NodeStats]] = (), regressions: list = (), ranks: int = 1,
-           top: int = 5, phases: dict[str, float] | None = None) -> list[str]:
+           top: int = 5, phases: dict[str, float] | None = None, host_reads: dict[str, str] | None = None,
+           on_cpu: bool = False) -> list[str]:
     """The ``top`` findings (at most ``PER_RULE`` of each rule), most at stake first.
 
     ``history`` holds the node tables of the cycles so far (this one last), ``regressions`` this
     cycle's regressions, ``ranks`` how many ranks were merged, ``phases`` where the whole step went
     (``CycleReport.phases``): read first; a large share outside the model comes first, and advice about
     the model's nodes is given only when the model is what the step waits for (``MODEL_SHARE`` of it).
+    ``host_reads`` are the forward's host syncs (``Capture.host_reads``), ``on_cpu`` whether the run is on a CPU.
     """
     step = whole_step(phases or {}, nodes)
     share = model_share(phases or {})
     node_level = share is None or share >= MODEL_SHARE
-    rules = (step, regressed(list(regressions)), *((low_peak(nodes), memory_bound(nodes), overhead_bound(nodes),
-                                                    heavy_backward(nodes), elementwise_share(nodes))
-                                                  if node_level else ()), slow_rank(list(history), ranks))
+    model = (host_syncs(host_reads or {}, on_cpu), low_peak(nodes), memory_bound(nodes), overhead_bound(nodes),
+             heavy_backward(nodes), elementwise_share(nodes))
+    rules = (step, regressed(list(regressions)), *(model if node_level else ()), slow_rank(list(history), ranks))
     found = [a for items in rules for a in sorted(items, key=lambda a: a.weight, reverse=True)[:PER_RULE]]
     found.sort(key=lambda a: a.weight, reverse=True)
     return [a.text for a in found[:top]]

@@ -46,6 +46,8 @@ class Capture:
         graph_breaks: ``compiled`` and ``dynamo``: Dynamo's graph breaks, by reason, with their counts.
         graphs: ``dynamo``: the graphs captured so far (one per graph break and per recapture).
         recaptures: ``dynamo``: why each capture after the first was made (the guard that failed).
+        host_reads: ``dynamo``: where the forward reads tensors' values on the host (``.item()``, a branch on a
+            value: host syncs on a GPU), module path -> what and where (``dynamo_capture.host_reads``).
         capture_s: seconds of each capture: ``dynamo``: Dynamo, the check against eager, the call; the torch.fx ladder:
             the tracing (with its retries and checks).
     """
@@ -59,6 +61,7 @@ class Capture:
     graph_breaks: dict[str, int] = field(default_factory=dict)
     graphs: int = 0
     recaptures: list[str] = field(default_factory=list)
+    host_reads: dict[str, str] = field(default_factory=dict)
     capture_s: list[float] = field(default_factory=list)
 
     @property

@@ -184,6 +184,7 @@ class _Attempt:
     graph_calls: int = 0
     difference: str | None = None  # how it differs from eager (None: bitwise the same)
     breaks: dict[str, int] = field(default_factory=dict)  # its graph breaks, by reason
+    host_reads: dict[str, str] = field(default_factory=dict)  # module path -> a read of a tensor's value there
     timed: int = 0  # how many of its timed ops are placed in a layer (``_placed``)
 
 
@@ -240,6 +241,7 @@ class DynamoTimer(NodeTimer):
         self._names: dict[int, tuple[str, nn.Module]] = {}
         self._guard_failures: list[str] = []
         self._graph_breaks: dict[str, int] = {}
+        self.host_reads: dict[str, str] = {}  # module path -> where its forward reads a tensor's value (``host_reads``)
         self._streak = 0  # timed calls in a row that missed the guards
         self._way = _Way(OPENED)  # how Dynamo captures (``_explore`` may change it at the first graph break)
         self._explored = False
@@ -307,6 +309,7 @@ class DynamoTimer(NodeTimer):
             attempt = self._explore(module, eager, state, args, kwargs, attempt)
         for why, count in attempt.breaks.items():
             self._graph_breaks[why] = self._graph_breaks.get(why, 0) + count
+        self.host_reads.update(attempt.host_reads)
         if self._guard_failures and reason != "first call":  # Dynamo's first line says what changed (since the last capture)
             reason = f"{reason}: {'; '.join(dict.fromkeys(f.splitlines()[0] for f in self._guard_failures))}"
         self._guard_failures.clear()
@@ -377,6 +380,7 @@ class DynamoTimer(NodeTimer):
         attempt = _Attempt(way, len(self.graphs), len(self._uncounted))
         mark = self._log_mark()
         breaks = dict(_graph_break_counter())
+        reasons = len(_graph_break_reasons())
         try:
             if isinstance(eager, Exception):
                 raise eager
@@ -394,6 +398,7 @@ class DynamoTimer(NodeTimer):
         self._truncate(mark)
         attempt.breaks = {why: count - breaks.get(why, 0) for why, count in _graph_break_counter().items()
                           if count > breaks.get(why, 0)}
+        attempt.host_reads = host_reads(_graph_break_reasons()[reasons:], module)
         ours = self.graphs[attempt.graphs:]
         attempt.timed = sum(_placed(node, first=i == 0) for i, graph in enumerate(ours) for node in graph.captured.graph.nodes)
         return attempt
@@ -497,7 +502,7 @@ class DynamoTimer(NodeTimer):
                                      "checks), so it was captured whole")
                   for info in self.nodes if info.target in whole}
         return replace(capture, graphs=len(self.graphs), recaptures=list(self.recaptures), capture_s=list(self.capture_s),
-                       graph_breaks=self.graph_breaks(), leaves=leaves)
+                       graph_breaks=self.graph_breaks(), leaves=leaves, host_reads=dict(self.host_reads))
 
     def graph_breaks(self) -> dict[str, int]:
         """Dynamo's graph breaks in this timer's captures, by reason (each code path is broken once per capture)."""
@@ -654,6 +659,55 @@ def _graph_break_counter() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
     return counters["graph_break"]
+
+
+def _graph_break_reasons() -> list[Any]:
+    """Dynamo's record of its graph breaks (``GraphCompileReason``: the reason and the user's stack), oldest first."""
+    from torch._dynamo.utils import graph_break_reasons
+
+    return graph_break_reasons
+
+
+# What a graph break's reason (its first line) says the code did with a tensor's value on the host: each waits for
+# the device to finish all the work queued before it (a host sync), at every call.
+HOST_READS = {
+    "Tensor.item()": "reads a tensor's value (`.item()`, `float(t)`, `bool(t)`)",
+    "Tensor.tolist()": "reads a tensor's values (`.tolist()`)",
+    "generic_jump TensorVariable": "branches on a tensor's value (`if t ...:`)",
+    "Dynamic shape operator": "calls an op whose output size depends on the values (`nonzero`, a boolean mask)",
+    "Data dependent operator": "needs a tensor's values on the host (`.numpy()`, a data-dependent op)",
+}
+
+
+def host_reads(reasons: list[Any], root: nn.Module) -> dict[str, str]:
+    """Where the forward reads tensors' values on the host, from Dynamo's graph-break ``reasons``: module path ->
+    what and where (``'branches on a tensor's value (`if t ...:`) at model.py:81'``). The place is the innermost frame
+    of the break's stack that runs a submodule's ``forward``, matched to the submodules of that class (all of them,
+    comma-separated, when several share it); a break whose stack runs no submodule's forward is left out."""
+    found: dict[str, str] = {}
+    for reason in reasons:
+        first = reason.reason.splitlines()[0] if reason.reason else ""
+        what = next((text for key, text in HOST_READS.items() if key in first), None)
+        if what is None or not reason.user_stack:
+            continue
+        inner = reason.user_stack[-1]
+        where = f"{what} at {inner.filename.rsplit('/', 1)[-1]}:{inner.lineno}"
+        for frame in reversed(reason.user_stack):  # the innermost frame that runs a submodule's forward
+            paths = [path or "(root)" for path, m in root.named_modules() if _runs_in(type(m).forward, frame)]
+            if paths:
+                inside = f" (in `{inner.name}`, called from its forward)" if frame is not inner else ""
+                found.setdefault(", ".join(paths), where + inside)
+                break
+    return found
+
+
+def _runs_in(function: Any, frame: Any) -> bool:
+    """Whether a stack ``frame`` is a line of ``function`` (its file, name and line range)."""
+    code = getattr(function, "__code__", None)
+    if code is None or code.co_filename != frame.filename or code.co_name != frame.name:
+        return False
+    lines = [line for _, _, line in code.co_lines() if line is not None]
+    return code.co_firstlineno <= (frame.lineno or 0) <= max(lines, default=code.co_firstlineno)
 
 
 # ---------------------------------------------------------------- verification

@@ -38,5 +38,7 @@ class StageHistory:
         verdict = self.watch.check(report.nodes, report.step_ms, report.step_cpu_ms, report.partial, report.modules)
         report.distortion, report.regressions, report.unconfirmed = verdict.distortion, verdict.regressions, verdict.unconfirmed
         self.tables = [*self.tables, report.nodes][-HISTORY:]
-        report.advice = advise(report.nodes, self.tables, report.regressions, report.ranks, phases=report.phases)
+        report.advice = advise(report.nodes, self.tables, report.regressions, report.ranks, phases=report.phases,
+                               host_reads=getattr(report.capture, "host_reads", None),
+                               on_cpu=peaks is not None and peaks.device.startswith("cpu"))
         return peaks

@@ -18,7 +18,7 @@ import time
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import LitClassifier, make_trainer, read_events
+from helpers import LitClassifier, image_loader, make_trainer, read_events
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -160,3 +160,64 @@ def test_the_phases_add_up_to_the_steps_wall_time(tmp_path):
 def trainer_profiler_untouched(callback) -> bool:
     """After fit, the trainer's profiler has its own start/stop again (the clock removed itself)."""
     return callback._clock is None
+
+
+# Host syncs ------------------------------------------------------------------------------------------------------------
+
+
+class Checked(nn.Module):
+    """Reads a tensor's value at every call: a host sync on a GPU (and a graph break for Dynamo)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        x = self.fc(x)
+        if x.abs().max().item() > 1e9:  # a sanity check on every batch
+            x = x / 2
+        return x
+
+
+class Kept(nn.Module):
+    """Branches on a tensor's value and selects rows with a mask (an output size that depends on the values)."""
+
+    def forward(self, x):
+        if x.sum() > 1e9:
+            x = x * 0
+        return x + x[x > 0].sum()
+
+
+class SyncedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.Flatten(2))
+        self.a, self.b, self.mid, self.head = Checked(), Checked(), Kept(), nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = self.stem(x).mean(2)
+        return self.head(self.mid(self.b(self.a(x))))
+
+
+def test_a_host_sync_in_the_forward_is_named_with_its_place_and_what_to_do(tmp_path):
+    """Known answer: two blocks of one class call ``.item()`` and another branches on a value and masks: advice names
+    those modules, the cause and the line, before any node-level finding; training is unchanged (bitwise)."""
+    def fit(callbacks):
+        torch.manual_seed(0)
+        lit = LitClassifier(SyncedNet())
+        make_trainer(tmp_path / str(len(callbacks)), callbacks, max_steps=6, logger=False).fit(lit, image_loader())
+        return lit
+
+    callback = FXProfilerCallback(wait=1, warmup=1, active=3, repeat=1, module="model")
+    profiled, plain = fit([callback]), fit([])
+    assert all(torch.equal(p, q) for p, q in zip(profiled.state_dict().values(), plain.state_dict().values()))
+    (cycle,) = callback.cycles
+    line = Checked.forward.__code__.co_firstlineno + 2
+    assert cycle.capture.host_reads == {
+        "a, b": f"reads a tensor's value (`.item()`, `float(t)`, `bool(t)`) at test_diagnosis.py:{line}",
+        "mid": f"branches on a tensor's value (`if t ...:`) at test_diagnosis.py:{Kept.forward.__code__.co_firstlineno + 1}",
+    }, cycle.capture.host_reads
+    first = cycle.advice[0]
+    assert first.startswith("A host sync in the forward") and "`a, b` reads a tensor's value" in first, cycle.advice
+    assert "`mid` branches on a tensor's value" in first and "On this CPU it costs little" in first
+    assert sum(advice.startswith("A host sync") for advice in cycle.advice) == 1
