@@ -24,8 +24,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from run_info import parse_args
 
-from fxprof_lightning.capture import capture
-from fxprof_lightning.dynamo_capture import DynamoTimer
+from fxprof_lightning.capture.dynamo import DynamoTimer
+from fxprof_lightning.capture.ladder import capture
 
 
 def mlp300() -> nn.Module:

@@ -42,7 +42,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.profiler import ProfilerActivity
 
-from fxprof_lightning.compiled import CompiledKernels, KernelTimer
+from fxprof_lightning.capture.compiled import CompiledKernels, KernelTimer
 
 
 class SmallTransformer(nn.Module):

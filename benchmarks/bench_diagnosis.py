@@ -192,7 +192,7 @@ def train_ddp(case: Case, root: str) -> str:
 
     from lightning.pytorch.strategies import DDPStrategy
 
-    from fxprof_lightning.runs import load_run
+    from fxprof_lightning.outputs.runs import load_run
 
     lit, data = case.make()
     callback = FXProfilerCallback(wait=1, warmup=1, active=3, repeat=0, module="model")

@@ -88,7 +88,7 @@ from torch.profiler import ProfilerActivity
 from torch.utils.data import DataLoader, TensorDataset
 
 from fxprof_lightning import FXProfilerCallback, node_timing
-from fxprof_lightning.node_timing import NodeTimer
+from fxprof_lightning.timing.node_timing import NodeTimer
 
 logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime" on import
 from torch.utils import benchmark  # noqa: E402  (after the logger is quietened)
@@ -588,7 +588,7 @@ def profiled_overhead(work: Workload, rounds: Rounds, warmup: int) -> dict[str, 
 def write_ranges_ms(work: Workload, timer: NodeTimer) -> float:
     """Milliseconds ``add_node_ranges`` takes to write one profiled step's node ranges (forward and backward)
     into its exported trace."""
-    from fxprof_lightning.torch_trace import add_node_ranges
+    from fxprof_lightning.timing.torch_trace import add_node_ranges
 
     timer.reset()
     with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:

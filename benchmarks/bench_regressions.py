@@ -13,7 +13,7 @@ package's default), ``torch_profiler=False`` and no sinks; node tables come from
    nothing changed. Every cycle is checked against the cycles before it as the engine does
    (``find_regressions`` on the last 5); every flag is a false flag. Rate = flagged (node,
    direction, cycle) / checked. Shown for k = 2, 3, 4, 6 and for the parts of the noise model added
-   one by one (see ``fxprof_lightning.regressions``), every cycle checked and, as the
+   one by one (see ``fxprof_lightning.analysis.regressions``), every cycle checked and, as the
    engine checks, only the cycles that ``trust.distortion`` calls sound (a cycle whose steps
    spread over 50 % of their median, or whose median step jumps 2x, is neither checked nor baseline).
 2. A slowdown: the MLP again; from the middle cycle on, one Linear computes 30 % more rows (the
@@ -46,7 +46,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fxprof_lightning import Profiler
-from fxprof_lightning.regressions import (
+from fxprof_lightning.analysis.regressions import (
     DEFAULT_K,
     DEFAULT_MIN_MS,
     DEFAULT_MIN_RELATIVE,
@@ -56,8 +56,8 @@ from fxprof_lightning.regressions import (
     compare,
     find_regressions,
 )
-from fxprof_lightning.report import NodeStats
-from fxprof_lightning.trust import distortion
+from fxprof_lightning.analysis.trust import distortion
+from fxprof_lightning.outputs.report import NodeStats
 
 KS = (2.0, 3.0, 4.0, 6.0)
 VARIANTS = {  # name -> compare() keyword arguments, each adding one part of the noise model to the one above

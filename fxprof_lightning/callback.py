@@ -22,11 +22,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from fxprof_lightning.analysis.roofline import Peaks
 from fxprof_lightning.engine import Profiler
 from fxprof_lightning.layout import DEFAULT_DIRPATH, TREND_FILE
-from fxprof_lightning.report import CycleReport
-from fxprof_lightning.roofline import Peaks
-from fxprof_lightning.sinks import (
+from fxprof_lightning.outputs.report import CycleReport
+from fxprof_lightning.outputs.sinks import (
     ConsoleSink,
     CsvSink,
     Display,
@@ -311,7 +311,7 @@ class LoggerSink:
         self.loggers = loggers
 
     def write_cycle(self, report: CycleReport, display: Display) -> None:
-        from fxprof_lightning.trackers import log_cycle_files
+        from fxprof_lightning.outputs.trackers import log_cycle_files
 
         step = report.steps[-1]
         for logger in self.loggers:
@@ -323,7 +323,7 @@ class LoggerSink:
             logger.save()
 
     def close(self, run: RunSummary) -> None:
-        from fxprof_lightning.trackers import log_trend
+        from fxprof_lightning.outputs.trackers import log_trend
 
         trend = run.cycles[-1].directory / TREND_FILE if run.cycles else None  # (PictureSink wrote it, before)
         for logger in self.loggers:

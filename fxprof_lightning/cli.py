@@ -29,8 +29,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from fxprof_lightning.layout import HTML_FILE
-from fxprof_lightning.regressions import (
+from fxprof_lightning.analysis.regressions import (
     CONFIRM_RATIO,
     DEFAULT_K,
     DEFAULT_MIN_MS,
@@ -45,9 +44,10 @@ from fxprof_lightning.regressions import (
     compare,
     shared_factor,
 )
-from fxprof_lightning.report import CycleReport, describe_phases, shorten
-from fxprof_lightning.runs import RunError, find_cycles, load_cycle
-from fxprof_lightning.trust import step_spread
+from fxprof_lightning.analysis.trust import step_spread
+from fxprof_lightning.layout import HTML_FILE
+from fxprof_lightning.outputs.report import CycleReport, describe_phases, shorten
+from fxprof_lightning.outputs.runs import RunError, find_cycles, load_cycle
 
 __all__ = ["main"]
 

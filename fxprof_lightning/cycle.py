@@ -18,13 +18,13 @@ from typing import Any
 
 from torch import nn
 
-from fxprof_lightning.capture import Capture
-from fxprof_lightning.gpu_trace import node_device_times
-from fxprof_lightning.gpu_trace import summary as device_summary
-from fxprof_lightning.node_timing import BackwardEvents
-from fxprof_lightning.report import CycleReport, NodeStats, summarize_modules, summarize_nodes, summarize_ranges
-from fxprof_lightning.timers import Timer
-from fxprof_lightning.torch_trace import CycleTrace
+from fxprof_lightning.capture.ladder import Capture
+from fxprof_lightning.capture.timers import Timer
+from fxprof_lightning.outputs.report import CycleReport, NodeStats, summarize_modules, summarize_nodes, summarize_ranges
+from fxprof_lightning.timing.gpu_trace import node_device_times
+from fxprof_lightning.timing.gpu_trace import summary as device_summary
+from fxprof_lightning.timing.node_timing import BackwardEvents
+from fxprof_lightning.timing.torch_trace import CycleTrace
 
 __all__ = ["Cycle"]
 

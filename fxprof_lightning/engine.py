@@ -30,17 +30,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxprof_lightning.compiled import is_compiled
+from fxprof_lightning.analysis.roofline import Peaks, device_peaks
+from fxprof_lightning.capture.compiled import is_compiled
+from fxprof_lightning.capture.timers import CAPTURES, Timers
 from fxprof_lightning.cycle import Cycle
 from fxprof_lightning.history import StageHistory
 from fxprof_lightning.layout import CYCLE_PREFIXES, DEFAULT_DIRPATH
 from fxprof_lightning.loop_phases import LoopClock
-from fxprof_lightning.report import CycleReport, merge_ranks
-from fxprof_lightning.roofline import Peaks, device_peaks
+from fxprof_lightning.outputs.report import CycleReport, merge_ranks
+from fxprof_lightning.outputs.sinks import ConsoleSink, CsvSink, Display, PictureSink, RunSummary, Sink
 from fxprof_lightning.schedule import ProfilerAction, Schedule
-from fxprof_lightning.sinks import ConsoleSink, CsvSink, Display, PictureSink, RunSummary, Sink
-from fxprof_lightning.timers import CAPTURES, Timers
-from fxprof_lightning.torch_trace import CycleTrace, check_profiler_kwargs
+from fxprof_lightning.timing.torch_trace import CycleTrace, check_profiler_kwargs
 
 __all__ = ["DEFAULT_DIRPATH", "Engine", "Profiler", "cycle_name"]
 
@@ -681,7 +681,7 @@ def _check_settings(module: Any, torch_profiler: bool, fx_timing: bool, top_k: A
     if capture not in CAPTURES:
         raise ValueError(f"capture must be one of {', '.join(map(repr, CAPTURES))}, got {capture!r}")
     if peaks is not None and not isinstance(peaks, Peaks):
-        raise ValueError(f"peaks must be a fxprof_lightning.roofline.Peaks(gflops_per_s=..., gbytes_per_s=...) or "
+        raise ValueError(f"peaks must be a fxprof_lightning.analysis.roofline.Peaks(gflops_per_s=..., gbytes_per_s=...) or "
                          f"None (measure them), got {peaks!r}")
 
 

@@ -19,12 +19,12 @@ import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 
+from fxprof_lightning.analysis.regressions import Regression, Verdict
+from fxprof_lightning.analysis.trust import step_spread
 from fxprof_lightning.cli import _ms, _ratio, _steps, legend_report, median_step_ms, per_step
-from fxprof_lightning.plots import _tree
-from fxprof_lightning.regressions import Regression, Verdict
-from fxprof_lightning.report import CycleReport, describe_phases, shorten
+from fxprof_lightning.outputs.plots import _tree
+from fxprof_lightning.outputs.report import CycleReport, describe_phases, shorten
 from fxprof_lightning.step_phases import PHASES
-from fxprof_lightning.trust import step_spread
 
 __all__ = ["render", "write_page"]
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxprof_lightning.autograd_walk import tensors_in
+from fxprof_lightning.timing.autograd_walk import tensors_in
 
 __all__ = ["LoopClock"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fxprof_lightning.advice import (
+from fxprof_lightning.analysis.advice import (
     advise,
     elementwise_share,
     heavy_backward,
@@ -13,9 +13,9 @@ from fxprof_lightning.advice import (
     slow_rank,
     whole_step,
 )
-from fxprof_lightning.regressions import Regression
-from fxprof_lightning.report import NodeStats
-from fxprof_lightning.trust import cpu_per_wall, distortion, step_spread
+from fxprof_lightning.analysis.regressions import Regression
+from fxprof_lightning.analysis.trust import cpu_per_wall, distortion, step_spread
+from fxprof_lightning.outputs.report import NodeStats
 
 
 def node(name: str, fwd: float, bwd: float = 0.0, **extra) -> NodeStats:

@@ -56,7 +56,7 @@ from helpers import LitClassifier, image_loader, make_trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from fxprof_lightning import CycleReport, FXProfilerCallback
-from fxprof_lightning.sinks import custom_scalars_layout, cycle_scalars
+from fxprof_lightning.outputs.sinks import custom_scalars_layout, cycle_scalars
 
 try:
     import websocket  # the websocket-client package

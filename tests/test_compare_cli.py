@@ -19,10 +19,10 @@ from helpers import LitClassifier, SmallNet, image_loader, make_trainer
 from torch.nn import functional as F
 
 from fxprof_lightning import CsvSink, FXProfilerCallback, Profiler
+from fxprof_lightning.analysis.regressions import Regression
 from fxprof_lightning.cli import _ms, main
-from fxprof_lightning.regressions import Regression
-from fxprof_lightning.report import ModuleStats, NodeStats, shorten
-from fxprof_lightning.runs import RunError, find_cycles, load_cycle, load_run
+from fxprof_lightning.outputs.report import ModuleStats, NodeStats, shorten
+from fxprof_lightning.outputs.runs import RunError, find_cycles, load_cycle, load_run
 
 SUMMARY = "cycle.jsonl"
 TIMES = ("mean_ms", "median_ms", "min_ms", "max_ms", "total_ms")

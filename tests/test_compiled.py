@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from fxprof_lightning import FXProfilerCallback
-from fxprof_lightning.compiled import module_path
+from fxprof_lightning.capture.compiled import module_path
 
 ONE_CYCLE = {"skip_first": 1, "wait": 0, "warmup": 1, "active": 2, "repeat": 1}
 

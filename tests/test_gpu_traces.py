@@ -25,9 +25,9 @@ import pytest
 import torch
 from torch import fx, nn
 
-from fxprof_lightning.gpu_trace import DEVICE_CATEGORIES, LAUNCH_CATEGORIES, attribute, node_device_times
-from fxprof_lightning.node_timing import NodeTimer
-from fxprof_lightning.roofline import spec_sheet_peaks
+from fxprof_lightning.analysis.roofline import spec_sheet_peaks
+from fxprof_lightning.timing.gpu_trace import DEVICE_CATEGORIES, LAUNCH_CATEGORIES, attribute, node_device_times
+from fxprof_lightning.timing.node_timing import NodeTimer
 
 DATA = Path(__file__).parent / "data" / "gpu"
 TRACES = ["alexnet_a100.json.gz", "triton_example.json.gz", "sampled_rank0.json.gz"]

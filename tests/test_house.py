@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).parents[1] / "fxprof_lightning"
 
 def test_reading_runs_loads_no_torch():
     """``fxprof report``/``compare`` read CSV and JSON files: starting them must not pay for importing torch."""
-    code = ("import sys, fxprof_lightning.cli, fxprof_lightning.runs, fxprof_lightning.html_report\n"
+    code = ("import sys, fxprof_lightning.cli, fxprof_lightning.outputs.runs, fxprof_lightning.html_report\n"
             "print(sorted(m for m in ('torch', 'lightning', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -27,8 +27,14 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
+def _module(path: Path) -> str:
+    """``capture/dynamo.py`` -> ``capture.dynamo`` (a folder's ``__init__.py`` -> the folder)."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def test_no_import_cycle():
-    graph = {p.stem: _imports(p) for p in PACKAGE.glob("*.py")}
+    graph = {_module(p): _imports(p) for p in PACKAGE.rglob("*.py")}
     done: set[str] = set()
 
     def visit(name: str, path: tuple[str, ...]) -> None:
@@ -45,8 +51,8 @@ def test_no_import_cycle():
 
 def test_no_class_over_400_lines():
     """A class that grows past 400 lines holds more than one job: split it (see engine.Engine and engine.Profiler)."""
-    too_long = [f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
-                for path in PACKAGE.glob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+    too_long = [f"{_module(path)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+                for path in PACKAGE.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
                 if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 400]
     assert not too_long
 
@@ -56,3 +62,16 @@ def test_the_engine_never_asks_which_timer_it_has():
     imported = {alias.name for node in ast.walk(ast.parse((PACKAGE / "engine.py").read_text()))
                 if isinstance(node, ast.ImportFrom) for alias in node.names}
     assert not imported & {"NodeTimer", "GuardedNodeTimer", "DynamoTimer", "KernelTimer", "ModuleHookTimer"}
+
+
+def test_each_folder_holds_one_room():
+    """The folders are the rooms of docs/architecture.md: what a module imports at top level comes from its own
+    folder, a folder below it (capture -> timing -> analysis/outputs stay apart) or the vocabulary at the top."""
+    rooms = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert rooms == {"capture", "timing", "analysis", "outputs"}
+    below = {"capture": {"capture", "timing"}, "timing": {"timing"}, "analysis": {"analysis", "outputs"},
+             "outputs": {"outputs", "analysis"}}
+    vocabulary = {"nodes", "layout", "schedule"}
+    wrong = [f"{_module(p)} imports {name}" for p in PACKAGE.rglob("*.py") if p.parent != PACKAGE
+             for name in _imports(p) if name.split(".")[0] not in below[p.parent.name] | vocabulary]
+    assert not wrong

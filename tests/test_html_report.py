@@ -41,7 +41,7 @@ from torch import nn
 from fxprof_lightning import FXProfilerCallback
 from fxprof_lightning.cli import _ms, check_cycles, main, median_step_ms, per_step
 from fxprof_lightning.html_report import SLOWEST_ROWS, write_page
-from fxprof_lightning.runs import load_run
+from fxprof_lightning.outputs.runs import load_run
 
 try:
     import websocket  # the websocket-client package

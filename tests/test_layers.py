@@ -21,7 +21,7 @@ from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxprof_lightning import FXProfilerCallback
-from fxprof_lightning.node_timing import NodeTimer
+from fxprof_lightning.timing.node_timing import NodeTimer
 
 ONE_CYCLE = {"skip_first": 1, "wait": 0, "warmup": 1, "active": 2, "repeat": 1}
 
@@ -320,7 +320,7 @@ def test_cuda_device_time_and_memory_leave_results_unchanged():
     expected.sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    from fxprof_lightning.capture import capture
+    from fxprof_lightning.capture.ladder import capture
 
     timer = NodeTimer(capture(model).graph_module, device="cuda")
     timer.install(model)

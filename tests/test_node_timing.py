@@ -8,10 +8,10 @@ import torch
 import torchvision
 from helpers import SmallNet
 
-from fxprof_lightning.capture import capture
-from fxprof_lightning.module_hooks import ModuleHookTimer
-from fxprof_lightning.node_timing import BackwardEvents, NodeTimer
+from fxprof_lightning.capture.ladder import capture
+from fxprof_lightning.capture.module_hooks import ModuleHookTimer
 from fxprof_lightning.nodes import describe_target
+from fxprof_lightning.timing.node_timing import BackwardEvents, NodeTimer
 
 
 def trace_module(model):

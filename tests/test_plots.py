@@ -19,8 +19,8 @@ from torch import nn
 
 import fxprof_lightning
 from fxprof_lightning import Profiler
-from fxprof_lightning.plots import module_icicle, png_bytes, slowest_layers, trend
-from fxprof_lightning.sinks import png_to_array
+from fxprof_lightning.outputs.plots import module_icicle, png_bytes, slowest_layers, trend
+from fxprof_lightning.outputs.sinks import png_to_array
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 pytestmark = pytest.mark.filterwarnings("ignore:.*look distorted by other load")  # a busy test machine
@@ -208,11 +208,11 @@ def test_without_matplotlib_the_package_imports_and_pictures_say_what_to_install
 import site, sys
 site.addsitedir({str(without)!r})
 sys.path.insert(0, {str(Path(fxprof_lightning.__file__).parents[1])!r})
-import fxprof_lightning, fxprof_lightning.plots
-from fxprof_lightning.report import CycleReport
+import fxprof_lightning, fxprof_lightning.outputs.plots
+from fxprof_lightning.outputs.report import CycleReport
 assert "matplotlib" not in sys.modules
 try:
-    fxprof_lightning.plots.slowest_layers(CycleReport(index=0, steps=[1]))
+    fxprof_lightning.outputs.plots.slowest_layers(CycleReport(index=0, steps=[1]))
 except ImportError as e:
     print(e, "|", type(e.__cause__).__name__)
 """

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from fxprof_lightning.quiet import USER_SETTING, is_routine_kineto_line, quiet_kineto
+from fxprof_lightning.timing.quiet import USER_SETTING, is_routine_kineto_line, quiet_kineto
 
 TESTS = Path(__file__).resolve().parent
 KINETO_MARKS = ("USDT:", "gpuGetDeviceCount", "SyncActivityProfilerHandler", "Completed Stage")

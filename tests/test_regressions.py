@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from fxprof_lightning.regressions import (
+from fxprof_lightning.analysis.regressions import (
     Delta,
     Regression,
     RegressionWatch,
@@ -17,7 +17,7 @@ from fxprof_lightning.regressions import (
     module_rows,
     shared_factor,
 )
-from fxprof_lightning.report import NodeStats
+from fxprof_lightning.outputs.report import NodeStats
 
 
 def node(name: str, ms: float, mad: float = 0.0, bwd: float | None = None, bwd_mad: float = 0.0,
@@ -242,7 +242,7 @@ def test_a_regression_that_starts_while_the_baseline_is_short_is_flagged_not_tak
     assert verdicts[1].skipped == "baseline: 1 of 3 earlier cycles"
     assert verdicts[2].skipped is None and [r.node for r in verdicts[2].regressions] == ["n9"]
     # A change noise could explain is not flagged on a short baseline: no unconfirmed flag either.
-    small = watched(steady_tables(3)[:2] + [scaled(steady_tables(3)[2], "n9", 1.6)], [[10.0, 10.1, 10.0]] * 3)
+    small = watched([*steady_tables(3)[:2], scaled(steady_tables(3)[2], "n9", 1.6)], [[10.0, 10.1, 10.0]] * 3)
     assert small[2].skipped == "baseline: 2 of 3 earlier cycles" and small[2].regressions == small[2].unconfirmed == []
 
 
@@ -286,7 +286,7 @@ def test_a_return_to_a_level_the_baseline_had_is_a_change_of_mode_not_a_regressi
 def test_a_module_slower_through_new_nodes_is_flagged_as_the_module():
     """A loop run 12 times instead of once is unrolled into new nodes (never regressions): its module's time per step
     shows it, as "module <path>"; a module with the same nodes as before is left to its nodes."""
-    from fxprof_lightning.report import ModuleStats
+    from fxprof_lightning.outputs.report import ModuleStats
 
     def modules(ms: float) -> list[ModuleStats]:
         return [ModuleStats("", "Net", 0, 1.0, 0.0, ms + 3.0, 0.0, 2 * ms + 6.0),

@@ -10,10 +10,10 @@ import torch
 from torch import fx, nn
 from torch.nn import functional as F
 
-from fxprof_lightning import roofline
-from fxprof_lightning.flops import count_costs
-from fxprof_lightning.report import NodeStats
-from fxprof_lightning.roofline import Peaks, default_cache_path, device_peaks, measure_peaks, with_roofline
+from fxprof_lightning.analysis import roofline
+from fxprof_lightning.analysis.roofline import Peaks, default_cache_path, device_peaks, measure_peaks, with_roofline
+from fxprof_lightning.outputs.report import NodeStats
+from fxprof_lightning.timing.flops import count_costs
 
 F32 = 4
 

@@ -54,22 +54,20 @@ from torch.fx._symbolic_trace import _assert_is_none
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
-from fxprof_lightning.leaves import (
+from fxprof_lightning.capture.leaves import (
     HOST_RANDOM,
     FunctionApply,
     LeafProxy,
     LeafTrace,
     LeafTracer,
     holds_traced,
-    host_random_state,
-    random_states_kept,
-    set_host_random_state,
     short_error,
     slot_names,
     trace_with_leaves,
 )
-from fxprof_lightning.node_timing import NodeTimer
 from fxprof_lightning.nodes import mark_untimed
+from fxprof_lightning.timing.autograd_walk import host_random_state, random_states_kept, set_host_random_state
+from fxprof_lightning.timing.node_timing import NodeTimer
 
 __all__ = ["GUARDS", "Example", "ExampleTracer", "GraphMismatch", "GuardedNodeTimer", "Rebuild", "example_forward",
            "observe_first_call", "trace_on_example"]

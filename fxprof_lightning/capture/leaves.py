@@ -40,7 +40,6 @@ import contextlib
 import functools
 import inspect
 import operator
-import random
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -51,6 +50,7 @@ import torch.utils.checkpoint
 from torch import fx, nn
 
 from fxprof_lightning.nodes import mark_untimed
+from fxprof_lightning.timing.autograd_walk import random_states_kept
 
 try:
     import numpy
@@ -67,10 +67,7 @@ __all__ = [
     "ModuleState",
     "holds_traced",
     "host_random_functions",
-    "host_random_state",
-    "random_states_kept",
     "refusing_checkpoint",
-    "set_host_random_state",
     "short_error",
     "slot_names",
     "trace_with_leaves",
@@ -463,31 +460,6 @@ def _compile_marks_ignored() -> contextlib.AbstractContextManager[None]:
         return mark
 
     return _patched([(dynamo, name, ignoring_proxies(getattr(dynamo, name))) for name in names])
-
-
-def host_random_state() -> tuple[Any, Any]:
-    """Python's and NumPy's random states."""
-    return random.getstate(), numpy.random.get_state() if numpy is not None else None
-
-
-def set_host_random_state(state: tuple[Any, Any]) -> None:
-    random.setstate(state[0])
-    if state[1] is not None:
-        numpy.random.set_state(state[1])
-
-
-@contextlib.contextmanager
-def random_states_kept(cuda_devices: list[int] | tuple[int, ...] = ()) -> Iterator[None]:
-    """Torch's random state on the CPU (and the given CUDA devices), NumPy's and Python's are as before, after.
-
-    For work the user's training must not notice: tracing on an example, the output check, the FLOP pass.
-    """
-    host = host_random_state()
-    with torch.random.fork_rng(devices=list(cuda_devices)):
-        try:
-            yield
-        finally:
-            set_host_random_state(host)
 
 
 def _recorded_factories(tracer: fx.Tracer) -> contextlib.AbstractContextManager[None]:

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerAction
 
-from fxprof_lightning.gpu_trace import DEVICE_CATEGORIES, Attribution, attribute
-from fxprof_lightning.node_timing import ANCHOR, backward_durations
-from fxprof_lightning.quiet import quiet_kineto
+from fxprof_lightning.timing.gpu_trace import DEVICE_CATEGORIES, Attribution, attribute
+from fxprof_lightning.timing.node_timing import ANCHOR, backward_durations
+from fxprof_lightning.timing.quiet import quiet_kineto
 
 __all__ = ["CycleTrace", "add_node_ranges", "check_profiler_kwargs"]
 

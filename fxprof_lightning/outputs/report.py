@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from fxprof_lightning.analysis.trust import cpu_per_wall, step_spread
 from fxprof_lightning.nodes import NodeInfo
-from fxprof_lightning.trust import cpu_per_wall, step_spread
 
 __all__ = ["CycleReport", "ModuleStats", "NodeStats", "RangeStats", "merge_ranks", "summarize_modules", "summarize_nodes",
            "summarize_ranges"]

@@ -41,12 +41,12 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from fxprof_lightning.flops import NodeCosts, count_costs
-from fxprof_lightning.node_timing import NodeTimer
 from fxprof_lightning.nodes import JOINS, NESTS, ROW, NodeInfo, describe_target, is_timed, mark_untimed, node_info
+from fxprof_lightning.timing.flops import NodeCosts, count_costs
+from fxprof_lightning.timing.node_timing import NodeTimer
 
 if TYPE_CHECKING:
-    from fxprof_lightning.capture import Capture
+    from fxprof_lightning.capture.ladder import Capture
 
 __all__ = ["DYNAMO", "DynamoTimer", "annotate_rows"]
 

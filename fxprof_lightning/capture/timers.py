@@ -23,15 +23,15 @@ from typing import Any, Protocol
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fxprof_lightning.capture import Capture, capture
-from fxprof_lightning.compiled import MECHANISM, CompiledKernels, KernelTimer
-from fxprof_lightning.dynamo_capture import DYNAMO, DynamoTimer
-from fxprof_lightning.flops import NodeCosts
-from fxprof_lightning.leaves import is_fsdp
-from fxprof_lightning.module_hooks import ModuleHookTimer
-from fxprof_lightning.node_timing import NodeTimer
+from fxprof_lightning.capture.compiled import MECHANISM, CompiledKernels, KernelTimer
+from fxprof_lightning.capture.dynamo import DYNAMO, DynamoTimer
+from fxprof_lightning.capture.ladder import Capture, capture
+from fxprof_lightning.capture.leaves import is_fsdp
+from fxprof_lightning.capture.module_hooks import ModuleHookTimer
+from fxprof_lightning.capture.traced_on_example import Example, GuardedNodeTimer, observe_first_call
 from fxprof_lightning.nodes import NodeInfo
-from fxprof_lightning.traced_on_example import Example, GuardedNodeTimer, observe_first_call
+from fxprof_lightning.timing.flops import NodeCosts
+from fxprof_lightning.timing.node_timing import NodeTimer
 
 __all__ = ["CAPTURES", "Timer", "Timers"]
 

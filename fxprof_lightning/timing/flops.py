@@ -29,9 +29,8 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from fxprof_lightning.autograd_walk import autograd_nodes, sequence_nr_now, tensors_in
-from fxprof_lightning.leaves import random_states_kept
 from fxprof_lightning.nodes import is_timed
+from fxprof_lightning.timing.autograd_walk import autograd_nodes, random_states_kept, sequence_nr_now, tensors_in
 
 __all__ = ["NodeCosts", "bytes_moved", "count_costs", "input_signature"]
 

@@ -44,7 +44,7 @@ from torch import nn
 from fxprof_lightning.nodes import NodeInfo
 
 if TYPE_CHECKING:
-    from fxprof_lightning.capture import Capture
+    from fxprof_lightning.capture.ladder import Capture
 
 __all__ = ["MECHANISM", "CompiledKernels", "KernelTimer", "is_compiled"]
 
@@ -106,7 +106,7 @@ class _ModulePass:
             self.previous(graph)
 
     def uuid(self) -> Any:  # a custom pass must say what it is for Inductor's caches (which are off meanwhile)
-        return "fxprof_lightning.compiled._ModulePass"
+        return "fxprof_lightning.capture.compiled._ModulePass"
 
 
 def module_path(source: str) -> str:

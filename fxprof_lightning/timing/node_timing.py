@@ -50,13 +50,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx, nn
 
-from fxprof_lightning.autograd_walk import autograd_nodes, sequence_nr_now, tensors_in
-from fxprof_lightning.flops import NodeCosts, count_costs, input_signature
 from fxprof_lightning.nodes import JOINS, NESTS, ROW, NodeInfo, is_timed, node_info
-from fxprof_lightning.quiet import quiet_kineto
+from fxprof_lightning.timing.autograd_walk import autograd_nodes, sequence_nr_now, tensors_in
+from fxprof_lightning.timing.flops import NodeCosts, count_costs, input_signature
+from fxprof_lightning.timing.quiet import quiet_kineto
 
 if TYPE_CHECKING:
-    from fxprof_lightning.capture import Capture
+    from fxprof_lightning.capture.ladder import Capture
 
 __all__ = ["ANCHOR", "BackwardEvents", "CudaClock", "NodeTimer", "enter_range", "exit_range"]
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 from torch import fx, nn
 
-from fxprof_lightning.leaves import LeafTracer, trace_with_leaves
-from fxprof_lightning.traced_on_example import GUARDS, Example, trace_on_example
+from fxprof_lightning.capture.leaves import LeafTracer, trace_with_leaves
+from fxprof_lightning.capture.traced_on_example import GUARDS, Example, trace_on_example
 
 __all__ = ["Capture", "capture"]
 
@@ -37,7 +37,7 @@ class Capture:
     Attributes:
         method: ``"symbolic_trace"``, ``"symbolic_trace+leaves"``, ``"traced_on_example"``,
             ``"traced_on_example+leaves"``, ``"module_hooks"`` or ``"compiled"`` (a torch.compile'd module,
-            timed from its kernels: ``compiled.py``).
+            timed from its kernels: ``capture/compiled.py``).
         graph_module: the traced graph (None for ``module_hooks``).
         leaves: submodules traced as single nodes, with the error that made them leaves.
         error: why tracing the whole module failed ('' when it did not).

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from fxprof_lightning.analysis.trust import cpu_per_wall, step_spread
 from fxprof_lightning.layout import (
     MODULES_FILE,
     NODES_FILE,
@@ -37,8 +38,7 @@ from fxprof_lightning.layout import (
     TREND_TAG,
     stage_tag,
 )
-from fxprof_lightning.report import CycleReport
-from fxprof_lightning.trust import cpu_per_wall, step_spread
+from fxprof_lightning.outputs.report import CycleReport
 
 # What TensorBoard's summary writer would replace in a tag (with a warning each time): all but letters, digits, _ - . /
 TAG_UNSAFE = re.compile(r"[^-\w./]+")
@@ -183,7 +183,7 @@ def _plots(display: Display) -> Any:
     try:
         import matplotlib  # noqa: F401  (the plots module imports it lazily)
 
-        from fxprof_lightning import plots
+        from fxprof_lightning.outputs import plots
     except ImportError as error:
         if not _NO_PICTURES:
             _NO_PICTURES.append(str(error))

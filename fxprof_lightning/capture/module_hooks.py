@@ -22,12 +22,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fxprof_lightning.autograd_walk import sequence_nr_now
-from fxprof_lightning.node_timing import enter_range, exit_range
 from fxprof_lightning.nodes import NodeInfo
+from fxprof_lightning.timing.autograd_walk import sequence_nr_now
+from fxprof_lightning.timing.node_timing import enter_range, exit_range
 
 if TYPE_CHECKING:
-    from fxprof_lightning.capture import Capture
+    from fxprof_lightning.capture.ladder import Capture
 
 __all__ = ["ModuleHookTimer"]
 

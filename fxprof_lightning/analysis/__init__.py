@@ -1,0 +1,1 @@
+"""What the numbers mean: regressions, load told from slowdowns, the roofline, advice."""

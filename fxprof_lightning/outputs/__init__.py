@@ -1,0 +1,1 @@
+"""Where results go: the cycle report and its tables, runs read back from disk, sinks, trackers, pictures."""
