@@ -87,7 +87,8 @@ from torch.nn import functional as F
 from torch.profiler import ProfilerActivity
 from torch.utils.data import DataLoader, TensorDataset
 
-from fxprof_lightning import FXProfilerCallback, node_timing
+from fxprof_lightning import FXProfilerCallback
+from fxprof_lightning.timing import node_timing
 from fxprof_lightning.timing.node_timing import NodeTimer
 
 logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime" on import
