@@ -57,7 +57,7 @@ from fxprof_lightning.analysis.regressions import (
     find_regressions,
 )
 from fxprof_lightning.analysis.trust import distortion
-from fxprof_lightning.outputs.report import NodeStats
+from fxprof_lightning.report import NodeStats
 
 KS = (2.0, 3.0, 4.0, 6.0)
 VARIANTS = {  # name -> compare() keyword arguments, each adding one part of the noise model to the one above

@@ -12,8 +12,8 @@ __all__ = ["ConsoleSink", "CsvSink", "CycleReport", "FXProfilerCallback", "NodeS
            "Schedule", "TensorBoardSink"]
 __version__ = "0.1.0"
 
-_HOMES = {"Profiler": "engine", "FXProfilerCallback": "callback", "CycleReport": "outputs.report",
-          "NodeStats": "outputs.report", "Schedule": "schedule", "ConsoleSink": "outputs.sinks", "CsvSink": "outputs.sinks",
+_HOMES = {"Profiler": "engine", "FXProfilerCallback": "callback", "CycleReport": "report",
+          "NodeStats": "report", "Schedule": "schedule", "ConsoleSink": "outputs.sinks", "CsvSink": "outputs.sinks",
           "PictureSink": "outputs.sinks", "TensorBoardSink": "outputs.sinks"}
 
 

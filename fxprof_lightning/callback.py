@@ -25,7 +25,6 @@ from typing_extensions import override
 from fxprof_lightning.analysis.roofline import Peaks
 from fxprof_lightning.engine import Profiler
 from fxprof_lightning.layout import DEFAULT_DIRPATH, TREND_FILE
-from fxprof_lightning.outputs.report import CycleReport
 from fxprof_lightning.outputs.sinks import (
     ConsoleSink,
     CsvSink,
@@ -36,6 +35,7 @@ from fxprof_lightning.outputs.sinks import (
     log_to_summary_writer,
     log_trend_to_summary_writer,
 )
+from fxprof_lightning.report import CycleReport
 from fxprof_lightning.step_phases import PhaseClock
 
 __all__ = ["FXProfilerCallback", "LoggerSink"]

@@ -30,12 +30,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from fxprof_lightning.analysis.regressions import (
-    CONFIRM_RATIO,
     DEFAULT_K,
     DEFAULT_MIN_MS,
     DEFAULT_MIN_RELATIVE,
     DEFAULT_MIN_SHARE,
-    MIN_BASELINE,
     Delta,
     Regression,
     RegressionWatch,
@@ -46,8 +44,17 @@ from fxprof_lightning.analysis.regressions import (
 )
 from fxprof_lightning.analysis.trust import step_spread
 from fxprof_lightning.layout import HTML_FILE
-from fxprof_lightning.outputs.report import CycleReport, describe_phases, shorten
+from fxprof_lightning.outputs.formats import (
+    BASELINE_CYCLES,
+    legend_report,
+    median_step_ms,
+    ms_text,
+    per_step,
+    ratio_text,
+    steps_text,
+)
 from fxprof_lightning.outputs.runs import RunError, find_cycles, load_cycle
+from fxprof_lightning.report import CycleReport, describe_phases, shorten
 
 __all__ = ["main"]
 
@@ -56,7 +63,6 @@ WIDTH = 120
 NAME_WIDTH = 44
 TREND_LAYERS = 6
 HTML_NAME = HTML_FILE  # fxprof report RUN --html: the page's default place, in RUN
-BASELINE_CYCLES = 5  # as the engine: each cycle against the last 5 sound ones before it
 
 EPILOG = """\
 exit status:
@@ -185,23 +191,11 @@ def _stage_name(stage: str) -> str:
     return "validation" if stage == "val" else "training"
 
 
-def per_step(report: CycleReport) -> tuple[float, float] | None:
-    """Summed node forward and backward ms per recorded step (from the module tree's root without step numbers)."""
-    if report.steps:
-        return report.forward_ms_per_step, report.backward_ms_per_step
-    root = next((m for m in report.modules if m.path == ""), None)
-    return (root.total_fwd_ms, root.total_bwd_ms) if root is not None else None
-
-
-def median_step_ms(report: CycleReport) -> float | None:
-    return statistics.median(report.step_ms) if report.step_ms else None
-
-
 def describe(report: CycleReport) -> str:
     """``training cycle 4 (steps 400-402, partial)`` and its directory."""
     parts = []
     if report.steps:
-        parts.append(f"steps {_steps(report)}")
+        parts.append(f"steps {steps_text(report)}")
     if report.batch_size:
         parts.append(f"{report.batch_size} samples per step")
     if report.partial:
@@ -270,8 +264,8 @@ def delta_table(deltas: list[Delta], top: int | None, confirmed: set[tuple[str, 
     for d in shown:
         slower = "SLOWER" if (d.node, d.direction) in confirmed else "slower?"
         mark = (slower if d.slower else "faster") if d.beyond_noise else ""
-        lines.append(f"{shorten(d.node, NAME_WIDTH):<{NAME_WIDTH}}  {d.direction:<9}  {_ms(d.baseline_ms):>10}  "
-                     f"{_ms(d.now_ms):>10}  {d.delta_ms:>+10.3f}  {_ratio(d.ratio):>7}  {mark}".rstrip())
+        lines.append(f"{shorten(d.node, NAME_WIDTH):<{NAME_WIDTH}}  {d.direction:<9}  {ms_text(d.baseline_ms):>10}  "
+                     f"{ms_text(d.now_ms):>10}  {d.delta_ms:>+10.3f}  {ratio_text(d.ratio):>7}  {mark}".rstrip())
     hidden = ordered[len(shown):]
     if hidden:
         beyond = sum(1 for d in hidden if d.beyond_noise)
@@ -326,7 +320,7 @@ def _totals_lines(title: str, unit: str, rows: list[tuple[str, float, float]]) -
              f"{'ratio':>7}"]
     for name, a, b in rows:
         ratio = b / a if a > 0 else float("inf")
-        lines.append(f"{name:<{NAME_WIDTH}}  {'':<9}  {_ms(a):>10}  {_ms(b):>10}  {b - a:>+10.3f}  {_ratio(ratio):>7}")
+        lines.append(f"{name:<{NAME_WIDTH}}  {'':<9}  {ms_text(a):>10}  {ms_text(b):>10}  {b - a:>+10.3f}  {ratio_text(ratio):>7}")
     return lines
 
 
@@ -395,7 +389,7 @@ def run_report(path: Path, stage: str, last: int, layers: int, options: dict,
 
 def _regression_line(cycle: CycleReport, r: Regression) -> str:
     return (f"  cycle {cycle.index:<5} {shorten(r.node, NAME_WIDTH):<{NAME_WIDTH}} {r.direction:<9} "
-            f"{_ms(r.baseline_ms):>9} -> {_ms(r.now_ms):<9} {_ratio(r.ratio):>7}  noise {_ms(r.noise_ms)}")
+            f"{ms_text(r.baseline_ms):>9} -> {ms_text(r.now_ms):<9} {ratio_text(r.ratio):>7}  noise {ms_text(r.noise_ms)}")
 
 
 def check_cycles(cycles: list[CycleReport], options: dict) -> dict[int, Verdict]:
@@ -414,15 +408,15 @@ def cycle_table(cycles: list[CycleReport], found: dict[int, Verdict]) -> list[st
              f"{'regressions':>11}  note"]
     for c in cycles:
         totals = per_step(c)
-        steps = _steps(c)
+        steps = steps_text(c)
         step = median_step_ms(c)
         spread = step_spread(c.step_ms) if c.step_ms else None
         why, regressions = found[id(c)].skipped, found[id(c)].regressions
         name = c.directory.name if c.directory is not None else str(c.index)
         index = str(c.index) if name.endswith(f"{c.index:04d}") else name.removeprefix("val_").removeprefix("cycle_")
-        forward, backward = (_ms(totals[0]), _ms(totals[1])) if totals else ("?", "?")
+        forward, backward = (ms_text(totals[0]), ms_text(totals[1])) if totals else ("?", "?")
         lines.append(
-            f"{index:>7}  {steps:<13}  {forward:>11}  {backward:>11}  {_ms(step) if step is not None else '':>9}  "
+            f"{index:>7}  {steps:<13}  {forward:>11}  {backward:>11}  {ms_text(step) if step is not None else '':>9}  "
             f"{f'{100 * spread:.0f}%' if spread is not None else '':>6}  "
             f"{len(regressions) if why is None else '-':>11}  {why or ''}".rstrip())
     return lines
@@ -441,40 +435,13 @@ def trend_table(cycles: list[CycleReport], layers: int) -> list[str]:
     lines.append(f"{'cycle':>7}" + "".join(f"{f'[{i + 1}]':>{column + 2}}" for i in range(len(top))))
     for c in cycles:
         by_name = {n.name: n for n in c.nodes}
-        cells = [_ms(by_name[n.name].median_ms + by_name[n.name].bwd_median_ms) if n.name in by_name else "-"
+        cells = [ms_text(by_name[n.name].median_ms + by_name[n.name].bwd_median_ms) if n.name in by_name else "-"
                  for n in top]
         lines.append(f"{c.index:>7}" + "".join(f"{cell:>{column + 2}}" for cell in cells))
     return lines
 
 
-def legend_report(options: dict) -> list[str]:
-    k, floor = options.get("k", DEFAULT_K), options.get("min_relative", DEFAULT_MIN_RELATIVE)
-    return textwrap.wrap(
-        f"A regression: a node whose median ms per call rose by more than {k:g} x the noise (robust spread of the "
-        f"last {BASELINE_CYCLES} sound cycles' medians and within each cycle), more than {100 * floor:g}%, "
-        f"{DEFAULT_MIN_MS * 1000:g} us and {100 * DEFAULT_MIN_SHARE:g}% of the cycle's node time, its fastest call "
-        "too, beyond the cycle's shared slowdown; checked once "
-        f"{MIN_BASELINE} sound cycles came before, and reported once confirmed: flagged in the next sound cycle "
-        f"too, or every call {CONFIRM_RATIO:g}x slower with regular steps that got slower by it. Partial cycles and "
-        "those distorted by other load (step spread > 50%, or a 2x step jump or a CPU-per-wall drop with the nodes "
-        "slower in proportion) are not checked; a step slower because a few nodes are is their regression.", WIDTH)
-
-
 # ------------------------------------------------------------------ formatting
-
-
-def _steps(report: CycleReport) -> str:
-    if not report.steps:
-        return "?"
-    return f"{report.steps[0]}-{report.steps[-1]}" if len(report.steps) > 1 else str(report.steps[0])
-
-
-def _ms(value: float) -> str:
-    return f"{value:.3f}" if abs(value) < 1000 else f"{value:.0f}"
-
-
-def _ratio(value: float) -> str:
-    return f"{value:.2f}x" if value != float("inf") else "new"
 
 
 def _index_list(indexes: list[int]) -> str:

@@ -18,9 +18,9 @@ from typing import Any
 
 from torch import nn
 
-from fxprof_lightning.capture.ladder import Capture
 from fxprof_lightning.capture.timers import Timer
-from fxprof_lightning.outputs.report import CycleReport, NodeStats, summarize_modules, summarize_nodes, summarize_ranges
+from fxprof_lightning.nodes import Capture
+from fxprof_lightning.report import CycleReport, NodeStats, summarize_modules, summarize_nodes, summarize_ranges
 from fxprof_lightning.timing.gpu_trace import node_device_times
 from fxprof_lightning.timing.gpu_trace import summary as device_summary
 from fxprof_lightning.timing.node_timing import BackwardEvents

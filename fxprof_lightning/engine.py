@@ -37,8 +37,8 @@ from fxprof_lightning.cycle import Cycle
 from fxprof_lightning.history import StageHistory
 from fxprof_lightning.layout import CYCLE_PREFIXES, DEFAULT_DIRPATH
 from fxprof_lightning.loop_phases import LoopClock
-from fxprof_lightning.outputs.report import CycleReport, merge_ranks
 from fxprof_lightning.outputs.sinks import ConsoleSink, CsvSink, Display, PictureSink, RunSummary, Sink
+from fxprof_lightning.report import CycleReport, merge_ranks
 from fxprof_lightning.schedule import ProfilerAction, Schedule
 from fxprof_lightning.timing.torch_trace import CycleTrace, check_profiler_kwargs
 

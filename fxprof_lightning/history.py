@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from fxprof_lightning.analysis.advice import advise
 from fxprof_lightning.analysis.regressions import RegressionWatch
 from fxprof_lightning.analysis.roofline import Peaks, describe_peaks, raised_to, with_roofline
-from fxprof_lightning.outputs.report import CycleReport, NodeStats
+from fxprof_lightning.report import CycleReport, NodeStats
 
 __all__ = ["HISTORY", "StageHistory"]
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from fxprof_lightning.analysis.regressions import Regression, Verdict
 from fxprof_lightning.analysis.trust import step_spread
-from fxprof_lightning.cli import _ms, _ratio, _steps, legend_report, median_step_ms, per_step
+from fxprof_lightning.outputs.formats import legend_report, median_step_ms, ms_text, per_step, ratio_text, steps_text
 from fxprof_lightning.outputs.plots import _tree
-from fxprof_lightning.outputs.report import CycleReport, describe_phases, shorten
+from fxprof_lightning.report import CycleReport, describe_phases, shorten
 from fxprof_lightning.step_phases import PHASES
 
 __all__ = ["render", "write_page"]
@@ -141,8 +141,8 @@ def _cycles(shown: list[CycleReport], found: dict[int, Verdict], total: int) -> 
         note = verdict.skipped or ""
         if verdict.distortion:
             note = f"distorted: {verdict.distortion}"
-        rows.append([str(c.index), _e(_steps(c)), _ms(totals[0]) if totals else "?",
-                     _ms(totals[1]) if totals else "?", _ms(step) if step is not None else "",
+        rows.append([str(c.index), _e(steps_text(c)), ms_text(totals[0]) if totals else "?",
+                     ms_text(totals[1]) if totals else "?", ms_text(step) if step is not None else "",
                      f"{100 * spread:.0f}%" if spread is not None else "",
                      str(len(verdict.regressions)) if verdict.skipped is None else "-", _e(note)])
         classes.append("distorted" if verdict.skipped == "distorted" else "partial" if c.partial else "")
@@ -162,15 +162,15 @@ def _slowest(cycle: CycleReport) -> str:
     for rank, n in enumerate(cycle.nodes[:SLOWEST_ROWS], start=1):
         share = 100 * (n.total_ms + n.bwd_total_ms) / grand
         rows.append([str(rank), f"<code>{_e(n.name)}</code>", _e(n.op.removeprefix("call_")),
-                     f"<code>{_e(n.module_path or '(root)')}</code>", _ms(n.median_ms),
-                     _ms(n.bwd_median_ms), _ms((n.total_ms + n.bwd_total_ms) / steps), f"{share:.1f}%",
+                     f"<code>{_e(n.module_path or '(root)')}</code>", ms_text(n.median_ms),
+                     ms_text(n.bwd_median_ms), ms_text((n.total_ms + n.bwd_total_ms) / steps), f"{share:.1f}%",
                      f'<span class="share" style="width:{1.6 * share:.1f}px;background:{PALETTE[0]}"></span>'])
     head = ["#", "node", "op", "module", "fwd ms/call", "bwd ms/call", "fwd+bwd ms/step", "share", ""]
     more = len(cycle.nodes) - SLOWEST_ROWS
     tail = (f'<p class="note">{more} faster node(s) not shown (fx_nodes.csv in the cycle directory has every one).'
             "</p>" if more > 0 else "")
     return (f"<p>ms per call are medians over the cycle's calls; share: of the cycle's summed node time (forward "
-            f"{_ms(cycle.forward_ms_per_step)} + backward {_ms(cycle.backward_ms_per_step)} ms per step).</p>\n"
+            f"{ms_text(cycle.forward_ms_per_step)} + backward {ms_text(cycle.backward_ms_per_step)} ms per step).</p>\n"
             + _table(head, rows, "slowest", numeric=(0, 4, 5, 6, 7)) + tail)
 
 
@@ -212,7 +212,7 @@ def _icicle(cycle: CycleReport, depth: int = ICICLE_DEPTH) -> str:
            f'height="{rows * row_height}" role="img" aria-label="module tree">{"".join(shapes)}</svg>')
     legend = "".join(f'<span><span class="swatch" style="background:{c}"></span>{_e(t)}</span>'
                      for t, c in colours.items())
-    return (f"<p>Forward + backward ms per step, {_ms(total)} in all; each module as wide as its time, its "
+    return (f"<p>Forward + backward ms per step, {ms_text(total)} in all; each module as wide as its time, its "
             f"submodules below it (hover for the numbers); {rows - 1} level(s) below the root.</p>\n{svg}\n"
             f'<p class="legend">{legend}</p>')
 
@@ -235,7 +235,7 @@ def _trend(shown: list[CycleReport], found: dict[int, Verdict], layers: int) -> 
     marked = [f"cycle {c.index}" for c, d in zip(shown, distorted) if d]
     key = (f'<p class="legend"><span><span class="swatch" style="background:{DISTORTED_FILL}"></span>distorted by other '
            f"load, not checked: {_e(', '.join(marked))}</span></p>" if marked else "")
-    rows = [[_e(label), *[_ms(values[j]) if values[j] is not None else "-" for _, values in calls]]
+    rows = [[_e(label), *[ms_text(values[j]) if values[j] is not None else "-" for _, values in calls]]
             for j, label in enumerate(labels)]
     numbers = _table(["cycle", *[f"[{i + 1}]" for i in range(len(top))]], rows, "trend-numbers",
                      numeric=range(len(top) + 1))
@@ -266,8 +266,8 @@ def _regressions(cycles: Sequence[CycleReport], found: dict[int, Verdict], optio
 
 
 def _regression_table(entries: list[tuple[CycleReport, Regression]], key: str) -> str:
-    rows = [[str(c.index), f"<code>{_e(r.node)}</code>", _e(r.direction), _ms(r.baseline_ms),
-             _ms(r.now_ms), _ratio(r.ratio), _ms(r.noise_ms)] for c, r in entries]
+    rows = [[str(c.index), f"<code>{_e(r.node)}</code>", _e(r.direction), ms_text(r.baseline_ms),
+             ms_text(r.now_ms), ratio_text(r.ratio), ms_text(r.noise_ms)] for c, r in entries]
     head = ["cycle", "node", "direction", "before ms", "now ms", "ratio", "noise ms"]
     return _table(head, rows, key, numeric=(0, 3, 4, 5, 6))
 
@@ -284,7 +284,7 @@ def _traces(shown: list[CycleReport], page_dir: Path) -> str:
     for c in shown:
         links = [f'<a href="{_href(p, page_dir)}">{_e(p.name)}</a> <span class="note">({_size(p)})</span>'
                  for p in c.trace_paths]
-        rows.append([str(c.index), _e(_steps(c)), "<br>".join(links) or '<span class="note">none</span>'])
+        rows.append([str(c.index), _e(steps_text(c)), "<br>".join(links) or '<span class="note">none</span>'])
     if not any(c.trace_paths for c in shown):
         return '<p class="note">No trace files in these cycles (the profiler ran with torch_profiler=False).</p>'
     return ("<p>torch.profiler's Chrome traces: open them in Perfetto UI (ui.perfetto.dev), chrome://tracing or "

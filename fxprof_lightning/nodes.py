@@ -1,17 +1,18 @@
-"""The package's vocabulary for timed nodes: what a row of a node table is (``NodeInfo``) and how a graph node
-gets one. No torch import, so the reports, ``runs`` and the ``fxprof`` command load without torch.
+"""The package's vocabulary for timed nodes: what a row of a node table is (``NodeInfo``), how a graph node
+gets one, and how a module was captured (``Capture``). No torch import, so the reports, ``runs`` and the ``fxprof``
+command load without torch.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch import fx
 
-__all__ = ["JOINS", "NESTS", "ROW", "TIMED_OPS", "UNTIMED", "NodeInfo", "describe_target", "is_timed", "mark_untimed", "node_info"]
+__all__ = ["JOINS", "NESTS", "ROW", "TIMED_OPS", "UNTIMED", "Capture", "NodeInfo", "describe_target", "is_timed", "mark_untimed", "node_info"]
 
 # Node kinds that run code worth timing; placeholders, get_attr and output only move references.
 TIMED_OPS = ("call_module", "call_function", "call_method")
@@ -79,3 +80,69 @@ def node_info(node: fx.Node) -> NodeInfo:
     if node.op == "call_module" and (not stack or stack[-1].split("@")[0] != node.target):
         stack = (*stack, str(node.target))
     return NodeInfo(node.name, node.op, describe_target(node), stack[-1].split("@")[0] if stack else "", stack)
+
+
+@dataclass
+class Capture:
+    """How a module was captured.
+
+    Attributes:
+        method: ``"symbolic_trace"``, ``"symbolic_trace+leaves"``, ``"traced_on_example"``,
+            ``"traced_on_example+leaves"``, ``"module_hooks"`` or ``"compiled"`` (a torch.compile'd module,
+            timed from its kernels: ``capture/compiled.py``).
+        graph_module: the traced graph (None for ``module_hooks``).
+        leaves: submodules traced as single nodes, with the error that made them leaves.
+        error: why tracing the whole module failed ('' when it did not).
+        guards: guard nodes of a graph traced on an example (0 for the other methods).
+        fused: ``compiled``: the rows whose kernels were fused across modules, with those kernels.
+        graph_breaks: ``compiled`` and ``dynamo``: Dynamo's graph breaks, by reason, with their counts.
+        graphs: ``dynamo``: the graphs captured so far (one per graph break and per recapture).
+        recaptures: ``dynamo``: why each capture after the first was made (the guard that failed).
+        host_reads: ``dynamo``: where the forward reads tensors' values on the host (``.item()``, a branch on a
+            value: host syncs on a GPU), module path -> what and where (``dynamo_capture.host_reads``).
+        capture_s: seconds of each capture: ``dynamo``: Dynamo, the check against eager, the call; the torch.fx ladder:
+            the tracing (with its retries and checks).
+    """
+
+    method: str
+    graph_module: fx.GraphModule | None = None
+    leaves: dict[str, str] = field(default_factory=dict)
+    error: str = ""
+    guards: int = 0
+    fused: dict[str, list[str]] = field(default_factory=dict)
+    graph_breaks: dict[str, int] = field(default_factory=dict)
+    graphs: int = 0
+    recaptures: list[str] = field(default_factory=list)
+    host_reads: dict[str, str] = field(default_factory=dict)
+    capture_s: list[float] = field(default_factory=list)
+
+    @property
+    def on_example(self) -> bool:
+        """Whether the graph was traced on a recorded call (and must be run with guards honoured)."""
+        return self.method.startswith("traced_on_example")
+
+    def describe(self) -> str:
+        """One line for logs and reports."""
+        text = self.method
+        if self.leaves:
+            text += f" ({len(self.leaves)} leaf module(s): " + "; ".join(f"{k} [{v}]" for k, v in self.leaves.items()) + ")"
+        if self.on_example:
+            text += (f" (torch.fx failed on the module's own forward: {self.error}; traced on a recorded call "
+                     f"instead, with {self.guards} guard(s) that send a call the graph does not fit to the "
+                     "module's own forward)")
+        if self.method == "dynamo":
+            text += f" ({self.error}; {self.graphs} graph(s)"
+            if self.graph_breaks:
+                text += "; graph breaks: " + "; ".join(f"{reason.splitlines()[0]} (x{n})" for reason, n in self.graph_breaks.items())
+            if self.recaptures:
+                text += "; captured again: " + "; ".join(self.recaptures)
+            text += ")"
+        if self.method == "module_hooks":
+            text += f" (torch.fx failed on the module's own forward: {self.error})"
+        if self.method == "compiled":
+            text += f" ({self.error}; kernels fused across modules: "
+            text += "; ".join(f"{row} [{', '.join(kernels)}]" for row, kernels in self.fused.items()) or "none"
+            # Dynamo's reasons run to many lines of hints; the first says what broke (graph_breaks keeps them whole).
+            text += "; graph breaks: " + ("; ".join(f"{reason.splitlines()[0]} (x{n})" for reason, n in self.graph_breaks.items())
+                                          or "none") + ")"
+        return text

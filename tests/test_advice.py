@@ -15,7 +15,7 @@ from fxprof_lightning.analysis.advice import (
 )
 from fxprof_lightning.analysis.regressions import Regression
 from fxprof_lightning.analysis.trust import cpu_per_wall, distortion, step_spread
-from fxprof_lightning.outputs.report import NodeStats
+from fxprof_lightning.report import NodeStats
 
 
 def node(name: str, fwd: float, bwd: float = 0.0, **extra) -> NodeStats:

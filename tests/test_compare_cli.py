@@ -20,9 +20,10 @@ from torch.nn import functional as F
 
 from fxprof_lightning import CsvSink, FXProfilerCallback, Profiler
 from fxprof_lightning.analysis.regressions import Regression
-from fxprof_lightning.cli import _ms, main
-from fxprof_lightning.outputs.report import ModuleStats, NodeStats, shorten
+from fxprof_lightning.cli import main
+from fxprof_lightning.outputs.formats import ms_text
 from fxprof_lightning.outputs.runs import RunError, find_cycles, load_cycle, load_run
+from fxprof_lightning.report import ModuleStats, NodeStats, shorten
 
 SUMMARY = "cycle.jsonl"
 TIMES = ("mean_ms", "median_ms", "min_ms", "max_ms", "total_ms")
@@ -331,9 +332,9 @@ def test_compare_runs_of_different_batch_sizes_per_sample(capsys, tmp_path):
     for name, value in expected.items():
         a_us = statistics.median(value(c) / (8 / 1000) for c in a_cycles)  # the CLI's own arithmetic, to the last bit
         b_us = value(now) / (16 / 1000)
-        assert sample[name][:2] == [_ms(a_us), _ms(b_us)], name
+        assert sample[name][:2] == [ms_text(a_us), ms_text(b_us)], name
         assert sample[name][3] == f"{b_us / a_us:.2f}x", name
-        assert step[name][:2] == [_ms(statistics.median(value(c) for c in a_cycles)), _ms(value(now))], name
+        assert step[name][:2] == [ms_text(statistics.median(value(c) for c in a_cycles)), ms_text(value(now))], name
     assert "A and B ran different batch sizes (A 8, B 16 samples per step)" in out
     assert "do 2x A's work, so the per-sample ratios are the comparable ones" in " ".join(out.split())
     assert_narrow(out)

@@ -96,11 +96,11 @@ def test_a_steady_run_flags_nothing(tmp_path):
 
 # The whole step -------------------------------------------------------------------------------------------------------
 
-DATA_WAIT_S = 0.1
+DATA_WAIT_S = 0.25  # far above the model's few ms, also when another process slows the model 10x
 
 
 class SlowDataset(torch.utils.data.Dataset):
-    """Each sample costs the loader 100 ms / batch size (a sleep: what a slow disk or decoding looks like)."""
+    """Each sample costs the loader 250 ms / batch size (a sleep: what a slow disk or decoding looks like)."""
 
     def __init__(self, samples: int = 64, batch_size: int = 4) -> None:
         generator = torch.Generator().manual_seed(0)
@@ -116,7 +116,7 @@ class SlowDataset(torch.utils.data.Dataset):
 
 
 def test_the_whole_step_of_a_dataloader_bound_run(tmp_path):
-    """Known answer: the loader waits ~100 ms per batch, the model takes a few ms. The phases add up to the step,
+    """Known answer: the loader waits ~250 ms per batch, the model takes a few ms. The phases add up to the step,
     the data phase holds the wait, and the advice says so first, with no advice about layers."""
     callback = FXProfilerCallback(wait=1, warmup=1, active=3, repeat=1, module="model")
     make_trainer(tmp_path, [callback], max_steps=6).fit(LitClassifier(), DataLoader(SlowDataset(), batch_size=4))

@@ -39,8 +39,9 @@ from test_compare_cli import copy_cycle, edit_nodes, slowest
 from torch import nn
 
 from fxprof_lightning import FXProfilerCallback
-from fxprof_lightning.cli import _ms, check_cycles, main, median_step_ms, per_step
+from fxprof_lightning.cli import check_cycles, main
 from fxprof_lightning.html_report import SLOWEST_ROWS, write_page
+from fxprof_lightning.outputs.formats import median_step_ms, ms_text, per_step
 from fxprof_lightning.outputs.runs import load_run
 
 try:
@@ -200,8 +201,8 @@ def test_page_shows_every_section_with_the_runs_numbers(trained, page_of_run):
     assert [row[0] for row in rows] == [str(c.index) for c in cycles]
     for row, css, cycle in zip(rows, page.row_classes["cycles"], cycles, strict=True):
         forward, backward = per_step(cycle)
-        assert row[1:5] == [f"{cycle.steps[0]}-{cycle.steps[-1]}", _ms(forward), _ms(backward),
-                            _ms(median_step_ms(cycle))]
+        assert row[1:5] == [f"{cycle.steps[0]}-{cycle.steps[-1]}", ms_text(forward), ms_text(backward),
+                            ms_text(median_step_ms(cycle))]
         verdict = found[id(cycle)]
         assert (css == "distorted") == (verdict.skipped == "distorted")
         if verdict.distortion:
@@ -211,8 +212,8 @@ def test_page_shows_every_section_with_the_runs_numbers(trained, page_of_run):
     slow = page.tables["slowest"]
     assert len(slow) == min(SLOWEST_ROWS, len(last.nodes))
     for row, node in zip(slow, last.nodes, strict=False):
-        assert row[1] == node.name and row[4:7] == [_ms(node.median_ms), _ms(node.bwd_median_ms),
-                                                     _ms((node.total_ms + node.bwd_total_ms) / len(last.steps))]
+        assert row[1] == node.name and row[4:7] == [ms_text(node.median_ms), ms_text(node.bwd_median_ms),
+                                                     ms_text((node.total_ms + node.bwd_total_ms) / len(last.steps))]
 
     # the advice stored with the last cycle, one item each, code spans as text
     assert last.advice
@@ -264,7 +265,7 @@ def test_trend_follows_the_slowest_layers_and_marks_distorted_cycles(trained, pa
     assert [row[0] for row in numbers] == [str(c.index) for c in cycles]
     for row, cycle in zip(numbers, cycles, strict=True):
         by_name = {n.name: n for n in cycle.nodes}
-        assert row[1:] == [_ms(by_name[n.name].median_ms + by_name[n.name].bwd_median_ms) for n in top]
+        assert row[1:] == [ms_text(by_name[n.name].median_ms + by_name[n.name].bwd_median_ms) for n in top]
     shapes = page.svg["trend"]
     charts = [a for tag, a in shapes if tag == "svg"]
     assert len(charts) == 2 and all(int(a["width"]) > 0 and int(a["height"]) > 0 for a in charts)

@@ -20,8 +20,8 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.nn import functional as F
 
 from fxprof_lightning import FXProfilerCallback
-from fxprof_lightning.outputs.report import CycleReport, ModuleStats, NodeStats
 from fxprof_lightning.outputs.sinks import tag_prefix
+from fxprof_lightning.report import CycleReport, ModuleStats, NodeStats
 
 TRACE_NAME = re.compile(r"^rank0\.\d+\.pt\.trace\.json\.gz$")
 SMALLNET_NODES = {"conv", "bn", "relu", "mean", "drop", "head"}

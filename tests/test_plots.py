@@ -209,7 +209,7 @@ import site, sys
 site.addsitedir({str(without)!r})
 sys.path.insert(0, {str(Path(fxprof_lightning.__file__).parents[1])!r})
 import fxprof_lightning, fxprof_lightning.outputs.plots
-from fxprof_lightning.outputs.report import CycleReport
+from fxprof_lightning.report import CycleReport
 assert "matplotlib" not in sys.modules
 try:
     fxprof_lightning.outputs.plots.slowest_layers(CycleReport(index=0, steps=[1]))

@@ -17,7 +17,7 @@ from fxprof_lightning.analysis.regressions import (
     module_rows,
     shared_factor,
 )
-from fxprof_lightning.outputs.report import NodeStats
+from fxprof_lightning.report import NodeStats
 
 
 def node(name: str, ms: float, mad: float = 0.0, bwd: float | None = None, bwd_mad: float = 0.0,
@@ -286,7 +286,7 @@ def test_a_return_to_a_level_the_baseline_had_is_a_change_of_mode_not_a_regressi
 def test_a_module_slower_through_new_nodes_is_flagged_as_the_module():
     """A loop run 12 times instead of once is unrolled into new nodes (never regressions): its module's time per step
     shows it, as "module <path>"; a module with the same nodes as before is left to its nodes."""
-    from fxprof_lightning.outputs.report import ModuleStats
+    from fxprof_lightning.report import ModuleStats
 
     def modules(ms: float) -> list[ModuleStats]:
         return [ModuleStats("", "Net", 0, 1.0, 0.0, ms + 3.0, 0.0, 2 * ms + 6.0),

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 from fxprof_lightning.analysis import roofline
 from fxprof_lightning.analysis.roofline import Peaks, default_cache_path, device_peaks, measure_peaks, with_roofline
-from fxprof_lightning.outputs.report import NodeStats
+from fxprof_lightning.report import NodeStats
 from fxprof_lightning.timing.flops import count_costs
 
 F32 = 4

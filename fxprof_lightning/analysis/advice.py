@@ -11,7 +11,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-from fxprof_lightning.outputs.report import NodeStats
+from fxprof_lightning.report import NodeStats
 
 __all__ = ["Advice", "advise", "elementwise_share", "heavy_backward", "host_syncs", "low_peak", "memory_bound", "model_share", "overhead_bound",
            "regressed", "slow_rank", "whole_step"]

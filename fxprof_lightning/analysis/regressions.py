@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fxprof_lightning.analysis.trust import cpu_per_wall, distortion, step_spread
-from fxprof_lightning.outputs.report import ModuleStats, NodeStats
+from fxprof_lightning.report import ModuleStats, NodeStats
 
 __all__ = ["DEFAULT_K", "DEFAULT_MIN_MS", "DEFAULT_MIN_RELATIVE", "DEFAULT_MIN_SHARE", "MIN_BASELINE", "Delta",
            "Regression", "RegressionWatch", "Verdict", "beyond_doubt", "compare", "find_regressions", "module_rows", "shared_factor"]
@@ -198,7 +198,7 @@ def compare(
     docstring for the noise model.
 
     Example:
-        >>> from fxprof_lightning.outputs.report import NodeStats
+        >>> from fxprof_lightning.report import NodeStats
         >>> def table(ms):
         ...     return [NodeStats("fc", "call_module", "fc", "fc", 3, ms, ms, ms, ms, 3 * ms, 100.0)]
         >>> compare([table(1.0), table(1.01), table(0.99)], table(1.5))[0].beyond_noise
@@ -317,7 +317,7 @@ class RegressionWatch:
     joins the baseline only if the next sound cycle confirms them (a blip must not raise the baseline, nor
     hide the regression it was the start of).
 
-    >>> from fxprof_lightning.outputs.report import NodeStats
+    >>> from fxprof_lightning.report import NodeStats
     >>> def table(fc, other=1.0):
     ...     return [NodeStats("fc", "call_module", "fc", "fc", 3, fc, fc, fc, fc, 3 * fc, 50.0)] + [
     ...         NodeStats(f"n{i}", "call_module", "n", "n", 3, other, other, other, other, 3 * other, 10.0) for i in range(5)]

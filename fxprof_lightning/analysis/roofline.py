@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from fxprof_lightning.outputs.report import NodeStats
+from fxprof_lightning.report import NodeStats
 
 __all__ = ["SPEC_SHEET", "Peaks", "default_cache_path", "describe_peaks", "device_name", "device_peaks", "measure_peaks", "raised_to",
            "spec_sheet_peaks", "with_roofline"]
@@ -103,7 +103,7 @@ def raised_to(peaks: Peaks, stats: list[NodeStats]) -> Peaks:
     """``peaks`` raised to the best rates the nodes achieved: a measured peak that a node beat was measured low
     (another process had the cores, or the micro-benchmark's sizes missed the device's best).
 
-    >>> from fxprof_lightning.outputs.report import NodeStats
+    >>> from fxprof_lightning.report import NodeStats
     >>> fast = NodeStats("mm", "call_function", "mm", "", 1, 1.0, 1.0, 1.0, 1.0, 1.0, 100.0, fwd_gflops_per_s=80.0)
     >>> raised_to(Peaks(50.0, 10.0, source="measured"), [fast])
     Peaks(gflops_per_s=80.0, gbytes_per_s=10.0, device='', source='measured', op_floor_us=5.0)

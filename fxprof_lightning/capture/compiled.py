@@ -44,7 +44,7 @@ from torch import nn
 from fxprof_lightning.nodes import NodeInfo
 
 if TYPE_CHECKING:
-    from fxprof_lightning.capture.ladder import Capture
+    from fxprof_lightning.nodes import Capture
 
 __all__ = ["MECHANISM", "CompiledKernels", "KernelTimer", "is_compiled"]
 

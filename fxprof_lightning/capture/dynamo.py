@@ -46,7 +46,7 @@ from fxprof_lightning.timing.flops import NodeCosts, count_costs
 from fxprof_lightning.timing.node_timing import NodeTimer
 
 if TYPE_CHECKING:
-    from fxprof_lightning.capture.ladder import Capture
+    from fxprof_lightning.nodes import Capture
 
 __all__ = ["DYNAMO", "DynamoTimer", "annotate_rows"]
 

@@ -27,7 +27,7 @@ from fxprof_lightning.timing.autograd_walk import sequence_nr_now
 from fxprof_lightning.timing.node_timing import enter_range, exit_range
 
 if TYPE_CHECKING:
-    from fxprof_lightning.capture.ladder import Capture
+    from fxprof_lightning.nodes import Capture
 
 __all__ = ["ModuleHookTimer"]
 

@@ -19,7 +19,7 @@ import io
 import math
 from typing import TYPE_CHECKING
 
-from fxprof_lightning.outputs.report import CycleReport, ModuleStats, shorten
+from fxprof_lightning.report import CycleReport, ModuleStats, shorten
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -26,7 +26,7 @@ from typing import Any
 
 from fxprof_lightning.analysis.regressions import Regression
 from fxprof_lightning.layout import MODULES_FILE, NODES_FILE, RANGES_FILE, SUMMARY_FILES
-from fxprof_lightning.outputs.report import CycleReport, ModuleStats, NodeStats, RangeStats
+from fxprof_lightning.report import CycleReport, ModuleStats, NodeStats, RangeStats
 
 __all__ = ["CYCLE_NAME", "RunError", "cycle_key", "find_cycles", "load_cycle", "load_run"]
 

@@ -38,7 +38,7 @@ from fxprof_lightning.layout import (
     TREND_TAG,
     stage_tag,
 )
-from fxprof_lightning.outputs.report import CycleReport
+from fxprof_lightning.report import CycleReport
 
 # What TensorBoard's summary writer would replace in a tag (with a warning each time): all but letters, digits, _ - . /
 TAG_UNSAFE = re.compile(r"[^-\w./]+")

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from fxprof_lightning.layout import MODULES_FILE, NODES_FILE
-from fxprof_lightning.outputs.report import CycleReport, ModuleStats, NodeStats
 from fxprof_lightning.outputs.sinks import Display, cycle_texts, tag_prefix
+from fxprof_lightning.report import CycleReport, ModuleStats, NodeStats
 
 __all__ = ["log_cycle_files", "log_trend", "module_table", "node_table"]
 

@@ -56,7 +56,7 @@ from fxprof_lightning.timing.flops import NodeCosts, count_costs, input_signatur
 from fxprof_lightning.timing.quiet import quiet_kineto
 
 if TYPE_CHECKING:
-    from fxprof_lightning.capture.ladder import Capture
+    from fxprof_lightning.nodes import Capture
 
 __all__ = ["ANCHOR", "BackwardEvents", "CudaClock", "NodeTimer", "enter_range", "exit_range"]
 
