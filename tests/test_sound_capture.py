@@ -22,6 +22,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from fxprof_lightning import FXProfilerCallback, Profiler
+from fxprof_lightning.capture import dynamo as dynamo_capture
 
 # Cycles over steps 1-3, 5-7, 9-11: warm-up 1, recorded 2 (a change at step 6 lands in a recorded step).
 CYCLES = {"skip_first": 0, "wait": 1, "warmup": 1, "active": 2, "repeat": 0}
@@ -230,17 +231,14 @@ def test_dynamic_padding_and_a_short_last_batch_with_a_composite_layer(tmp_path)
     _, callback = train_both(tmp_path, lambda: Lit(Encoder()), steps=12,
                              loader_fn=lambda: DataLoader(Tokens(), batch_size=4, collate_fn=pad))
     rows = set().union(*(names(c) for c in callback.cycles))
-    # TransformerEncoderLayer is opened: its layers are rows of their own. Its attention with a padding mask stays one
-    # row: traced into, F.multi_head_attention_forward's mask checks break the graph, so it is captured whole.
+    # TransformerEncoderLayer is opened: its layers are rows of their own, and so is its attention with a padding mask
+    # (F._check_key_padding_mask's message closure broke the graph there: a traceable twin runs while installed).
     assert {"layer_linear1", "layer_linear2", "layer_norm1", "layer_norm2", "layer_dropout1"} <= rows
-    assert "layer_self_attn_multi_head_attention_forward" in rows
+    assert {"layer_self_attn_linear", "layer_self_attn_linear_1", "layer_self_attn_scaled_dot_product_attention"} <= rows
+    assert not any("multi_head_attention_forward" in row for row in rows)
     assert not any(c.capture.graph_breaks for c in callback.cycles)
-    cycle = callback.cycles[-1]  # what stays whole is named, with why and its share of node time
-    assert list(cycle.capture.leaves) == ["layer.self_attn"] and "broke Dynamo's graph" in cycle.capture.leaves["layer.self_attn"]
-    attention = next(n for n in cycle.nodes if n.name == "layer_self_attn_multi_head_attention_forward")
-    grand = sum(n.total_ms + n.bwd_total_ms for n in cycle.nodes)
-    assert cycle.whole_share == pytest.approx(100 * (attention.total_ms + attention.bwd_total_ms) / grand)
-    assert f"{cycle.whole_share:.0f}% of node time in blocks timed whole" in cycle.to_markdown()
+    assert all(c.capture.leaves == {} and c.whole_share == 0 for c in callback.cycles)
+    assert F._check_key_padding_mask.__code__ is not dynamo_capture._check_key_padding_mask.__code__  # put back
     assert any(c.capture.recaptures for c in callback.cycles)  # a new length (or the short batch) was captured again
 
 
@@ -299,8 +297,9 @@ def test_lightning_demo_transformer_is_timed_layer_by_layer(tmp_path):
             "transformer_decoder_layers_0_multihead_attn_linear", "transformer_decoder_layers_0_norm3", "decoder"} <= rows
     assert not any("multi_head_attention_forward" in row for row in rows)
     assert cycle.capture.leaves == {} and cycle.whole_share == 0
-    whole = sum(n.total_ms for n in cycle.nodes if n.module_path == "" and n.name not in ("decoder", "log_softmax"))
-    assert whole < 0.2 * sum(n.total_ms for n in cycle.nodes)
+    typical = {n.name: n.median_ms * n.calls for n in cycle.nodes}  # (medians: one call stalled by load is no share)
+    whole = sum(typical[n.name] for n in cycle.nodes if n.module_path == "" and n.name not in ("decoder", "log_softmax"))
+    assert whole < 0.2 * sum(typical.values())
 
 
 def checkpointed_llama():

@@ -83,6 +83,47 @@ def _opened(functions: tuple[Callable[..., Any], ...]) -> Iterator[None]:
         rules.update(saved)
 
 
+def _check_key_padding_mask(key_padding_mask: torch.Tensor, src_len: int, bsz: int) -> None:
+    """``F._check_key_padding_mask`` as plain checks, the same conditions, error and message. The original passes its
+    message to ``torch._check_with`` as a closure over the mask's shape, which Dynamo cannot trace: it breaks the
+    graph inside the opened attention, which then stays one row whenever a padding mask is given."""
+    if key_padding_mask.shape[0] != bsz:
+        raise AssertionError(f"Expected key_padded_mask.shape[0] to be {bsz}, but got {key_padding_mask.shape[0]}")
+    if key_padding_mask.shape[1] != src_len:
+        raise AssertionError(f"Expected key_padded_mask.shape[1] to be {src_len}, but got {key_padding_mask.shape[1]}")
+
+
+class _TraceableChecks:
+    """While a ``DynamoTimer`` is installed, torch's own checks that Dynamo cannot trace run as traceable equivalents
+    (``_check_key_padding_mask``): each function keeps its identity and gets the other's code, since Dynamo guards on
+    the code it traced (put back at uninstall, the graphs would miss their guards). Counted: timers may overlap."""
+
+    def __init__(self) -> None:
+        self.users = 0
+        self.saved: list[tuple[Callable[..., Any], Any]] = []
+
+    def enter(self) -> None:
+        self.users += 1
+        if self.users > 1:
+            return
+        original = getattr(torch.nn.functional, "_check_key_padding_mask", None)
+        code = getattr(original, "__code__", None)
+        ours = _check_key_padding_mask.__code__
+        if code is not None and code.co_argcount == ours.co_argcount and not code.co_freevars:
+            self.saved = [(original, code)]
+            original.__code__ = ours
+
+    def exit(self) -> None:
+        self.users = max(self.users - 1, 0)
+        if self.users == 0:
+            for function, code in self.saved:
+                function.__code__ = code
+            self.saved = []
+
+
+_TRACEABLE = _TraceableChecks()
+
+
 # What Dynamo answers for "are we compiling?" while it traces (constant-folded: no guard on it).
 COMPILING = (torch.compiler.is_compiling, torch.compiler.is_dynamo_compiling, torch._dynamo.external_utils.is_compiling,
              torch._utils.is_compiling)
@@ -284,6 +325,12 @@ class DynamoTimer(NodeTimer):
             return self._timed_call(args, kwargs)
 
         module.forward = forward
+        _TRACEABLE.enter()
+
+    def uninstall(self, module: nn.Module) -> None:
+        if id(module) in self._saved_forward:
+            _TRACEABLE.exit()
+        super().uninstall(module)
 
     def _new_context(self) -> Any:
         """A Dynamo context with a cache of its own (the user's ``torch.compile`` of the same code is untouched)."""
