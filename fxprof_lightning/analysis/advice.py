@@ -28,7 +28,7 @@ SLOW_RANK_SHARE = 2 / 3  # the same rank slowest in this share of the cycles
 STEP_SHARE = 25.0  # % of the whole step in data, optimizer or other callbacks worth saying first
 MODEL_SHARE = 40.0  # % of the whole step in training_step + backward below which node-level advice is left out
 LOOP_NODES = 16  # FLOP-less nodes of one module, a quarter of them indexing: a Python loop over a tensor's slices
-HOST_SYNC_WEIGHT = 90.0  # host_syncs: after the step's phases outside the model, before any node-level finding
+HOST_SYNC_WEIGHT = 101.5  # host_syncs: above every node-level finding (a share, at most 101), below the step's phases
 PER_RULE = 2  # findings of one rule kept, so that the few lines cover different problems
 
 
