@@ -3,64 +3,125 @@
     .venv/bin/python benchmarks/bench_capture.py [--quick] [--threads N]
 
 Per model: the seconds of the first (capturing) call of ``DynamoTimer`` (Dynamo's trace, the eager and the graph
-call compared forward and backward, the call itself) against ``capture()`` of the torch.fx ladder; and the guard
-cost per call: a call through Dynamo's cache with the ``eager_on_recompile`` stance, as timed calls run, against the
-same captured graph called directly (both uninstrumented, interleaved, no_grad forward; median of paired
-differences over the rounds). Models: an MLP of 100 blocks of Linear, LayerNorm and GELU (300 modules) and
-torchvision's ResNet18.
+call compared forward and backward, the call itself) against ``capture()`` of the torch.fx ladder; then, no_grad
+and with grad, what a timed call adds to the graph it runs (``guard_cost_us``: measured inside each call, at several
+Python stack depths), with the guard check and the stance alone. Models: an MLP of 100 blocks of Linear, LayerNorm
+and GELU (300 modules) and torchvision's ResNet18.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torchvision
 from torch import nn
+from torch._dynamo import external_utils
 
 sys.path.insert(0, str(Path(__file__).parent))
 from run_info import parse_args
 
-from fxprof_lightning.capture.dynamo import DynamoTimer
+from fxprof_lightning.capture.dynamo import GUARD_SETTINGS, DynamoTimer
 from fxprof_lightning.capture.ladder import capture
+
+T = TypeVar("T")
+
+# Python stack depths the guard cost is measured at (``guard_cost_us``).
+DEPTHS = (0, 13, 29, 47, 71, 97, 131, 173)
 
 
 def mlp300() -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.GELU()) for _ in range(100)])
 
 
-def guard_cost_us(model: nn.Module, x: torch.Tensor, rounds: int) -> tuple[float, float]:
-    """(median us per call of the guard check and stance, median us of the graph call itself)."""
-    graphs, calls = [], []
+def _at_depth(depth: int, call: Callable[[], T]) -> T:
+    """``call()`` under ``depth`` extra Python frames."""
+    return call() if depth <= 0 else _at_depth(depth - 1, call)
 
-    def backend(gm, example_inputs):
-        graphs.append(gm)
 
-        def run(*args):
-            calls.append(args)  # the graph's inputs as Dynamo passes them (parameters, buffers, x)
-            return gm.forward(*args)
+def guard_cost_us(model: nn.Module, x: torch.Tensor, rounds: int, grad: bool) -> dict[str, float]:
+    """What a timed call adds to the captured graph it runs, in median us per call, and its parts.
+
+    ``added``: a call through Dynamo's cache with the ``eager_on_recompile`` stance (as ``DynamoTimer`` runs timed
+    calls, captured with its ``GUARD_SETTINGS``) less the graph's own time, read by the backend inside the same call:
+    Dynamo's guards, the transformed bytecode that gathers the parameters and buffers as graph inputs, the stance.
+    Each round calls at several Python stack depths (``DEPTHS``): CPython 3.11 allocates frames in 16 KiB chunks and
+    frees a chunk as soon as the frame at its start returns, so at an unlucky depth every Python call inside the graph
+    maps and unmaps a fresh chunk (about 20 us each: ``F.layer_norm`` 100 times makes MLP-300's graph 2x slower). The
+    in-call difference keeps that out of ``added``; ``worst``: the median at the worst depth.
+    ``guard``: the guard manager's ``check`` alone, on the call's frame locals. ``stance``: entering and leaving the
+    stance alone. ``graph``: the graph's own time inside the call.
+    """
+    inner: list[int] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., object]:
+        def run(*args: object) -> object:
+            start = time.perf_counter_ns()
+            out = gm.forward(*args)
+            inner.append(time.perf_counter_ns() - start)
+            return out
 
         return run
 
     compiled = torch._dynamo.optimize(backend, isolate_recompiles=True)(model.forward)
-    with torch.no_grad():
+    mode = contextlib.nullcontext() if grad else torch.no_grad()
+    with torch._dynamo.config.patch(GUARD_SETTINGS), mode:
         compiled(x)
-        (gm,), args = graphs, calls[0]
-        differences, direct = [], []
+    region = compiled._isolate_recompiles_id
+    entries = torch._dynamo.eval_frame._get_cache_entries_for_region(type(model).forward, region)
+    if entries:  # the module's own forward is the frame Dynamo compiled
+        code = type(model).forward.__code__
+        frame_locals = dict(zip(code.co_varnames[:code.co_argcount], (model, x)))
+    else:  # a torch.nn module's forward (Sequential): Dynamo compiled its wrapper frame ``wrap_inline``
+        entries = torch._dynamo.eval_frame._get_cache_entries_for_region(external_utils.wrap_inline(len), region)
+        frame_locals = {"args": (x,), "kwargs": {}, "fn": model.forward}
+    (entry,) = entries
+
+    def call() -> tuple[int, int]:
+        before = len(inner)
+        start = time.perf_counter_ns()
+        with torch.compiler.set_stance("eager_on_recompile"):
+            out = compiled(x)
+        end = time.perf_counter_ns()
+        del out  # freed after the clock read (with grad, freeing the autograd graph is no cost of the call)
+        if len(inner) != before + 1:
+            raise RuntimeError("the call missed the guards: it did not run the captured graph")
+        return end - start - inner[-1], inner[-1]
+
+    added: dict[int, list[int]] = {depth: [] for depth in DEPTHS}
+    graph, guard, stance = [], [], []
+    with mode:
+        if not entry.guard_manager.check(frame_locals):
+            raise RuntimeError("the guard check fails on the call's frame locals")
         for _ in range(rounds):
-            start = time.perf_counter_ns()
-            gm.forward(*args)
-            middle = time.perf_counter_ns()
-            with torch.compiler.set_stance("eager_on_recompile"):
-                compiled(x)
-            end = time.perf_counter_ns()
-            calls.clear()
-            direct.append(middle - start)
-            differences.append((end - middle) - (middle - start))
-    return statistics.median(differences) / 1e3, statistics.median(direct) / 1e3
+            for depth in DEPTHS:
+                over, own = _at_depth(depth, call)
+                added[depth].append(over)
+                graph.append(own)
+            for _ in range(len(DEPTHS)):
+                start = time.perf_counter_ns()
+                entry.guard_manager.check(frame_locals)
+                middle = time.perf_counter_ns()
+                with torch.compiler.set_stance("eager_on_recompile"):
+                    pass
+                end = time.perf_counter_ns()
+                guard.append(middle - start)
+                stance.append(end - middle)
+    inner.clear()
+    torch._dynamo.reset()
+
+    def us(values: list[int]) -> float:
+        return statistics.median(values) / 1e3
+
+    return {"added": us([v for values in added.values() for v in values]),
+            "worst": max(us(values) for values in added.values()),
+            "guard": us(guard), "stance": us(stance), "graph": us(graph)}
 
 
 def capture_seconds(model: nn.Module, x: torch.Tensor) -> tuple[float, float, int]:
@@ -77,18 +138,25 @@ def capture_seconds(model: nn.Module, x: torch.Tensor) -> tuple[float, float, in
 
 def main() -> None:
     args = parse_args(__doc__)
-    rounds = 50 if args.quick else 400
+    rounds = 5 if args.quick else 50
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {rounds} rounds")
-    print(f"{'model':<12} {'modules':>7} {'rows':>5} {'dynamo capture s':>17} {'fx capture s':>13} "
-          f"{'guard us/call':>14} {'graph call us':>14}")
-    for name, model, x in [("MLP-300", mlp300(), torch.randn(8, 32)),
-                           ("ResNet18", torchvision.models.resnet18(num_classes=10), torch.randn(2, 3, 64, 64))]:
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {rounds} rounds x {len(DEPTHS)} stack depths")
+    print(f"{'model':<12} {'modules':>7} {'rows':>5} {'dynamo capture s':>17} {'fx capture s':>13}")
+    models = [("MLP-300", mlp300(), torch.randn(8, 32)),
+              ("ResNet18", torchvision.models.resnet18(num_classes=10), torch.randn(2, 3, 64, 64))]
+    for name, model, x in models:
         modules = sum(1 for _ in model.modules()) - 1
         dynamo_s, fx_s, rows = capture_seconds(model, x)
         torch._dynamo.reset()
-        guard, direct = guard_cost_us(model, x, rounds)
-        print(f"{name:<12} {modules:>7} {rows:>5} {dynamo_s:>17.2f} {fx_s:>13.2f} {guard:>14.1f} {direct:>14.1f}")
+        print(f"{name:<12} {modules:>7} {rows:>5} {dynamo_s:>17.2f} {fx_s:>13.2f}")
+    print("\nPer timed call, median us: added = the call less its graph (guards, input gathering, stance); worst: at the "
+          "worst stack depth; guard: the guard check alone; stance: the stance alone; graph: the graph inside the call")
+    print(f"{'model':<12} {'grad':>7} {'added':>8} {'worst':>8} {'guard':>8} {'stance':>7} {'graph':>9}")
+    for name, model, x in models:
+        for grad in (False, True):
+            cost = guard_cost_us(model, x, rounds, grad)
+            print(f"{name:<12} {'enabled' if grad else 'no_grad':>7} {cost['added']:>8.1f} {cost['worst']:>8.1f} "
+                  f"{cost['guard']:>8.1f} {cost['stance']:>7.1f} {cost['graph']:>9.1f}")
 
 
 if __name__ == "__main__":

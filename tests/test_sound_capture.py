@@ -169,6 +169,25 @@ def test_a_hook_added_mid_run_runs_at_every_step(tmp_path):
     assert "blocks.1" in names(last)
 
 
+def test_a_global_module_hook_added_and_removed_mid_run_is_never_bypassed(tmp_path):
+    """``register_module_forward_hook`` reaches every module; Dynamo inlines it at capture and does not guard on it. A
+    hook that halves every conv's output, added in a warm-up step and removed in a recorded one, changes training: the
+    weights are bitwise those of the run without the profiler only if it ran exactly when it was registered."""
+    handles = []
+
+    def add(trainer, lit):
+        handles.append(nn.modules.module.register_module_forward_hook(
+            lambda module, inputs, output: output * 0.5 if isinstance(module, nn.Conv2d) else None))
+
+    def remove(trainer, lit):
+        handles.pop().remove()
+
+    _, callback = train_both(tmp_path, Lit, changes=lambda: [At(5, add), At(10, remove)], steps=14)
+    recaptures = [r for c in callback.cycles for r in c.capture.recaptures]
+    assert sum("global module hook" in r for r in recaptures) == 2, recaptures
+    assert all(c.capture.method == "dynamo" for c in callback.cycles)
+
+
 class Backbone(pl.LightningModule):
     """``BackboneFinetuning`` wants ``pl_module.backbone``; the profiled module is the LightningModule itself."""
 
