@@ -184,7 +184,7 @@ def test_a_global_module_hook_added_and_removed_mid_run_is_never_bypassed(tmp_pa
 
     _, callback = train_both(tmp_path, Lit, changes=lambda: [At(5, add), At(10, remove)], steps=14)
     recaptures = [r for c in callback.cycles for r in c.capture.recaptures]
-    assert sum("global module hook" in r for r in recaptures) == 2, recaptures
+    assert sum("global module hook" in r for r in recaptures) >= 2, "\n".join(recaptures)  # added, removed
     assert all(c.capture.method == "dynamo" for c in callback.cycles)
 
 

@@ -59,6 +59,10 @@ RECAPTURES_IN_A_ROW = 3
 
 # Dynamo's defaults leave out guards on module hooks (a hook added after the capture would be bypassed): ours keep them.
 GUARD_SETTINGS = {"skip_nnmodule_hook_guards": False,
+                  # Guards skip an nn.Module subtree whose dicts' version tags are unchanged (MLP-300: 300 -> 22 us per
+                  # check). Still caught: flags, attributes, hooks, requires_grad, inputs, grad mode, autocast. Assumes
+                  # no function's __code__/__defaults__/__closure__ is rebound (Dynamo's assume_dunder_attributes...).
+                  "use_recursive_dict_tags_for_guards": True,
                   # NumPy's random functions run eagerly (graph breaks), drawing from NumPy's own state as in eager
                   # (Dynamo's default draws them from torch's: wav2vec2's SpecAugment masks would differ).
                   "use_numpy_random_stream": True}
@@ -283,6 +287,7 @@ class DynamoTimer(NodeTimer):
         self._guard_failures: list[str] = []
         self._graph_breaks: dict[str, int] = {}
         self.host_reads: dict[str, str] = {}  # module path -> where its forward reads a tensor's value (``host_reads``)
+        self._global_hooks: tuple[tuple[int, ...], ...] = ()  # the global module hooks at the last capture
         self._streak = 0  # timed calls in a row that missed the guards
         self._way = _Way(OPENED)  # how Dynamo captures (``_explore`` may change it at the first graph break)
         self._explored = False
@@ -320,6 +325,8 @@ class DynamoTimer(NodeTimer):
         def forward(*args: Any, **kwargs: Any) -> Any:
             if module.training is not self.training or self.mismatch is not None:
                 return own_forward(*args, **kwargs)
+            if self._pending is None and _global_hooks() != self._global_hooks:  # Dynamo does not guard on these
+                self._pending = "a global module hook (torch.nn.modules.module.register_module_*_hook) added or removed"
             if self._pending is not None:
                 return self._capture_call(module, own_forward, args, kwargs)
             return self._timed_call(args, kwargs)
@@ -372,6 +379,7 @@ class DynamoTimer(NodeTimer):
             self._refuse(attempt.difference)
             return own_forward(*args, **kwargs)
         self._expected = attempt.graph_calls
+        self._global_hooks = _global_hooks()
         out = self._timed_call(args, kwargs)
         self.capture_s.append(time.perf_counter() - started)
         return out
@@ -700,6 +708,15 @@ def _checkpoint(timed: fx.GraphModule, captured: fx.GraphModule, kwargs: dict[st
         return torch.utils.checkpoint.checkpoint(region, *inputs, **kwargs, **body_kwargs)
 
     return checkpoint
+
+
+def _global_hooks() -> tuple[tuple[int, ...], ...]:
+    """The handles of the hooks every module runs (``register_module_forward_hook`` and its kin), which Dynamo inlines
+    at capture and does not guard on: a change means capturing again."""
+    from torch.nn.modules import module as modules
+
+    return tuple(tuple(hooks) for hooks in (modules._global_forward_pre_hooks, modules._global_forward_hooks,
+                                            modules._global_backward_pre_hooks, modules._global_backward_hooks))
 
 
 def _graph_break_counter() -> dict[str, int]:
