@@ -36,12 +36,13 @@ from fxprof_lightning.outputs.sinks import (
     log_trend_to_summary_writer,
 )
 from fxprof_lightning.report import CycleReport
+from fxprof_lightning.schedule import Schedule
 from fxprof_lightning.step_phases import PhaseClock
 
 __all__ = ["FXProfilerCallback", "LoggerSink"]
 
-# Read and set on the callback, held by its engine.
 IDLE_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward")  # empty in idle steps
+# The engine's settings, checked when the callback is made: read them on ``callback.profiler``, never set afterwards.
 ENGINE_SETTINGS = frozenset({"schedule", "torch_profiler", "fx_timing", "profiler_kwargs", "top_k", "use_gzip", "keep_cycles",
                              "profile_validation", "module_depth", "backward_timing", "node_ranges", "ranks", "peaks",
                              "pictures", "verbose", "capture"})
@@ -116,17 +117,16 @@ class FXProfilerCallback(Callback):
         self._clock: PhaseClock | None = None  # times the phases of the whole step while a cycle records
         self._idle = _Idle()  # the idle steps ahead whose hooks are skipped (``_go_idle``)
 
-    def __getattr__(self, name: str) -> Any:
-        """The settings (``schedule``, ``top_k``, ``torch_profiler``...) are the engine's."""
-        if name in ENGINE_SETTINGS and "profiler" in self.__dict__:
-            return getattr(self.__dict__["profiler"], name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
     def __setattr__(self, name: str, value: Any) -> None:
         if name in ENGINE_SETTINGS and "profiler" in self.__dict__:
-            setattr(self.profiler, name, value)
-        else:
-            super().__setattr__(name, value)
+            raise AttributeError(f"{type(self).__name__}.{name} is a setting of its engine, checked when the callback is "
+                                 f"made: pass {name}=... to {type(self).__name__}(...) (read it as callback.profiler.{name})")
+        super().__setattr__(name, value)
+
+    @property
+    def schedule(self) -> Schedule:
+        """Which steps are idle, warm-up or recorded (the engine's ``Schedule``)."""
+        return self.profiler.schedule
 
     @property
     def cycles(self) -> list[CycleReport]:

@@ -348,8 +348,8 @@ def page(tmp_path_factory: pytest.TempPathFactory):
 
 def test_text_tab_renders_the_node_table_and_the_module_tree(served: Served, page: Page):
     page.open(f"{served.base}/#text")
-    expected_tables = [markdown_table(c.to_markdown(served.callback.top_k)) for c in served.cycles]
-    expected_trees = [code_block(c.modules_to_text(served.callback.module_depth)) for c in served.cycles]
+    expected_tables = [markdown_table(c.to_markdown(served.callback.profiler.top_k)) for c in served.cycles]
+    expected_trees = [code_block(c.modules_to_text(served.callback.profiler.module_depth)) for c in served.cycles]
 
     def rendered():
         cards = {card["tag"].split("/")[1]: card for card in page.evaluate(TEXT_CARDS) or []

@@ -80,8 +80,9 @@ def test_callback_from_yaml_profiles_the_fit(tmp_path):
     assert type(cli.model) is CLIModel and type(cli.datamodule) is CLIData
     (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, FXProfilerCallback)]
     assert callback.schedule == Schedule(skip_first=1, wait=0, warmup=1, active=2, repeat=1)
-    assert (callback.module_path, callback.top_k, callback.profiler_kwargs) == ("model", 3, {"record_shapes": True})
-    assert (callback.torch_profiler, callback.fx_timing, callback.dirpath, callback.use_gzip) == (True, True, None, True)
+    engine = callback.profiler
+    assert (callback.module_path, engine.top_k, engine.profiler_kwargs) == ("model", 3, {"record_shapes": True})
+    assert (engine.torch_profiler, engine.fx_timing, callback.dirpath, engine.use_gzip) == (True, True, None, True)
 
     (cycle,) = callback.cycles
     assert (cycle.index, cycle.steps, cycle.partial) == (0, [2, 3], False)

@@ -303,12 +303,14 @@ def test_an_error_of_the_own_forward_in_the_other_mode_is_the_users_and_runs_onc
     assert prof.cycles[1].capture.method == "traced_on_example" and prof.cycles[1].nodes  # the graph is still used
 
 
-def test_options_set_on_the_callback_reach_its_engine():
-    callback = FXProfilerCallback(top_k=3)
-    callback.top_k, callback.keep_cycles = 5, 1
-    assert (callback.profiler.top_k, callback.profiler.keep_cycles, callback.top_k) == (5, 1, 5)
+def test_the_callbacks_settings_are_its_engines_checked_once_never_set_afterwards():
+    callback = FXProfilerCallback(top_k=3, keep_cycles=2)
+    assert (callback.profiler.top_k, callback.profiler.keep_cycles, callback.schedule) == (3, 2, callback.profiler.schedule)
+    with pytest.raises(AttributeError, match=r"pass top_k=\.\.\. to FXProfilerCallback\(\.\.\.\)"):
+        callback.top_k = -5  # would skip the check the constructor makes
+    assert callback.profiler.top_k == 3
     with pytest.raises(AttributeError):
-        callback.no_such_setting  # noqa: B018
+        callback.top_k  # noqa: B018  (no forwarding: read callback.profiler.top_k)
 
 
 def test_a_plain_loops_step_splits_into_forward_backward_and_the_rest(tmp_path):
