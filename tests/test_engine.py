@@ -315,12 +315,13 @@ def test_the_callbacks_settings_are_its_engines_checked_once_never_set_afterward
 
 def test_a_plain_loops_step_splits_into_forward_backward_and_the_rest(tmp_path):
     """LoopClock: forward inside the module's calls, backward from the output's gradient to the pass's end, the rest
-    (here a 10 ms wait for data) as other; together the step's wall time. No hook is left on the module."""
+    (here a 40 ms wait for data: far above SmallNet's forward, also on a loaded machine) as other; together the step's
+    wall time. No hook is left on the module."""
     model = SmallNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     with Profiler(model, wait=1, warmup=1, active=3, repeat=2, dirpath=tmp_path, sinks=[]) as prof:
         for x, y in image_loader(samples=4 * 10):
-            time.sleep(0.010)
+            time.sleep(0.040)
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -329,6 +330,6 @@ def test_a_plain_loops_step_splits_into_forward_backward_and_the_rest(tmp_path):
     for cycle in prof.cycles:
         assert set(cycle.phases) == {"forward", "backward", "other"} and cycle.batch_size == 4
         assert all(ms > 0 for ms in cycle.phases.values()), cycle.phases
-        assert 10.0 <= cycle.phases["other"] and cycle.phases["forward"] < cycle.phases["other"]
+        assert 40.0 <= cycle.phases["other"] and cycle.phases["forward"] < cycle.phases["other"]
         assert sum(cycle.phases.values()) == pytest.approx(statistics.mean(cycle.step_ms), rel=0.25)
     assert not model._forward_hooks and not model._forward_pre_hooks
