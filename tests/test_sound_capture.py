@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -139,7 +140,12 @@ def test_a_head_replaced_mid_run_is_the_head_that_trains(tmp_path):
         lit.model.head = nn.Linear(8, 4)
         trainer.optimizers[0].add_param_group({"params": lit.model.head.parameters()})
 
-    _profiled, callback = train_both(tmp_path, Lit, changes=lambda: [At(6, swap)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _profiled, callback = train_both(tmp_path, Lit, changes=lambda: [At(6, swap)])
+    # The fit ends in a warm-up step (9): that cycle's trace holds no timed call, and writing its node ranges is no
+    # error (it was: "none of the anchor ranges is in the trace").
+    assert not [w for w in caught if "node ranges" in str(w.message)]
     # The graph takes the parameters as inputs, read from the module at each call: the same graph runs the new head.
     later = callback.cycles[-1]
     assert later.capture.method == "dynamo" and "head" in names(later)

@@ -158,8 +158,8 @@ class CycleTrace:
 
     def _add_node_ranges(self, path: Path) -> None:
         recorded = self.node_ranges() if self.node_ranges is not None else None
-        if not recorded or not recorded[1]:
-            return
+        if not recorded or not recorded[1] or not recorded[0]:
+            return  # no node call, or none while a profiler ran (no anchor): none of them is in this trace
         try:
             add_node_ranges(path, *recorded, on_events=self._attribute_device_time)
         except Exception as error:  # the trace stays as exported, without node ranges
