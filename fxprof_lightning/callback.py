@@ -341,6 +341,9 @@ class _Idle:
 
 def _batch_size(batch: Any) -> int | None:
     """Samples in a batch, as Lightning counts them for its logs (None when it cannot tell)."""
+    first = batch[0] if isinstance(batch, list | tuple) and batch else batch
+    if isinstance(first, torch.Tensor):  # what extract_batch_size finds first, without its walk (~30 us in a step)
+        return 1 if first.ndim == 0 else first.size(0)
     from lightning.pytorch.utilities.data import extract_batch_size
 
     try:

@@ -643,3 +643,30 @@ def test_plain_loop_eval_flip_and_head_swap(tmp_path):
     reference = plain.state_dict()
     assert all(_bitwise(t, reference[k]) for k, t in profiled.state_dict().items())
     assert len(profiler.cycles[1].capture.recaptures) == 1  # the eval flip (the new head is read at each call)
+
+
+def test_the_dynamo_wrapper_is_made_once_per_forward_and_again_when_forward_changes():
+    """install() wraps the module's forward in the Dynamo context once (70-370 us each time, per traced step before),
+    and again when the forward it finds is another function: an instance's own forward, a class's new one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    timer = dynamo_capture.DynamoTimer(True)
+    x = torch.randn(2, 4)
+    timer.install(model)
+    model(x).sum().backward()
+    first = timer._compiled
+    timer.uninstall(model)
+    timer.install(model)
+    assert timer._compiled is first
+    timer.uninstall(model)
+    doubled = nn.Sequential.forward
+
+    def forward(self, input):
+        return 2 * doubled(self, input)
+
+    model.forward = forward.__get__(model)
+    timer.install(model)
+    assert timer._compiled is not first
+    out = model(x)
+    timer.uninstall(model)
+    assert torch.equal(out, 2 * nn.Sequential.forward(model, x))

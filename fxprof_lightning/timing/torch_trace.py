@@ -32,6 +32,9 @@ from fxprof_lightning.timing.quiet import quiet_kineto
 __all__ = ["CycleTrace", "add_node_ranges", "check_profiler_kwargs"]
 
 OWNED_KWARGS = ("schedule", "on_trace_ready")
+# torch.profiler's step transitions that start and stop nothing (its ``action_map``): no kineto log to keep off stderr.
+_SILENT_STEPS = frozenset({(ProfilerAction.WARMUP, ProfilerAction.WARMUP), (ProfilerAction.RECORD, ProfilerAction.RECORD),
+                           (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)})
 # Ranges that torch's FSDP2 opens around its work, named after the module: "FSDP::all_gather (blocks.0)".
 RANGE_PREFIXES = ("FSDP::",)
 
@@ -101,8 +104,9 @@ class CycleTrace:
         self._directory = directory
         self._worker = worker
         self._suffix = ".pt.trace.json.gz" if use_gzip else ".pt.trace.json"
+        self._schedule = lambda step: actions.get(step, ProfilerAction.NONE)
         self._profiler = torch.profiler.profile(
-            schedule=lambda step: actions.get(step, ProfilerAction.NONE),
+            schedule=self._schedule,
             on_trace_ready=self._write,
             **(profiler_kwargs or {}),
         )
@@ -118,8 +122,12 @@ class CycleTrace:
 
     def step(self) -> None:
         """End the current step (after the cycle's last step this writes the trace)."""
+        profiler = self._profiler
+        if not profiler.use_device and (profiler.current_action, self._schedule(profiler.step_num + 1)) in _SILENT_STEPS:
+            profiler.step()  # a CPU session going on as it is: kineto starts or stops nothing, so it logs nothing
+            return
         with quiet_kineto():
-            self._profiler.step()
+            profiler.step()
 
     def stop(self) -> None:
         """Stop profiling; a cycle cut short is written with what it recorded."""
