@@ -17,29 +17,25 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import Logger, TensorBoardLogger
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
 from fxprof_lightning.analysis.roofline import Peaks
 from fxprof_lightning.engine import Profiler
-from fxprof_lightning.layout import DEFAULT_DIRPATH, TREND_FILE
+from fxprof_lightning.layout import DEFAULT_DIRPATH
 from fxprof_lightning.outputs.sinks import (
     ConsoleSink,
     CsvSink,
-    Display,
     PictureSink,
-    RunSummary,
-    cycle_scalars,
-    log_to_summary_writer,
-    log_trend_to_summary_writer,
 )
+from fxprof_lightning.outputs.trackers import LoggerSink
 from fxprof_lightning.report import CycleReport
 from fxprof_lightning.schedule import Schedule
 from fxprof_lightning.step_phases import PhaseClock
 
-__all__ = ["FXProfilerCallback", "LoggerSink"]
+__all__ = ["FXProfilerCallback"]
 
 IDLE_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward")  # empty in idle steps
 # The engine's settings, checked when the callback is made: read them on ``callback.profiler``, never set afterwards.
@@ -301,36 +297,6 @@ class FXProfilerCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._wake()
         self.profiler.load_state_dict(state_dict)
-
-
-class LoggerSink:
-    """The Trainer's loggers as a sink: scalars to every logger; to TensorBoard also the tables as text, the
-    pictures and a CUSTOM SCALARS layout (``sinks.log_to_summary_writer``)."""
-
-    def __init__(self, loggers: list[Logger]) -> None:
-        self.loggers = loggers
-
-    def write_cycle(self, report: CycleReport, display: Display) -> None:
-        from fxprof_lightning.outputs.trackers import log_cycle_files
-
-        step = report.steps[-1]
-        for logger in self.loggers:
-            if isinstance(logger, TensorBoardLogger):
-                log_to_summary_writer(logger.experiment, report, display)
-            else:
-                logger.log_metrics(cycle_scalars(report), step=step)
-            log_cycle_files(logger, report, display)  # tables and files to CSV, MLflow, W&B
-            logger.save()
-
-    def close(self, run: RunSummary) -> None:
-        from fxprof_lightning.outputs.trackers import log_trend
-
-        trend = run.cycles[-1].directory / TREND_FILE if run.cycles else None  # (PictureSink wrote it, before)
-        for logger in self.loggers:
-            if isinstance(logger, TensorBoardLogger):
-                log_trend_to_summary_writer(logger.experiment, run)
-            elif trend is not None and trend.is_file():
-                log_trend(logger, trend, run.cycles[-1], run.display)
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """A cycle's tables and files to the Trainer's experiment trackers, each in the form that tracker uses.
 
-``log_cycle_files(logger, report, display)`` is called by the callback's ``LoggerSink`` for every
-logger after the scalars (rank 0 only). It looks at the logger's type:
+``LoggerSink``: the Trainer's loggers as the callback's sink. Scalars to every logger; to TensorBoard also the
+tables as text, the pictures and a CUSTOM SCALARS layout. ``log_cycle_files(logger, report, display)`` is called
+for every logger after the scalars (rank 0 only). It looks at the logger's type:
 
 - ``CSVLogger``: ``fx_nodes.csv``, ``fx_modules.csv`` and the cycle's other files (traces,
   ``cycle.json``, pictures) in ``<log_dir>/fxprof/<cycle>/``; nothing when the cycle's directory is
@@ -32,11 +33,19 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from fxprof_lightning.layout import MODULES_FILE, NODES_FILE
-from fxprof_lightning.outputs.sinks import Display, cycle_texts, tag_prefix
+from fxprof_lightning.layout import MODULES_FILE, NODES_FILE, TREND_FILE
+from fxprof_lightning.outputs.sinks import (
+    Display,
+    RunSummary,
+    cycle_scalars,
+    cycle_texts,
+    log_to_summary_writer,
+    log_trend_to_summary_writer,
+    tag_prefix,
+)
 from fxprof_lightning.report import CycleReport, ModuleStats, NodeStats
 
-__all__ = ["log_cycle_files", "log_trend", "module_table", "node_table"]
+__all__ = ["LoggerSink", "log_cycle_files", "log_trend", "module_table", "node_table"]
 
 # What already failed, per logger: each kind of failure is reported once.
 _reported: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
@@ -214,3 +223,33 @@ def _summary(report: CycleReport) -> dict[str, Any] | None:
         return json.loads(json.dumps(report.to_summary(), default=str))
     except Exception:  # metadata is a bonus: the files go without it
         return None
+
+
+class LoggerSink:
+    """The Trainer's loggers as a sink: scalars to every logger; to TensorBoard also the tables as text, the
+    pictures and a CUSTOM SCALARS layout (``sinks.log_to_summary_writer``)."""
+
+    def __init__(self, loggers: list[Any]) -> None:
+        self.loggers = loggers
+
+    def write_cycle(self, report: CycleReport, display: Display) -> None:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        step = report.steps[-1]
+        for logger in self.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                log_to_summary_writer(logger.experiment, report, display)
+            else:
+                logger.log_metrics(cycle_scalars(report), step=step)
+            log_cycle_files(logger, report, display)  # tables and files to CSV, MLflow, W&B
+            logger.save()
+
+    def close(self, run: RunSummary) -> None:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        trend = run.cycles[-1].directory / TREND_FILE if run.cycles else None  # (PictureSink wrote it, before)
+        for logger in self.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                log_trend_to_summary_writer(logger.experiment, run)
+            elif trend is not None and trend.is_file():
+                log_trend(logger, trend, run.cycles[-1], run.display)
