@@ -45,6 +45,23 @@ from fxprof_lightning.timing.torch_trace import CycleTrace, check_profiler_kwarg
 __all__ = ["DEFAULT_DIRPATH", "Engine", "Profiler", "cycle_name"]
 
 RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
+# The lifecycle in one table, as torch.profiler keeps its own (``profile.action_map``): what a stage does at an edge
+# of a step ("begin", "end"; "stage end": its loop stopped after the step), by the schedule's action for that step.
+#   collect: open the stage's cycle if none is open, install the timer and start the step (while profiling is on);
+#   stop: end the open cycle's step (when one is open);
+#   close: gather the ranks' tables and write the cycle. Decided by the schedule alone, so that every rank takes
+#     part in the gather, even one whose profiling failed; at "stage end", with what the cut-short cycle recorded.
+LIFECYCLE: dict[tuple[str, ProfilerAction], tuple[str, ...]] = {
+    ("begin", ProfilerAction.WARMUP): ("collect",),
+    ("begin", ProfilerAction.RECORD): ("collect",),
+    ("begin", ProfilerAction.RECORD_AND_SAVE): ("collect",),
+    ("end", ProfilerAction.NONE): ("stop",),
+    ("end", ProfilerAction.WARMUP): ("stop",),
+    ("end", ProfilerAction.RECORD): ("stop",),
+    ("end", ProfilerAction.RECORD_AND_SAVE): ("stop", "close"),
+    ("stage end", ProfilerAction.WARMUP): ("close",),
+    ("stage end", ProfilerAction.RECORD): ("close",),
+}
 IDLE_FOREVER = 2**62  # ``idle_steps_ahead`` when no step will be traced again
 
 
@@ -212,10 +229,7 @@ class Engine:
         if state is None:
             return
         state.in_step = True
-        action = self.schedule.action(state.step)
-        if action is ProfilerAction.NONE or not self._enabled:
-            return
-        self._safely("starting a profiled step", self._start_collecting, state, action)
+        self._lifecycle(state, "begin", state.step)
 
     def recording(self, stage: str = "train") -> bool:
         """Whether the step in progress of ``stage`` (between ``end_step`` calls: the next one) is a recorded step."""
@@ -262,21 +276,15 @@ class Engine:
             return
         state.in_step = False
         step, state.step = state.step, state.step + 1
-        action = self.schedule.action(step)
-        if state.open is not None:
-            self._safely("ending a profiled step", self._stop_collecting, state, step, action)
-        if action is ProfilerAction.RECORD_AND_SAVE:
-            # Decided by the schedule alone, so every rank takes part in the gather, even one whose profiling failed.
-            self._safely("writing a cycle", self._close_cycle, state, gather=True)
+        self._lifecycle(state, "end", step)
 
     def end_stage(self, stage: str = "train") -> None:
         """The loop of ``stage`` stopped (or paused): write a cycle it left before its last recorded step."""
         state = self._stage(stage)
         if state is None:
             return
-        last = state.step - 1
-        if last >= 0 and self.schedule.action(last) in (ProfilerAction.WARMUP, ProfilerAction.RECORD):
-            self._safely("writing a partial cycle", self._close_cycle, state, gather=True)
+        if state.step > 0:
+            self._lifecycle(state, "stage end", state.step - 1)
         if state.open is not None:  # a step that opened a cycle and never ended
             self._safely("writing a cycle left open", self._close_cycle, state, gather=False)
 
@@ -353,6 +361,18 @@ class Engine:
         if stage.open is not None:
             stage.open.pause(self.target)
 
+    def _lifecycle(self, stage: _Stage, edge: str, step: int) -> None:
+        """Do what ``LIFECYCLE`` says for this edge of ``step``, each part under the failure policy."""
+        action = self.schedule.action(step)
+        for work in LIFECYCLE.get((edge, action), ()):
+            if work == "collect" and self._enabled:
+                self._safely("starting a profiled step", self._start_collecting, stage, action)
+            elif work == "stop" and stage.open is not None:
+                self._safely("ending a profiled step", stage.open.end_step, self.target, step, action in RECORDING)
+            elif work == "close":
+                what = "writing a cycle" if edge == "end" else "writing a partial cycle"
+                self._safely(what, self._close_cycle, stage, gather=True)
+
     def _start_collecting(self, stage: _Stage, action: ProfilerAction) -> None:
         if stage.open is None:
             stage.open = self._open_cycle(stage)
@@ -361,9 +381,6 @@ class Engine:
             cycle.timer, cycle.capture = self.timers.for_module(self.target)
         recording = action in RECORDING
         cycle.begin_step(self.target, recording, stage is self._train and recording, self.warn)
-
-    def _stop_collecting(self, stage: _Stage, step: int, action: ProfilerAction) -> None:
-        stage.open.end_step(self.target, step, action in RECORDING)
 
     def _open_cycle(self, stage: _Stage) -> Cycle:
         index = self.schedule.cycle_of(stage.step)
