@@ -670,3 +670,29 @@ def test_the_dynamo_wrapper_is_made_once_per_forward_and_again_when_forward_chan
     out = model(x)
     timer.uninstall(model)
     assert torch.equal(out, 2 * nn.Sequential.forward(model, x))
+
+
+class Recurrent(nn.Module):
+    """An LSTM over token embeddings (torch.nn's RNNs: Dynamo skips their frames unless ``allow_rnn``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.lstm, self.head = nn.Embedding(50, 16), nn.LSTM(16, 32, num_layers=2, batch_first=True), nn.Linear(32, 4)
+
+    def forward(self, tokens):
+        out, _ = self.lstm(self.embed(tokens))
+        return self.head(out[:, -1])
+
+
+def test_an_lstm_is_captured_by_dynamo_and_trains_as_in_eager(tmp_path):
+    """Was timed by module hooks: Dynamo skipped the frame (``allow_rnn`` off), and once it followed torch's frames
+    it traced the verifier's saved-tensor hook and failed there."""
+    def loader():
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, 50, (32, 12), generator=generator)
+        return DataLoader(torch.utils.data.TensorDataset(tokens, tokens[:, 0] % 4), batch_size=4)
+
+    _, callback = train_both(tmp_path, lambda: Lit(Recurrent()), steps=8, loader_fn=loader)
+    cycle = callback.cycles[-1]
+    assert cycle.capture.method == "dynamo" and {"embed", "lstm", "head"} <= names(cycle), names(cycle)
+    assert all(n.bwd_calls for n in cycle.nodes if n.name in ("embed", "lstm", "head"))

@@ -65,7 +65,9 @@ GUARD_SETTINGS = {"skip_nnmodule_hook_guards": False,
                   "use_recursive_dict_tags_for_guards": True,
                   # NumPy's random functions run eagerly (graph breaks), drawing from NumPy's own state as in eager
                   # (Dynamo's default draws them from torch's: wav2vec2's SpecAugment masks would differ).
-                  "use_numpy_random_stream": True}
+                  "use_numpy_random_stream": True,
+                  # Dynamo skips a frame that runs an nn.RNN/LSTM/GRU by default; allowed, the RNN is one op of the graph.
+                  "allow_rnn": True}
 
 
 # Python functions of torch that Dynamo puts into its graphs as one call, though they run many ops (the trace rule
@@ -803,7 +805,9 @@ def _run(forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], 
             sizes.append(tensor.numel() * tensor.element_size())
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    # The hooks run with Dynamo off: they are called while Dynamo traces (by autograd on its fake tensors), and
+    # following torch's frames Dynamo would trace ``sys._getframe`` in them and fail (``nn.LSTM`` was refused so).
+    with torch.autograd.graph.saved_tensors_hooks(torch._dynamo.disable(pack), torch._dynamo.disable(_unpack)):
         out = forward(*args, **kwargs)
     outputs = _tensors(out)
     gradients: list[tuple[str, torch.Tensor | None]] = []
@@ -818,6 +822,10 @@ def _run(forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], 
             gradients = [(name, g) for (name, _), g in zip(named, grads, strict=True)]
     buffers = [(name, b.detach().clone()) for name, b in module.named_buffers()]
     return CallResult([t.detach() for t in outputs], gradients, buffers, _random_states(), len(sizes), sum(sizes))
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 _SAVE_INPUTS = getattr(getattr(torch.utils.checkpoint, "_CheckpointFrame", None), "save_inputs", None)
