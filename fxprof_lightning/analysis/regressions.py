@@ -311,8 +311,10 @@ class RegressionWatch:
     """Checks a run's cycles in order, as the engine does during training and ``fxprof report`` afterwards.
 
     Each cycle is checked against the last ``baseline_cycles`` sound cycles before it (once there are
-    ``MIN_BASELINE``; with fewer, from one, only a flag beyond doubt counts, so that a regression starting while the
-    baseline is short is not taken into it as a level the run had); a sound cycle (complete, not distorted by load, ``trust.distortion``) then joins the
+    ``MIN_BASELINE``; with fewer, from one, only a change beyond doubt is flagged, and reported once the next sound
+    cycle confirms it: a regression starting while the baseline is short is not taken into it as a level the run
+    had, and a one-cycle jump of a node with two modes, such as ResNet18's ``layer4.0.conv2`` backward, is no
+    alarm); a sound cycle (complete, not distorted by load, ``trust.distortion``) then joins the
     baseline. A flag is reported once confirmed (see ``Verdict``); a cycle whose only flags are unconfirmed
     joins the baseline only if the next sound cycle confirms them (a blip must not raise the baseline, nor
     hide the regression it was the start of).
@@ -368,12 +370,12 @@ class RegressionWatch:
                 stats = by_name[r.node]
                 added_per_step = (r.now_ms - r.baseline_ms) * _calls(stats, r.direction) / steps
                 clear = beyond_doubt(stats, r) and regular and step_rise >= added_per_step / 2
-                if clear or (not short and (r.node, r.direction) in self._flagged):
+                if (r.node, r.direction) in self._flagged or (clear and not short):
                     verdict.regressions.append(r)
-                elif not short:
+                elif clear or not short:  # (on a short baseline, only a change beyond doubt is flagged at all)
                     verdict.unconfirmed.append(r)
-            self._flagged = set() if short else {(r.node, r.direction) for r in flagged}
-        if short and not verdict.regressions:
+            self._flagged = {(r.node, r.direction) for r in (*verdict.regressions, *verdict.unconfirmed)}
+        if short and not verdict.regressions and not verdict.unconfirmed:
             verdict.skipped = f"baseline: {len(self.baseline)} of {MIN_BASELINE} earlier cycles"
         entry = (rows, statistics.median(step_ms or [0.0]), cpu)
         if verdict.unconfirmed and not verdict.regressions:

@@ -41,7 +41,7 @@ def legend_report(options: dict) -> list[str]:
         f"last {BASELINE_CYCLES} sound cycles' medians and within each cycle), more than {100 * floor:g}%, "
         f"{DEFAULT_MIN_MS * 1000:g} us and {100 * DEFAULT_MIN_SHARE:g}% of the cycle's node time, its fastest call "
         "too, beyond the cycle's shared slowdown; checked once "
-        f"{MIN_BASELINE} sound cycles came before (with one or two, only a change beyond doubt), and reported once confirmed: flagged in the next sound cycle "
+        f"{MIN_BASELINE} sound cycles came before (with one or two, only a change beyond doubt is flagged), and reported once confirmed: flagged in the next sound cycle "
         f"too, or every call {CONFIRM_RATIO:g}x slower with regular steps that got slower by it. Partial cycles and "
         "those distorted by other load (step spread > 50%, or a 2x step jump or a CPU-per-wall drop with the nodes "
         "slower in proportion) are not checked; a step slower because a few nodes are is their regression.", WIDTH)
