@@ -81,7 +81,7 @@ import lightning
 import lightning.pytorch as pl
 import torch
 import torchvision
-from run_info import contention, cpu_stall_us, package_state, parse_args, quiet_stderr
+from run_info import contention, cpu_stall_us, median_ci, package_state, parse_args, quiet_stderr
 from torch import fx, nn
 from torch.nn import functional as F
 from torch.profiler import ProfilerActivity
@@ -213,13 +213,6 @@ def train_step(forward: Callable[[torch.Tensor], torch.Tensor], work: Workload) 
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
-
-
-def median_ci(values: list[float]) -> tuple[float, float]:
-    """Distribution-free ~95 % confidence interval of the median: order statistics n/2 -+ 0.98 sqrt(n)."""
-    ordered = sorted(values)
-    n, half = len(ordered), 0.98 * math.sqrt(len(ordered))
-    return ordered[max(math.floor(n / 2 - half), 0)], ordered[min(math.ceil(n / 2 + half), n - 1)]
 
 
 def paired(a: list[float], b: list[float], how: Callable[[float, float], float]) -> list[float]:

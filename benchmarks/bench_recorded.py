@@ -60,11 +60,11 @@ import lightning
 import lightning.pytorch as pl
 import torch
 import torchvision
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run_info import contention, cpu_stall_us, package_state, parse_args, quiet_stderr
+from bench_idle import LitResNet
+from run_info import contention, cpu_stall_us, median_ci, package_state, parse_args, quiet_stderr
 
 from fxprof_lightning import FXProfilerCallback
 from fxprof_lightning.step_phases import PHASES, PhaseClock
@@ -83,19 +83,6 @@ class Budget:
 
 FULL = Budget(least=6, most=14, seconds=300)
 QUICK = Budget(least=2, most=2, seconds=0)
-
-
-class LitResNet(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.model = torchvision.models.resnet18(num_classes=10)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self.model(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
 class StepClock(pl.Callback):
@@ -196,13 +183,6 @@ def fit(name: str, loader: DataLoader, keep_weights: bool) -> FitResult:
 
 
 # ------------------------------------------------------------------ statistics
-
-
-def median_ci(values: list[float]) -> tuple[float, float]:
-    """Distribution-free ~95 % interval of the median (order statistics n/2 -+ 0.98 sqrt(n)), as bench_overhead."""
-    ordered = sorted(values)
-    n, half = len(ordered), 0.98 * len(ordered) ** 0.5
-    return ordered[max(int(n / 2 - half), 0)], ordered[min(int(-(-(n / 2 + half) // 1)), n - 1)]
 
 
 def bootstrap_ci(values: list[float], resamples: int = 4000) -> tuple[float, float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import subprocess
 import sys
@@ -68,3 +69,10 @@ def package_state() -> str:
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"
     return f"fxprof_lightning {fxprof_lightning.__version__} (git {commit})"
+
+
+def median_ci(values: list[float]) -> tuple[float, float]:
+    """Distribution-free ~95 % confidence interval of the median: order statistics n/2 -+ 0.98 sqrt(n)."""
+    ordered = sorted(values)
+    n, half = len(ordered), 0.98 * math.sqrt(len(ordered))
+    return ordered[max(math.floor(n / 2 - half), 0)], ordered[min(math.ceil(n / 2 + half), n - 1)]
