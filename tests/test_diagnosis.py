@@ -217,6 +217,7 @@ def test_a_host_sync_in_the_forward_is_named_with_its_place_and_what_to_do(tmp_p
         "a, b": f"reads a tensor's value (`.item()`, `float(t)`, `bool(t)`) at test_diagnosis.py:{line}",
         "mid": f"branches on a tensor's value (`if t ...:`) at test_diagnosis.py:{Kept.forward.__code__.co_firstlineno + 1}",
     }, cycle.capture.host_reads
+    assert cycle.advice, cycle.phases
     first = cycle.advice[0]
     assert first.startswith("A host sync in the forward") and "`a, b` reads a tensor's value" in first, cycle.advice
     assert "`mid` branches on a tensor's value" in first and "On this CPU it costs little" in first

@@ -106,25 +106,19 @@ class _TraceableChecks:
 
     def __init__(self) -> None:
         self.users = 0
-        self.saved: list[tuple[Callable[..., Any], Any]] = []
+        self.original: Any = None  # torch's own code, while ours runs in its place
 
     def enter(self) -> None:
         self.users += 1
-        if self.users > 1:
-            return
-        original = getattr(torch.nn.functional, "_check_key_padding_mask", None)
-        code = getattr(original, "__code__", None)
-        ours = _check_key_padding_mask.__code__
-        if code is not None and code.co_argcount == ours.co_argcount and not code.co_freevars:
-            self.saved = [(original, code)]
-            original.__code__ = ours
+        function = getattr(torch.nn.functional, "_check_key_padding_mask", None)
+        code, ours = getattr(function, "__code__", None), _check_key_padding_mask.__code__
+        if self.users == 1 and code is not None and code.co_argcount == ours.co_argcount and not code.co_freevars:
+            self.original, function.__code__ = code, ours
 
     def exit(self) -> None:
         self.users = max(self.users - 1, 0)
-        if self.users == 0:
-            for function, code in self.saved:
-                function.__code__ = code
-            self.saved = []
+        if self.users == 0 and self.original is not None:
+            torch.nn.functional._check_key_padding_mask.__code__, self.original = self.original, None
 
 
 _TRACEABLE = _TraceableChecks()
@@ -755,6 +749,7 @@ def host_reads(reasons: list[Any], root: nn.Module) -> dict[str, str]:
     of the break's stack that runs a submodule's ``forward``, matched to the submodules of that class (all of them,
     comma-separated, when several share it); a break whose stack runs no submodule's forward is left out."""
     found: dict[str, str] = {}
+    modules = list(root.named_modules())
     for reason in reasons:
         first = reason.reason.splitlines()[0] if reason.reason else ""
         what = next((text for key, text in HOST_READS.items() if key in first), None)
@@ -763,7 +758,7 @@ def host_reads(reasons: list[Any], root: nn.Module) -> dict[str, str]:
         inner = reason.user_stack[-1]
         where = f"{what} at {inner.filename.rsplit('/', 1)[-1]}:{inner.lineno}"
         for frame in reversed(reason.user_stack):  # the innermost frame that runs a submodule's forward
-            paths = [path or "(root)" for path, m in root.named_modules() if _runs_in(type(m).forward, frame)]
+            paths = [path or "(root)" for path, m in modules if _runs_in(type(m).forward, frame)]
             if paths:
                 inside = f" (in `{inner.name}`, called from its forward)" if frame is not inner else ""
                 found.setdefault(", ".join(paths), where + inside)
@@ -805,8 +800,10 @@ def _run(forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], 
             sizes.append(tensor.numel() * tensor.element_size())
         return tensor
 
-    # The hooks run with Dynamo off: they are called while Dynamo traces (by autograd on its fake tensors), and
-    # following torch's frames Dynamo would trace ``sys._getframe`` in them and fail (``nn.LSTM`` was refused so).
+    # The hooks run with Dynamo off: autograd calls them while Dynamo runs, which compiled them as frames of their
+    # own. Following torch's frames, that failed on ``sys._getframe`` (``nn.LSTM`` before ``allow_rnn``); and after
+    # the demo transformer's capture (which follows them), the host-sync test's model, captured in the same
+    # process, timed no node.
     with torch.autograd.graph.saved_tensors_hooks(torch._dynamo.disable(pack), torch._dynamo.disable(_unpack)):
         out = forward(*args, **kwargs)
     outputs = _tensors(out)
