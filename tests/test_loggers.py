@@ -84,6 +84,26 @@ def test_csv_logger_gets_a_copy_of_a_cycle_written_elsewhere(tmp_path):
         assert [m["path"] for m in modules] == [m.path for m in cycle.modules]
 
 
+def test_the_trend_reaches_a_csv_logger_without_a_picture_sink(tmp_path):
+    """``LoggerSink`` draws the trend itself: it does not count on a ``PictureSink`` having written ``trend.png``."""
+    import torch
+
+    from fxprof_lightning import Profiler
+    from fxprof_lightning.outputs.trackers import LoggerSink
+
+    logger = CSVLogger(save_dir=str(tmp_path), name="csv")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with Profiler(model, wait=0, warmup=1, active=1, repeat=2, dirpath=tmp_path / "fxprof", torch_profiler=False,
+                  sinks=[LoggerSink([logger])]) as prof:
+        for _ in range(4):
+            model(torch.randn(4, 8)).sum().backward()
+            prof.step()
+    assert [c.steps for c in prof.cycles] == [[1], [3]]
+    assert not any((tmp_path / "fxprof").rglob("*.png"))  # no picture sink: nothing of its own
+    trend = Path(logger.log_dir) / "fxprof" / "cycle_0001" / "trend.png"
+    assert trend.read_bytes().startswith(b"\x89PNG")
+
+
 # ---------------------------------------------------------------- MLFlowLogger
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 import warnings
 import weakref
 from collections.abc import Callable
@@ -41,7 +42,9 @@ from fxprof_lightning.outputs.sinks import (
     cycle_texts,
     log_to_summary_writer,
     log_trend_to_summary_writer,
+    png_to_array,
     tag_prefix,
+    trend_picture,
 )
 from fxprof_lightning.report import CycleReport, ModuleStats, NodeStats
 
@@ -85,20 +88,25 @@ def log_cycle_files(logger: Any, report: CycleReport, display: Display) -> None:
             _report_once(logger, display, what, report, error)
 
 
-def log_trend(logger: Any, path: Path, report: CycleReport, display: Display) -> None:
-    """Send the end-of-run ``trend.png`` (in ``report``'s directory, the run's last cycle) to a tracker logger."""
+def log_trend(logger: Any, png: bytes, report: CycleReport, display: Display) -> None:
+    """Send the end-of-run trend picture (PNG bytes; it belongs to ``report``, the run's last cycle) to a tracker."""
     from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, WandbLogger
 
     def send() -> None:
         if isinstance(logger, CSVLogger):
-            if not path.resolve().is_relative_to(Path(logger.log_dir).resolve()):
-                target = Path(logger.log_dir) / "fxprof" / _cycle_name(report)
-                target.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(path, target / path.name)
+            inside = report.directory is not None and report.directory.resolve().is_relative_to(
+                Path(logger.log_dir).resolve())
+            target = report.directory if inside else Path(logger.log_dir) / "fxprof" / _cycle_name(report)
+            target.mkdir(parents=True, exist_ok=True)
+            if not (target / TREND_FILE).is_file():  # (a PictureSink of the same run writes the same picture)
+                (target / TREND_FILE).write_bytes(png)
         elif isinstance(logger, MLFlowLogger):
-            logger.experiment.log_artifact(logger.run_id, str(path), f"fxprof/{_cycle_name(report)}")
+            with tempfile.TemporaryDirectory() as staging:
+                (Path(staging) / TREND_FILE).write_bytes(png)
+                logger.experiment.log_artifact(logger.run_id, str(Path(staging) / TREND_FILE),
+                                               f"fxprof/{_cycle_name(report)}")
         elif isinstance(logger, WandbLogger):
-            logger.log_image(key=f"{tag_prefix(report)}/trend", images=[str(path)], step=report.steps[-1])
+            logger.log_image(key=f"{tag_prefix(report)}/trend", images=[png_to_array(png)], step=report.steps[-1])
 
     try:
         send()
@@ -247,9 +255,9 @@ class LoggerSink:
     def close(self, run: RunSummary) -> None:
         from lightning.pytorch.loggers import TensorBoardLogger
 
-        trend = run.cycles[-1].directory / TREND_FILE if run.cycles else None  # (PictureSink wrote it, before)
+        trend = trend_picture(run)  # (drawn once per run: every sink that shows it shares the same bytes)
         for logger in self.loggers:
             if isinstance(logger, TensorBoardLogger):
                 log_trend_to_summary_writer(logger.experiment, run)
-            elif trend is not None and trend.is_file():
+            elif trend is not None:
                 log_trend(logger, trend, run.cycles[-1], run.display)
