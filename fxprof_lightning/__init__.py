@@ -8,13 +8,21 @@ Lightning ``Trainer``. Options: docs/usage.md#options. Every name is imported wh
 import importlib
 from typing import Any
 
-__all__ = ["ConsoleSink", "CsvSink", "CycleReport", "FXProfilerCallback", "NodeStats", "PictureSink", "Profiler",
-           "Schedule", "TensorBoardSink"]
+__all__ = ["ConsoleSink", "CsvSink", "CycleReport", "FXProfilerCallback", "FxprofWarning", "NodeStats", "PictureSink",
+           "Profiler", "Schedule", "TensorBoardSink"]
 __version__ = "0.1.0"
 
 _HOMES = {"Profiler": "engine", "FXProfilerCallback": "callback", "CycleReport": "report",
           "NodeStats": "report", "Schedule": "schedule", "ConsoleSink": "outputs.sinks", "CsvSink": "outputs.sinks",
           "PictureSink": "outputs.sinks", "TensorBoardSink": "outputs.sinks"}
+
+
+class FxprofWarning(UserWarning):
+    """Every warning of this package: what was not profiled and why, what could not be written. Training goes on.
+
+    Filter them as one, e.g. ``warnings.filterwarnings("ignore", category=FxprofWarning)``, or make them errors in a
+    test suite (``filterwarnings = ["error::fxprof_lightning.FxprofWarning"]``).
+    """
 
 
 def __getattr__(name: str) -> Any:

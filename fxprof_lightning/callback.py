@@ -22,6 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from fxprof_lightning import FxprofWarning
 from fxprof_lightning.analysis.roofline import Peaks
 from fxprof_lightning.engine import Profiler
 from fxprof_lightning.layout import DEFAULT_DIRPATH
@@ -148,7 +149,7 @@ class FXProfilerCallback(Callback):
         self.profiler.sinks = [CsvSink(), PictureSink(), LoggerSink(trainer.loggers), ConsoleSink(logdir=logdir)]
         if not trainer.loggers:
             rank_zero_warn("FXProfilerCallback: the Trainer has no logger, so no scalars or text are logged; "
-                           f"the per-cycle CSV and traces are still written under {out_dir}")
+                           f"the per-cycle CSV and traces are still written under {out_dir}", category=FxprofWarning)
 
     def _resolve_target(self) -> nn.Module:
         """The submodule at ``module=``, or a ValueError listing the children that do exist."""

@@ -142,7 +142,7 @@ class Cycle:
             return None
         costs = timer.costs(self.training)
         if timer.costs_error is not None:  # said once: each failure is counted once (per graph, per input signature)
-            warn(f"FLOPs not counted ({timer.costs_error})")
+            warn(f"FLOPs not counted {timer.costs_error}")
             timer.costs_error = None
         forward, backward = timer.fwd, [timer.bwd_ns(i) for i in range(len(timer.nodes))]
         device = self.trace.device if self.trace is not None and timer.device_times_from_trace else None

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxprof_lightning import FxprofWarning
 from fxprof_lightning.analysis.roofline import Peaks, device_peaks
 from fxprof_lightning.capture.compiled import is_compiled
 from fxprof_lightning.capture.timers import CAPTURES, Timers
@@ -338,7 +339,7 @@ class Engine:
     def warn(self, message: str) -> None:
         """A warning on rank 0, naming the profiler."""
         if self.rank == 0:
-            warnings.warn(f"{self.name}: {message}", stacklevel=3)
+            warnings.warn(f"{self.name}: {message}", FxprofWarning, stacklevel=3)
 
     # ------------------------------------------------------------ steps and cycles
 
@@ -501,8 +502,9 @@ class Engine:
             message = (f"{self.name} failed while {what}: {type(error).__name__}: {error}. "
                        "Profiling is off for the rest of this run; training goes on.")
             # Every rank says so: a failure on one rank only must not pass unnoticed.
-            warnings.warn(f"[rank: {self.rank}] {message}" if self.world_size > 1 else message, stacklevel=3)
-            self._disable()
+            self._disable()  # first: a warning filtered into an error must not leave profiling half on
+            warnings.warn(f"[rank: {self.rank}] {message}" if self.world_size > 1 else message, FxprofWarning,
+                          stacklevel=3)
 
     def _disable(self) -> None:
         self._enabled = False

@@ -6,9 +6,11 @@ makes sure of it), and subprocess scripts insert the directory themselves.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -16,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["LitClassifier", "SmallNet", "image_loader", "make_trainer", "read_events"]
+__all__ = ["LitClassifier", "SmallNet", "image_loader", "make_trainer", "notices", "read_events"]
 
 
 class SmallNet(nn.Module):
@@ -85,3 +87,9 @@ def read_events(log_dir) -> EventAccumulator:
     events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
     return events
+
+
+def notices(*phrases: str) -> pytest.MarkDecorator:
+    """The profiler's notices (``FxprofWarning``) a test expects to see, each by a phrase of its message: the suite
+    makes every other one an error (pyproject's ``filterwarnings``)."""
+    return pytest.mark.filterwarnings(*(f"ignore:.*{re.escape(p)}:fxprof_lightning.FxprofWarning" for p in phrases))

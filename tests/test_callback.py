@@ -10,7 +10,7 @@ import re
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import LitClassifier, SmallNet, image_loader, make_trainer, read_events
+from helpers import LitClassifier, SmallNet, image_loader, make_trainer, notices, read_events
 from tensorboard.util import tensor_util
 from torch import nn
 
@@ -277,6 +277,7 @@ class HookSpy(pl.Callback):
         self.own.append("on_train_batch_start" not in vars(self.profiler))
 
 
+@notices("the Trainer has no logger")
 def test_idle_steps_skip_the_hooks_and_count_every_step(tmp_path):
     """Between cycles the per-step hooks are pl.Callback's empty ones (on_train_batch_end only counts); the cycles,
     their steps, the batch size and a checkpoint's step count are those of a run whose hooks all ran."""
@@ -299,6 +300,7 @@ def test_idle_steps_skip_the_hooks_and_count_every_step(tmp_path):
         assert state["step"] == int(path.stem.split("step=")[1]), path.name  # the steps that ended when it was saved
 
 
+@notices("the Trainer has no logger")
 def test_a_cycle_without_warm_up_after_idle_steps_has_its_phases(tmp_path):
     """The step before a recorded step runs the callback's own on_train_batch_end, which starts the phase clock."""
     callback = FXProfilerCallback(wait=5, warmup=0, active=1, repeat=2, pictures=False, module="model")
@@ -319,6 +321,7 @@ class StartsAProfiler(pl.Callback):
         self.profiler.stop()
 
 
+@notices("the Trainer has no logger")
 def test_a_profiler_started_in_warm_up_leaves_backward_timed_by_hooks(tmp_path):
     callback = FXProfilerCallback(wait=1, warmup=1, active=2, repeat=1, torch_profiler=False, pictures=False,
                                   module="model")
@@ -329,6 +332,7 @@ def test_a_profiler_started_in_warm_up_leaves_backward_timed_by_hooks(tmp_path):
     assert all(n.bwd_calls == 2 for n in cycle.nodes if n.name in ("conv", "head")), [(n.name, n.bwd_calls) for n in cycle.nodes]
 
 
+@notices("the Trainer has no logger")
 def test_the_measured_backward_is_accounted_for(tmp_path):
     """The header says where the measured backward went: the nodes, autograd nodes no node call created (here the
     loss, outside the profiled ``model``), and the rest; the parts are measured, not made to add up."""

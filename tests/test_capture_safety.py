@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.checkpoint
-from helpers import LitClassifier
+from helpers import LitClassifier, notices
 from test_layers import train_both as train_both_with
 from torch import nn
 from torch.nn import functional as F
@@ -160,6 +160,7 @@ class ShapeBranching(nn.Module):
         return self.head(x.flatten(1) if x.shape[1] == 3 else x)
 
 
+@notices("torch.fx could not trace")
 def test_tracing_on_a_recorded_call_happens_before_the_cycle_trace_starts(tmp_path):
     # Cycle 0 records steps 2-3 with no warm-up step; the call recorded at step 0 is traced on as the
     # cycle opens, which runs the model (tracing, then the check against the call): not in step 2's trace.
@@ -216,6 +217,7 @@ class LitLossInside(LitClassifier):
         return self.model(*batch)
 
 
+@notices("torch.fx could not trace", "FLOPs not counted")
 def test_eager_habits_are_traced_as_they_run_and_training_is_unchanged(tmp_path):
     # Before: the draws made while tracing were baked into the graph (the same mask and the same branch at every
     # step), item assignment and the loss module stopped tracing. The weights (train_both) tell.
@@ -302,6 +304,7 @@ class FxBlindSpots(nn.Module):
         return self.head(self.tracker(HalfGradient.apply(x * gate)))
 
 
+@notices("torch.fx could not trace")
 def test_custom_functions_grad_modes_and_attribute_writes_train_as_in_eager_mode(tmp_path):
     # Before: HalfGradient was traced through (autograd's gradient, not its own), the no_grad block was traced as
     # plain code (the gate got gradients), and the traced value assigned to tracker.last stayed in the user's model.
@@ -381,6 +384,7 @@ class WithStatefulBlock(nn.Module):
         return self.head(self.block(x) + bias)
 
 
+@notices("torch.fx could not trace")
 def test_state_a_parent_assigns_to_its_child_makes_the_parent_a_leaf(tmp_path):
     profiled, callback = train_both(tmp_path, lambda: LitClassifier(WithStatefulBlock()), steps=6)
     (cycle,) = callback.cycles

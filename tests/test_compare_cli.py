@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import LitClassifier, SmallNet, image_loader, make_trainer
+from helpers import LitClassifier, SmallNet, image_loader, make_trainer, notices
 from torch.nn import functional as F
 
 from fxprof_lightning import CsvSink, FXProfilerCallback, Profiler
@@ -316,6 +316,7 @@ def totals(out: str, title: str) -> dict[str, list[str]]:
     return rows
 
 
+@notices("the Trainer has no logger")
 def test_compare_runs_of_different_batch_sizes_per_sample(capsys, tmp_path):
     """Batch 8 against batch 16: the per-step totals are ~2x and say nothing about the model; the per-sample totals
     (each cycle's ms per step over its batch size, in us) are printed too, and named the comparable ones."""

@@ -18,7 +18,7 @@ import time
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import LitClassifier, image_loader, make_trainer, read_events
+from helpers import LitClassifier, image_loader, make_trainer, notices, read_events
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -75,6 +75,7 @@ def _run(tmp_path, slow_from_step: int | None) -> Profiler:
     return prof
 
 
+@notices("torch.fx could not trace", "FLOPs not counted")
 def test_a_block_that_makes_the_step_slower_is_flagged_not_called_load(tmp_path):
     prof = run(tmp_path, slow_from_step=16)  # cycle 4 is the first slow one
     cycles = prof.cycles
@@ -89,6 +90,7 @@ def test_a_block_that_makes_the_step_slower_is_flagged_not_called_load(tmp_path)
     assert all(c.regressions == [] for c in cycles[:4])
 
 
+@notices("torch.fx could not trace", "FLOPs not counted")
 def test_a_steady_run_flags_nothing(tmp_path):
     prof = run(tmp_path, slow_from_step=None)
     assert [c.regressions for c in prof.cycles] == [[]] * 10
@@ -138,6 +140,7 @@ def test_the_whole_step_of_a_dataloader_bound_run(tmp_path):
     assert f"The whole step in cycle {cycle.index}:" in out and "data" in out
 
 
+@notices("the Trainer has no logger")
 def test_the_phases_add_up_to_the_steps_wall_time(tmp_path):
     """Each recorded step's window runs from the end of the step before to its own end: the mean of the phases'
     sums equals the mean wall time between the on_train_batch_end calls of those steps (within 10 %: the first
@@ -199,6 +202,7 @@ class SyncedNet(nn.Module):
         return self.head(self.mid(self.b(self.a(x))))
 
 
+@notices("the Trainer has no logger")
 def test_a_host_sync_in_the_forward_is_named_with_its_place_and_what_to_do(tmp_path):
     """Known answer: two blocks of one class call ``.item()`` and another branches on a value and masks: advice names
     those modules, the cause and the line, before any node-level finding; training is unchanged (bitwise)."""

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from helpers import SmallNet, image_loader, read_events
+from helpers import SmallNet, image_loader, notices, read_events
 from torch.nn import functional as F
 from torch.utils.tensorboard import SummaryWriter
 
@@ -104,6 +104,7 @@ def test_resume_through_state_dict_continues_the_schedule_with_plain_names(tmp_p
     assert [c.directory.name for c in resumed.cycles] == ["cycle_0001-r1", "cycle_0002"]
 
 
+@notices("profiler is still running")
 def test_validation_steps_are_their_own_stage_and_not_training(tmp_path):
     torch.manual_seed(0)
     model = SmallNet()
@@ -223,6 +224,7 @@ def test_misuse_is_named():
         prof.begin_step("test")
 
 
+@notices("torch.fx could not trace")
 def test_a_submodule_with_hooks_stays_whole_so_its_hooks_run(tmp_path):
     def model_with_hook(calls):
         torch.manual_seed(0)
@@ -260,6 +262,7 @@ def test_a_fabric_loop(tmp_path):
     assert (cycle.directory / "fx_nodes.csv").exists() and cycle.trace_paths
 
 
+@notices("profiler is still running")
 def test_validation_entered_in_training_mode_leaves_the_training_cycle_alone(tmp_path):
     model = SmallNet()
     with Profiler(model, wait=0, warmup=0, active=3, repeat=1, dirpath=tmp_path, profile_validation=True, sinks=[]) as prof:
@@ -277,6 +280,7 @@ def test_validation_entered_in_training_mode_leaves_the_training_cycle_alone(tmp
     assert [c.nodes for c in prof.val_cycles] == [[]]
 
 
+@notices("torch.fx could not trace")
 def test_an_error_of_the_own_forward_in_the_other_mode_is_the_users_and_runs_once(tmp_path):
     class Picky(torch.nn.Module):  # traced on a recorded call (a shape branch); raises on odd batches in eval mode
         def __init__(self) -> None:

@@ -75,3 +75,16 @@ def test_each_folder_holds_one_room():
     wrong = [f"{_module(p)} imports {name}" for p in PACKAGE.rglob("*.py") if p.parent != PACKAGE
              for name in _imports(p) if name.split(".")[0] not in below[p.parent.name] | vocabulary]
     assert not wrong
+
+
+def test_every_warning_of_the_package_is_an_fxprof_warning():
+    """One category for all of the package's warnings: users filter them as one, and this suite makes them errors
+    unless a test expects them (``helpers.notices``)."""
+    plain = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("warnings.warn", "rank_zero_warn"):
+                given = [*node.args[1:2], *(k.value for k in node.keywords if k.arg == "category")]
+                if not any(ast.unparse(g) == "FxprofWarning" for g in given):
+                    plain.append(f"{_module(path)}:{node.lineno}")
+    assert not plain

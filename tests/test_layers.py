@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torchvision
-from helpers import LitClassifier, SmallNet, image_loader, make_trainer, read_events
+from helpers import LitClassifier, SmallNet, image_loader, make_trainer, notices, read_events
 from tensorboard.util import tensor_util
 from torch import nn
 from torch.nn import functional as F
@@ -107,6 +107,7 @@ class UserProfiler(pl.Callback):
         self.profiler.stop()
 
 
+@notices("another profiler is running")
 @pytest.mark.parametrize("torch_profiler", [False, True])
 def test_another_profiler_running_means_backward_by_hooks_and_training_unchanged(tmp_path, torch_profiler):
     user = UserProfiler()
@@ -197,6 +198,7 @@ class PartlyTraceable(nn.Module):
         return self.head(self.block(x))
 
 
+@notices("FLOPs not counted")
 def test_one_untraceable_block_becomes_a_leaf_and_the_rest_keeps_nodes(tmp_path):
     with pytest.warns(UserWarning, match=r"timed by symbolic_trace\+leaves \(1 leaf module\(s\): block \[TraceError"):
         _, callback = train_both(tmp_path, lambda: LitClassifier(PartlyTraceable()), capture="fx")
@@ -282,6 +284,7 @@ class LitValidated(LitClassifier):
         self.log("val_loss", F.cross_entropy(self.model(x), y))
 
 
+@notices("profiler is still running")
 def test_train_and_eval_mode_each_get_their_own_graph(tmp_path):
     callback = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=2, module="model", profile_validation=True)
     make_trainer(tmp_path, [callback], max_steps=4, num_sanity_val_steps=0).fit(

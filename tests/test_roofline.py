@@ -247,3 +247,66 @@ def test_default_cache_path_follows_xdg(tmp_path, monkeypatch, measured):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_cache_path() == tmp_path / "home" / ".cache" / "fxprof_lightning" / "peaks.json"
+
+
+# FLOPs node by node: a node the meta pass cannot run costs only its own row ------------------------------------------
+
+class ReadsAValue(nn.Module):
+    """A block whose code reads a tensor's value: no meta kernel can run it (a torch.fx leaf)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if x.sum().item() > 0 else x
+
+
+class ThreeSteps(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.picky, self.fc2 = nn.Linear(16, 32), ReadsAValue(), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.picky(self.fc1(x)))
+
+
+class _PickyIsALeaf(fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, ReadsAValue) or super().is_leaf_module(m, qualname)
+
+
+def three_steps() -> fx.GraphModule:
+    model = ThreeSteps()
+    return fx.GraphModule(model, _PickyIsALeaf().trace(model))
+
+
+def test_a_node_the_meta_pass_cannot_run_ends_the_count_there_without_its_shape():
+    traced = three_steps()
+    costs = count_costs(traced, (torch.randn(4, 16),), training=True)
+    assert costs.fwd_flops == [2 * 4 * 16 * 32, None, None]  # fc1 counted; picky failed; fc2 not reached
+    assert costs.bwd_flops[0] == 2 * 4 * 16 * 32  # fc1's weight gradient (its input needs none), from what ran
+    assert costs.fwd_bytes[1:] == [None, None]
+    assert costs.failed.startswith("picky (") and "item" in costs.failed and "1 node(s) after it not reached" in costs.failed
+
+
+def test_a_node_the_meta_pass_cannot_run_costs_only_its_row_when_the_graph_knows_its_shape():
+    traced = three_steps()
+    for node in traced.graph.nodes:  # what Dynamo's graphs carry on every node: a (fake) value of its output
+        if node.target == "picky":
+            node.meta["example_value"] = torch.empty(4, 32, requires_grad=True)
+    costs = count_costs(traced, (torch.randn(4, 16),), training=True)
+    assert costs.fwd_flops == [2 * 4 * 16 * 32, None, 2 * 4 * 32 * 8]
+    assert costs.bwd_flops == [2 * 4 * 16 * 32, None, 2 * 2 * 4 * 32 * 8]  # fc2: input and weight gradients
+    assert costs.out_bytes[2] == 4 * 8 * F32 and costs.fwd_bytes[1] is None
+    assert costs.failed.startswith("picky (") and "after it" not in costs.failed
+
+
+def test_a_backward_without_meta_kernels_keeps_the_forward_counts():
+    class MaskedWrite(nn.Module):  # wav2vec2's SpecAugment: a boolean-mask write, whose backward needs nonzero
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.fill = nn.Linear(8, 8), nn.Parameter(torch.zeros(8))
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return torch.index_put(self.fc(x), (mask,), self.fill)
+
+    costs = count_costs(fx.symbolic_trace(MaskedWrite()), (torch.randn(4, 8), torch.rand(4) > 0.5), training=True)
+    assert costs.fwd_flops[0] == 2 * 4 * 8 * 8 and set(costs.bwd_flops) == {None}
+    assert costs.failed.startswith("the backward (NotImplementedError")

@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.utils.checkpoint
-from helpers import image_loader, make_trainer
+from helpers import image_loader, make_trainer, notices
 from lightning.pytorch.callbacks import BackboneFinetuning, Callback
 from torch import nn
 from torch.nn import functional as F
@@ -151,6 +151,7 @@ def test_a_head_replaced_mid_run_is_the_head_that_trains(tmp_path):
     assert later.capture.method == "dynamo" and "head" in names(later)
 
 
+@notices("not the program eager runs")
 def test_a_hook_added_mid_run_runs_at_every_step(tmp_path):
     seen = {"plain": [], "profiled": []}  # the hook keeps the block's outputs, as activation-inspecting hooks do
 
@@ -429,6 +430,7 @@ def test_a_recapture_in_a_recorded_step_adds_no_recompute_of_its_check(tmp_path)
     assert rows["block_recompute"].bwd_calls == rows["head"].bwd_calls == rows["head"].calls == 3
 
 
+@notices("another profiler is running")
 def test_checkpointed_regions_under_the_users_own_profiler(tmp_path):
     """Another profiler runs, so backward is timed by hooks (another instrumented graph): a checkpointed model is
     not captured again at each cycle for it."""
@@ -440,6 +442,7 @@ def test_checkpointed_regions_under_the_users_own_profiler(tmp_path):
     assert all(c.capture.method == "dynamo" and not c.capture.recaptures and c.nodes for c in prof.cycles)
 
 
+@notices("FLOPs not counted")
 def test_wav2vec2_with_its_numpy_masks(tmp_path):
     """SpecAugment draws its masks with NumPy's random functions: they must draw from NumPy's own state, as in eager
     (Dynamo's default draws them from torch's, and the graph was refused)."""

@@ -32,7 +32,7 @@ import pandas as pd
 import pytest
 from helpers import LitClassifier, image_loader, make_trainer
 
-from fxprof_lightning import CycleReport, FXProfilerCallback
+from fxprof_lightning import CycleReport, FXProfilerCallback, FxprofWarning
 
 hta_trace_analysis = pytest.importorskip("hta.trace_analysis", reason="HolisticTraceAnalysis is not installed")
 
@@ -52,7 +52,8 @@ class Trained:
 def trained(tmp_path_factory) -> Trained:
     root = tmp_path_factory.mktemp("trace_reader")
     callback = FXProfilerCallback(wait=0, warmup=1, active=2, repeat=1, torch_profiler=True, module="model")
-    make_trainer(root, [callback], max_steps=4, logger=False).fit(LitClassifier(), image_loader())
+    with pytest.warns(FxprofWarning, match="the Trainer has no logger"):
+        make_trainer(root, [callback], max_steps=4, logger=False).fit(LitClassifier(), image_loader())
     assert len(callback.cycles) == 1
     cycle = callback.cycles[-1]
     assert cycle.steps == [1, 2]

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from fxprof_lightning import FxprofWarning
 from fxprof_lightning.report import NodeStats
 
 __all__ = ["SPEC_SHEET", "Peaks", "default_cache_path", "describe_peaks", "device_name", "device_peaks", "measure_peaks", "raised_to",
@@ -349,5 +350,5 @@ def device_peaks(device: torch.device | str = "cpu", cache_path: Path | str | No
         _write_cache(path, entries)
     except OSError as e:
         warnings.warn(f"fxprof_lightning: could not cache device peaks in {path} ({e}); they will be measured "
-                      "again next time", stacklevel=2)
+                      "again next time", FxprofWarning, stacklevel=2)
     return peaks

@@ -274,7 +274,7 @@ class DynamoTimer(NodeTimer):
         self.capture_s: list[float] = []
         self._on_refused = on_refused
         self._uncounted: list[tuple[fx.GraphModule, list[Any]]] = []  # graphs captured since the last ``costs()``
-        self._row_costs: dict[int, list[int]] = {}  # row -> fwd FLOPs, bwd FLOPs, out bytes, bytes moved (per call)
+        self._row_costs: dict[int, list[int | None]] = {}  # row -> fwd FLOPs, bwd FLOPs, out bytes, bytes moved (per call)
         self.costs_error: str | None = None
         self._pending: str | None = "first call"  # capture (and verify) at the next call, for this reason
         self._expected = 0  # graph calls in one forward call, as verified
@@ -521,9 +521,11 @@ class DynamoTimer(NodeTimer):
         step); the ops of one row add up. A graph whose pass fails leaves its rows without costs."""
         try:
             costs = count_costs(captured, tuple(example_inputs), self.training)
-        except Exception as error:  # an op without a meta kernel, symbolic shapes: no FLOPs, timing goes on
-            self.costs_error = f"{type(error).__name__}: {error}"
+        except Exception as error:  # the graph cannot go to the meta device: no FLOPs, timing goes on
+            self.costs_error = f"for a whole graph ({type(error).__name__}: {error})"
             return
+        if costs.failed:
+            self.costs_error = f"for {costs.failed}"
         row = None
         for i, node in enumerate(n for n in captured.graph.nodes if is_timed(n)):
             if row is None or not node.meta.get(JOINS):
@@ -531,11 +533,13 @@ class DynamoTimer(NodeTimer):
                 if row is None:
                     continue
                 self._row_costs[row] = [0, 0, 0, 0]
-            totals = self._row_costs[row]
-            totals[0] += costs.fwd_flops[i]
-            totals[1] += costs.bwd_flops[i]
-            totals[2] = costs.out_bytes[i]  # the row's output: its last op's
-            totals[3] += costs.fwd_bytes[i]
+            totals = self._row_costs[row]  # a row one of whose ops was not counted has None
+            for k, (value, add) in enumerate(((costs.fwd_flops[i], True), (costs.bwd_flops[i], True),
+                                              (costs.out_bytes[i], False), (costs.fwd_bytes[i], True))):
+                if totals[k] is None or value is None:
+                    totals[k] = None
+                else:  # out bytes: the row's output, its last op's
+                    totals[k] = totals[k] + value if add else value
 
     def costs(self, training: bool | None = None) -> NodeCosts | None:
         """FLOPs and bytes per row (``NodeCosts`` over ``nodes``; None for a row no captured graph counted), counted
@@ -590,12 +594,17 @@ class DynamoTimer(NodeTimer):
 def _meta_input(value: Any) -> Any:
     """A graph input for counting FLOPs on the meta device: a tensor of its size; a symbolic size (Dynamo made a
     dimension dynamic: Mask R-CNN's boxes per image) as the number it stood for at capture, so that the counts are
-    plain numbers."""
+    plain numbers. A scalar (0-dim, no gradient) is kept as it is: the graph may read its value (a dropout rate
+    that changed mid-run is passed as one, and read with ``.item()``). An input that is no leaf of autograd (an
+    activation, in a graph after a break) is none in the count either: the graph may write into it in place."""
     if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
         return value.node.hint
+    if isinstance(value, torch.Tensor) and not value.dim() and not value.requires_grad and value.device.type == "cpu":
+        return value.detach().clone()
     if isinstance(value, torch.Tensor):
         shape = [s.node.hint if isinstance(s, torch.SymInt) else s for s in value.shape]
-        return torch.empty(shape, dtype=value.dtype, device="meta").requires_grad_(value.requires_grad)
+        tensor = torch.empty(shape, dtype=value.dtype, device="meta").requires_grad_(value.requires_grad)
+        return tensor.clone() if value.requires_grad and not value.is_leaf else tensor
     return value
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from fxprof_lightning import FxprofWarning
 from fxprof_lightning.analysis.trust import cpu_per_wall, step_spread
 from fxprof_lightning.layout import (
     MODULES_FILE,
@@ -48,7 +49,7 @@ __all__ = ["ConsoleSink", "CsvSink", "Display", "PictureSink", "RunSummary", "Si
 
 
 def _warn(message: str) -> None:
-    warnings.warn(message, stacklevel=3)
+    warnings.warn(message, FxprofWarning, stacklevel=3)
 
 
 @dataclass(frozen=True)
@@ -367,4 +368,4 @@ def write_atomically(path: Path, data: str | bytes, name: str = "fxprof") -> Non
         os.replace(partial, path)
     except OSError as error:
         partial.unlink(missing_ok=True)
-        warnings.warn(f"{name}: could not write {path}: {error}", stacklevel=2)
+        warnings.warn(f"{name}: could not write {path}: {error}", FxprofWarning, stacklevel=2)

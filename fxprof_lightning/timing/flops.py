@@ -37,15 +37,18 @@ __all__ = ["NodeCosts", "bytes_moved", "count_costs", "input_signature"]
 
 @dataclass(frozen=True)
 class NodeCosts:
-    """Per timed node, in graph order: forward and backward FLOPs, bytes of output tensors, bytes moved.
+    """Per timed node, in graph order: forward and backward FLOPs, bytes of output tensors, bytes moved (None for
+    a node the meta pass could not run).
 
-    ``fwd_bytes`` estimates the bytes one forward call reads and writes (see the module docstring).
+    ``fwd_bytes`` estimates the bytes one forward call reads and writes (see the module docstring). ``failed``: the
+    nodes whose pass failed, each with its error (the first, and how many more).
     """
 
-    fwd_flops: list[int]
-    bwd_flops: list[int]
-    out_bytes: list[int]
-    fwd_bytes: list[int]
+    fwd_flops: list[int | None]
+    bwd_flops: list[int | None]
+    out_bytes: list[int | None]
+    fwd_bytes: list[int | None]
+    failed: str | None = None
 
 
 def input_signature(inputs: tuple[Any, ...], training: bool) -> tuple:
@@ -69,11 +72,16 @@ class _BackwardFlops:
 
 
 def _meta_device(value: Any) -> Any:
-    return torch.device("meta") if isinstance(value, torch.device) else value
+    """A constant of the graph on the meta device: a device, a tensor (a graph traced on an example holds some)."""
+    if isinstance(value, torch.device):
+        return torch.device("meta")
+    return _to_meta(value)
 
 
 def _to_meta(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
+    """A meta tensor of ``value``'s shape; a scalar (0-dim, no gradient) stays itself: code may read its value
+    (Dynamo passes a float attribute that changed, such as a dropout rate, as one and calls ``.item()``)."""
+    if isinstance(value, torch.Tensor) and value.device.type != "meta" and (value.dim() or value.requires_grad):
         return torch.empty(value.shape, dtype=value.dtype, device="meta").requires_grad_(value.requires_grad)
     return value
 
@@ -107,9 +115,12 @@ def bytes_moved(tensors: list[torch.Tensor]) -> int:
 
 
 def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool) -> NodeCosts:
-    """FLOPs, output bytes and bytes moved of every timed node of ``traced`` for ``inputs``.
+    """FLOPs, output bytes and bytes moved of every timed node of ``traced`` for ``inputs``, node by node.
 
-    Raises whatever the meta pass raises (an op without a meta kernel, data-dependent code).
+    A node the meta pass cannot run (an op without a meta kernel, code that reads a value: ``.item()``) gets None,
+    and the pass goes on with a stand-in of its output when the graph knows its shape (Dynamo's ``example_value``),
+    joined to its inputs so that the backward of the nodes before it is still counted; otherwise the pass ends
+    there and the nodes after it get None too. Raises only when the graph cannot be put on the meta device at all.
     """
     memo: dict[int, Any] = {}
     for p in traced.parameters():
@@ -120,30 +131,49 @@ def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool)
     for module in meta_module.modules():  # a leaf's hooks (the user's, FSDP2's) must not run in this pass
         for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks):
             hooks.clear()
-    for node in meta_module.graph.nodes:  # devices baked in as constants (a graph traced on an example) become meta
+    for node in meta_module.graph.nodes:  # devices and tensors baked in as constants become meta
         node.args, node.kwargs = fx.node.map_aggregate((node.args, node.kwargs), _meta_device)
+        if node.op == "get_attr":  # a tensor the tracer kept as an attribute (``_tensor_constant0``)
+            owner, _, name = node.target.rpartition(".")
+            holder = meta_module.get_submodule(owner)
+            value = getattr(holder, name, None)
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) \
+                    and name not in holder._buffers:
+                setattr(holder, name, _to_meta(value))
     meta_module.recompile()
     timed = [n for n in meta_module.graph.nodes if is_timed(n)]
     position = {n: i for i, n in enumerate(timed)}
-    fwd = [0] * len(timed)
-    out_bytes = [0] * len(timed)
-    moved = [0] * len(timed)
+    fwd: list[int | None] = [None] * len(timed)
+    out_bytes: list[int | None] = [None] * len(timed)
+    moved: list[int | None] = [None] * len(timed)
     backward_counter = FlopCounterMode(display=False)
-    backward = [_BackwardFlops(backward_counter) for _ in timed]
+    backward: list[_BackwardFlops | None] = [_BackwardFlops(backward_counter) for _ in timed]
+    failures: list[str] = []  # what the pass could not run, each with its error
+    failed_nodes: set[str] = set()
 
     class Counter(fx.Interpreter):
         def run_node(self, node: fx.Node) -> Any:
-            if node not in position:
-                return super().run_node(node)
-            i = position[node]
             args, kwargs = self.fetch_args_kwargs_from_env(node)
             read = tensors_in(list(args)) + tensors_in(dict(kwargs))
+            if node not in position:  # (a value read on the host, ``.item()``, is not a row of its own)
+                try:
+                    return super().run_node(node)
+                except Exception as error:
+                    failures.append(_failure(node, error))
+                    return _stand_in(node, read)
+            i = position[node]
             if node.op == "call_module":
                 module = self.fetch_attr(node.target)
                 read += [*module.parameters(), *module.buffers()]
             first = sequence_nr_now()
-            with FlopCounterMode(display=False) as counter:
-                output = super().run_node(node)
+            try:
+                with FlopCounterMode(display=False) as counter:
+                    output = super().run_node(node)
+            except Exception as error:
+                failures.append(_failure(node, error))
+                failed_nodes.add(node.name)
+                backward[i] = None
+                return _stand_in(node, read)
             fwd[i] = counter.get_total_flops()
             out_bytes[i] = sum(t.numel() * t.element_size() for t in tensors_in(output))
             moved[i] = bytes_moved(read + tensors_in(output))
@@ -152,10 +182,58 @@ def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool)
                 fn.register_hook(backward[i].post)
             return output
 
-    with torch.enable_grad(), random_states_kept():  # a leaf or a graph node may draw host random numbers
-        outputs = tensors_in(Counter(meta_module).run(*(_to_meta(x) for x in inputs)))
-        loss = sum(t.float().sum() for t in outputs if t.requires_grad and t.is_floating_point())
+    # Host random numbers a leaf or a node draws are put back; tensors the code makes with no device are meta too.
+    with torch.enable_grad(), random_states_kept(), torch.device("meta"):
+        interpreter = Counter(meta_module)
+        try:
+            ends = tensors_in(interpreter.run(*(_to_meta(x) for x in inputs)))
+        except _NoStandIn:  # the pass ended at a node: the backward of what ran, from every value it made
+            ends = tensors_in(list(interpreter.env.values()))
+        loss = sum(t.float().sum() for t in ends if t.requires_grad and t.is_floating_point())
         if isinstance(loss, torch.Tensor):
-            with backward_counter:
-                loss.backward()
-    return NodeCosts(fwd, [b.total for b in backward], out_bytes, moved)
+            try:
+                with backward_counter:
+                    loss.backward()
+            except Exception as error:  # an op's backward without a meta kernel: no backward FLOPs, forward kept
+                failures.append(f"the backward ({type(error).__name__}: {_first_line(error)})")
+                backward = [None] * len(timed)
+    unreached = sum(1 for i, n in enumerate(timed) if fwd[i] is None and n.name not in failed_nodes)
+    failed = "; ".join(filter(None, [
+        failures[0] + (f" and {len(failures) - 1} more" if len(failures) > 1 else "") if failures else None,
+        f"{unreached} node(s) after it not reached" if unreached else None]))
+    return NodeCosts(fwd, [b.total if b is not None else None for b in backward], out_bytes, moved, failed or None)
+
+
+def _failure(node: fx.Node, error: Exception) -> str:
+    return f"{node.name} ({type(error).__name__}: {_first_line(error)})"
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else ""
+
+
+class _NoStandIn(Exception):
+    """A node failed in the meta pass and the graph does not say the shape of its output."""
+
+
+def _stand_in(node: fx.Node, read: list[torch.Tensor]) -> Any:
+    """Meta tensors shaped as ``node``'s output (from Dynamo's ``example_value``), each joined in autograd to the
+    node's inputs that need a gradient (``+ 0 * sum``: the backward of the nodes before it still runs)."""
+    example = node.meta.get("example_value", node.meta.get("val"))
+    if example is None:
+        raise _NoStandIn(node.name)
+    needs_grad = [t for t in read if t.requires_grad and t.is_floating_point()]
+
+    def one(value: Any) -> Any:
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):  # a value read on the host
+            raise _NoStandIn(node.name)
+        if not isinstance(value, torch.Tensor):
+            return value
+        if not all(isinstance(n, int) for n in (*value.shape, *value.stride())):  # symbolic shapes
+            raise _NoStandIn(node.name)
+        tensor = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device="meta")
+        if needs_grad and tensor.is_floating_point() and value.requires_grad:
+            tensor = tensor + 0 * sum(t.sum() for t in needs_grad)
+        return tensor
+
+    return fx.node.map_aggregate(example, one)

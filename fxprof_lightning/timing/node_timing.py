@@ -339,8 +339,10 @@ class NodeTimer:
         if key not in self._costs:
             try:
                 self._costs[key] = count_costs(self._traced, inputs, training)
-            except Exception as error:  # an op without a meta kernel: no FLOPs, timing goes on
-                self.costs_error = f"{type(error).__name__}: {error}"
+                if self._costs[key].failed:
+                    self.costs_error = f"for {self._costs[key].failed}"
+            except Exception as error:  # the graph cannot go to the meta device: no FLOPs, timing goes on
+                self.costs_error = f"for the whole graph ({type(error).__name__}: {error})"
                 self._costs[key] = None
         return self._costs[key]
 
