@@ -58,6 +58,7 @@ class Cycle:
     phases: list[dict[str, int]] = field(default_factory=list)  # ns per phase of each recorded step (step_phases)
     batch_sizes: list[int] = field(default_factory=list)  # samples in each recorded step, where the driver said
     backward_outside_ns: int | None = None  # backward events no node call accounts for (``measure``)
+    forward_walls_ns: list[int] = field(default_factory=list)  # each timed call whole (``measure``)
     untimed: str | None = None  # why the timer's calls ran untimed (``Timer.untimed``, kept by ``measure``)
 
     def choose_backward(self, warn: Callable[[str], None]) -> None:
@@ -152,6 +153,8 @@ class Cycle:
         nodes = summarize_nodes(timer.nodes, forward, backward, costs, timer.mem_delta, timer.mem_peak)
         if timer.uses_backward_events and self.backward != HOOKS:
             self.backward_outside_ns = timer.backward_outside_ns
+        if device is None:
+            self.forward_walls_ns = list(timer.forward_walls_ns)
         if device is not None:
             rows = {info.name: i for i, info in enumerate(timer.nodes)}
             nodes = [replace(n, device_span_ms=_mean_ms(spans[rows[n.name]]), device_idle_ms=_mean_ms(idle[rows[n.name]]))
@@ -175,6 +178,8 @@ class Cycle:
             report.backward_wall_ms = report.phases.get("backward") or None
         if self.backward_outside_ns is not None and nodes:
             report.backward_outside_ms = self.backward_outside_ns / len(self.recorded) / 1e6
+        if self.forward_walls_ns and nodes and ranks == 1:  # (rank 0's calls against the ranks' mean rows: no)
+            report.forward_wall_ms = sum(self.forward_walls_ns) / len(self.recorded) / 1e6
         if report.nodes and self.timer is not None:
             report.modules = summarize_modules(self.timer.nodes, report.nodes, len(self.recorded), type_name)
         return report

@@ -15,6 +15,10 @@ __all__ = ["CycleReport", "ModuleStats", "NodeStats", "RangeStats", "cpu_per_wal
            "summarize_modules", "summarize_nodes", "summarize_ranges"]
 
 NS_PER_MS = 1e6
+# The rows of ``CycleReport.unowned``: time of the measured forward and backward that no row owns.
+UNOWNED_FORWARD = "(between the rows: code between graphs, guards, the call, the clock)"
+UNOWNED_OUTSIDE = "(autograd nodes no row made: the loss, ops between graphs)"
+UNOWNED_ENGINE = "(the autograd engine: between nodes, gradient accumulation, hooks)"
 
 
 def describe_phases(phases: dict[str, float]) -> str:
@@ -310,6 +314,9 @@ class CycleReport:
         backward_wall_ms: measured wall time of ``backward`` per recorded step (training), or None.
         backward_outside_ms: per recorded step, the backward time of autograd nodes that no node call created
             (the loss or ops outside the timed module, between its captured graphs), or None.
+        forward_wall_ms: per recorded step, the host wall time of the timed module's calls whole (its rows, the code
+            between its captured graphs, Dynamo's guards and call, the clock reads), or None where not measured
+            (module hooks, compiled models, CUDA). ``unowned`` gives what no row owns.
         ranges: FSDP2's ranges in the trace (all-gather, reduce-scatter... per module), slowest first.
         step_ms: wall time of each recorded step (from its start to the next step's start), rank 0's.
         step_cpu_ms: this process's CPU time (all threads) over each recorded step.
@@ -344,6 +351,7 @@ class CycleReport:
     capture: Any = None
     backward_wall_ms: float | None = None
     backward_outside_ms: float | None = None
+    forward_wall_ms: float | None = None
     ranges: list[RangeStats] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)
     step_cpu_ms: list[float] = field(default_factory=list)
@@ -388,7 +396,8 @@ class CycleReport:
         return {
             "index": self.index, "stage": self.stage, "steps": self.steps, "partial": self.partial, "ranks": self.ranks,
             "forward_ms_per_step": self.forward_ms_per_step, "backward_ms_per_step": self.backward_ms_per_step,
-            "backward_wall_ms": self.backward_wall_ms, "backward_outside_ms": self.backward_outside_ms, "step_ms": self.step_ms, "step_cpu_ms": self.step_cpu_ms,
+            "backward_wall_ms": self.backward_wall_ms, "backward_outside_ms": self.backward_outside_ms,
+            "forward_wall_ms": self.forward_wall_ms, "step_ms": self.step_ms, "step_cpu_ms": self.step_cpu_ms,
             "capture": self.capture.describe() if self.capture is not None else None,
             "regressions": [asdict(r) for r in self.regressions],
             "unconfirmed": [asdict(r) for r in self.unconfirmed], "advice": self.advice,
@@ -408,6 +417,20 @@ class CycleReport:
                      f"captured graphs) {100 * self.backward_outside_ms / wall:.0f}%, the rest (the autograd engine "
                      f"between nodes, hooks) {100 * rest / wall:.0f}%")
         return text
+
+    def unowned(self) -> dict[str, tuple[float | None, float | None]]:
+        """Time per recorded step that no row owns, by where it went: name -> (forward ms, backward ms), None where a
+        row has no side. With the rows it makes the measured forward (``forward_wall_ms``) and backward
+        (``backward_wall_ms``); the backward rows no node call created are measured, the rest is what remains."""
+        rows: dict[str, tuple[float | None, float | None]] = {}
+        if self.forward_wall_ms and self.nodes:
+            rows[UNOWNED_FORWARD] = (max(self.forward_wall_ms - self.forward_ms_per_step, 0.0), None)
+        if self.backward_wall_ms and self.backward_ms_per_step:
+            if self.backward_outside_ms is not None:
+                rows[UNOWNED_OUTSIDE] = (None, self.backward_outside_ms)
+            rest = self.backward_wall_ms - self.backward_ms_per_step - (self.backward_outside_ms or 0.0)
+            rows[UNOWNED_ENGINE] = (None, max(rest, 0.0))
+        return rows
 
     def to_markdown(self, top_k: int | None = None) -> str:
         """The cycle as Markdown: header, node table (slowest first, ``top_k`` rows at most), trust line,
@@ -458,6 +481,14 @@ class CycleReport:
         if len(shown) < len(self.nodes):
             lines.append(f"\n{len(self.nodes) - len(shown)} faster nodes not shown (the CSV has every node, with its target).")
         lines.append("")
+        unowned = self.unowned()
+        if unowned:
+            measured = [f"{side} {wall:.3f} ms" for side, wall in (("forward", self.forward_wall_ms),
+                                                                   ("backward", self.backward_wall_ms)) if wall]
+            lines += [f"Time no row owns, ms per step (with the rows: the measured {' and '.join(measured)}):", "",
+                      "| where | fwd ms/step | bwd ms/step |", "|---|---:|---:|"]
+            lines += [f"| {name} | {_num(fwd, '.3f')} | {_num(bwd, '.3f')} |" for name, (fwd, bwd) in unowned.items()]
+            lines.append("")
         if self.step_ms:
             trust = f"Recorded steps took {statistics.median(self.step_ms):.1f} ms (median)"
             spread, cpu = step_spread(self.step_ms), cpu_per_wall(self.step_ms, self.step_cpu_ms)

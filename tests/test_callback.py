@@ -15,6 +15,8 @@ from tensorboard.util import tensor_util
 from torch import nn
 
 from fxprof_lightning import FXProfilerCallback
+from fxprof_lightning.outputs.runs import load_cycle
+from fxprof_lightning.report import UNOWNED_ENGINE, UNOWNED_FORWARD, UNOWNED_OUTSIDE
 
 TRACE_NAME = re.compile(r"^rank0\.\d+\.pt\.trace\.json\.gz$")
 SMALLNET_NODES = {"conv", "bn", "relu", "mean", "drop", "head"}
@@ -343,3 +345,15 @@ def test_the_measured_backward_is_accounted_for(tmp_path):
     assert cycle.backward_ms_per_step + cycle.backward_outside_ms <= 1.05 * cycle.backward_wall_ms
     header = cycle.to_markdown().splitlines()[0]
     assert "autograd nodes no node call created" in header and "the rest (the autograd engine" in header
+
+    # Rows for the time no row owns: with the node rows they make the measured forward and backward.
+    unowned = cycle.unowned()
+    assert list(unowned) == [UNOWNED_FORWARD, UNOWNED_OUTSIDE, UNOWNED_ENGINE]
+    assert cycle.forward_ms_per_step < cycle.forward_wall_ms < 2 * cycle.forward_ms_per_step  # measured, whole calls
+    assert cycle.forward_ms_per_step + unowned[UNOWNED_FORWARD][0] == pytest.approx(cycle.forward_wall_ms)
+    assert unowned[UNOWNED_OUTSIDE][1] == cycle.backward_outside_ms
+    if cycle.backward_ms_per_step + cycle.backward_outside_ms <= cycle.backward_wall_ms:
+        assert cycle.backward_ms_per_step + sum(b for _, b in unowned.values() if b) == pytest.approx(cycle.backward_wall_ms)
+    markdown = cycle.to_markdown()
+    assert f"| {UNOWNED_ENGINE} |  | {unowned[UNOWNED_ENGINE][1]:.3f} |" in markdown
+    assert load_cycle(cycle.directory).forward_wall_ms == cycle.forward_wall_ms  # cycle.jsonl keeps it

@@ -224,6 +224,7 @@ class KernelTimer:
     usable = True
     costs_error = None
     backward_outside_ns = 0  # (no backward events: rows come from the trace's kernels)
+    forward_walls_ns: tuple[int, ...] = ()  # (not measured)
     reads_trace_events = True  # the trace keeps its events for ``collect``
     device_times_from_trace = False
     without_events = ""

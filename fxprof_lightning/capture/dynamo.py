@@ -387,7 +387,7 @@ class DynamoTimer(NodeTimer):
     def _timed_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call through the captured graphs; where a guard fails, that code runs eagerly (untimed) and the next
         call captures again."""
-        before = self.calls
+        before, start = self.calls, time.perf_counter_ns()
         with torch.compiler.set_stance("eager_on_recompile"):
             out = self._compiled(*args, **kwargs)
         if self.calls - before != self._expected:
@@ -396,6 +396,8 @@ class DynamoTimer(NodeTimer):
             self._streak += 1
         else:
             self._streak = 0
+            if not self._cuda:  # the call whole, for the time between the rows (``CycleReport.unowned``)
+                self.forward_walls_ns.append(time.perf_counter_ns() - start)
         return out
 
     def _explore(self, module: nn.Module, eager: CallResult | Exception, state: _State, args: tuple[Any, ...],

@@ -71,6 +71,7 @@ class ModuleHookTimer:
         self._totals: dict[tuple[int, int, int, int], int] = {}  # backward ns per call, from add_backward
         self._open = []
         self.backward_outside_ns = 0  # backward events that no module call's autograd nodes account for
+        self.forward_walls_ns: list[int] = []  # (the rows are the module calls: nothing lies between them)
 
     def add_backward(self, events: list[tuple[int, int]]) -> None:
         """Add each ``(sequence number, duration ns)`` to the innermost module call whose range holds it.

@@ -57,6 +57,7 @@ class Timer(Protocol):
     without_events: str  # what backward times become when no profiler events can come (for the warning)
     costs_error: str | None  # why FLOPs could not be counted, since the engine last said so
     backward_outside_ns: int  # backward events given to ``collect`` that no node call accounts for
+    forward_walls_ns: list[int]  # since ``reset``, the host wall time of each timed call whole (empty: not measured)
 
     @property
     def calls(self) -> int:

@@ -34,7 +34,8 @@ CYCLE_NAME = re.compile(r"(?P<val>val_)?cycle_(?P<index>\d+)(?:-p(?P<piece>\d+))
 SEARCH_DEPTH = 4  # levels below the given path searched for cycle directories
 SUMMARY_FIELDS = {  # taken from the summary as they are, when present: name -> accepted JSON types
     "index": (int,), "stage": (str,), "steps": (list,), "partial": (bool,), "ranks": (int,),
-    "backward_wall_ms": (int, float, type(None)), "backward_outside_ms": (int, float, type(None)), "step_ms": (list,), "step_cpu_ms": (list,), "advice": (list,),
+    "backward_wall_ms": (int, float, type(None)), "backward_outside_ms": (int, float, type(None)),
+    "forward_wall_ms": (int, float, type(None)), "step_ms": (list,), "step_cpu_ms": (list,), "advice": (list,),
     "distortion": (str, type(None)), "tracked": (list,), "phases": (dict,), "peaks": (str, type(None)),
     "batch_size": (int, type(None)),
 }

@@ -252,6 +252,7 @@ class NodeTimer:
         self._spans = [[] for _ in self.nodes]
         self.forward_inputs = None
         self.backward_outside_ns = 0  # backward events that no node call's autograd nodes account for
+        self.forward_walls_ns: list[int] = []  # each timed call whole, on the host clock (not on CUDA)
         self._marks = []
         self._in_pass = False
 
@@ -428,9 +429,14 @@ class NodeTimer:
         def forward(*args: Any, **kwargs: Any) -> Any:
             # The graph holds the mode it was traced in (dropout, batch norm): a call in the other mode
             # (an evaluation inside a training step of a plain loop) runs the module's own forward.
-            if module.training is training:
+            if module.training is not training:
+                return own_forward(*args, **kwargs)
+            if self._cuda:
                 return graph_forward(*args, **kwargs)
-            return own_forward(*args, **kwargs)
+            start = time.perf_counter_ns()
+            out = graph_forward(*args, **kwargs)
+            self.forward_walls_ns.append(time.perf_counter_ns() - start)
+            return out
 
         module.forward = forward
 
