@@ -140,15 +140,21 @@ def stop(process: subprocess.Popen) -> None:
             continue
 
 
-def markdown_table(markdown: str) -> tuple[list[str], list[list[str]]]:
-    """The header and the rows of the first pipe table in ``markdown``, as rendered text (no backticks)."""
-    lines = [line for line in markdown.splitlines() if line.startswith("|")]
+def markdown_tables(markdown: str) -> list[tuple[list[str], list[list[str]]]]:
+    """The header and the rows of each pipe table in ``markdown``, as rendered text (no backticks)."""
+    blocks: list[list[str]] = []
+    for previous, line in zip(["", *markdown.splitlines()], markdown.splitlines()):
+        if line.startswith("|"):
+            if not previous.startswith("|"):
+                blocks.append([])
+            blocks[-1].append(line)
 
     def cells(line: str) -> list[str]:
         return [cell.strip().replace("`", "") for cell in line.strip().strip("|").split("|")]
 
-    assert len(lines) >= 3 and set(lines[1]) <= set("|-: "), lines[:2]
-    return cells(lines[0]), [cells(line) for line in lines[2:]]
+    for lines in blocks:
+        assert len(lines) >= 3 and set(lines[1]) <= set("|-: "), lines[:2]
+    return [(cells(lines[0]), [cells(line) for line in lines[2:]]) for lines in blocks]
 
 
 def code_block(markdown: str) -> str:
@@ -348,22 +354,25 @@ def page(tmp_path_factory: pytest.TempPathFactory):
 
 def test_text_tab_renders_the_node_table_and_the_module_tree(served: Served, page: Page):
     page.open(f"{served.base}/#text")
-    expected_tables = [markdown_table(c.to_markdown(served.callback.profiler.top_k)) for c in served.cycles]
+    # per cycle: the node table, then the time no row owns
+    expected_tables = [t for c in served.cycles for t in markdown_tables(c.to_markdown(served.callback.profiler.top_k))]
+    assert {tuple(header) for header, _ in expected_tables[1::2]} == {("where", "fwd ms/step", "bwd ms/step")}
     expected_trees = [code_block(c.modules_to_text(served.callback.profiler.module_depth)) for c in served.cycles]
 
     def rendered():
         cards = {card["tag"].split("/")[1]: card for card in page.evaluate(TEXT_CARDS) or []
                  if card["run"] == served.run and card["tag"].startswith("fxprof/")}
         nodes, modules = cards.get("layers"), cards.get("modules")
-        done = nodes and modules and len(nodes["tables"]) == len(modules["pres"]) == len(served.cycles)
+        done = (nodes and modules and len(nodes["tables"]) == len(expected_tables)
+                and len(modules["pres"]) == len(served.cycles))
         return done and (nodes, modules)
 
     nodes, modules = poll(rendered, "the TEXT tab showing fxprof/layers and fxprof/modules", page.alive)
     page.screenshot("text")
 
     shown = [(table["header"], table["rows"]) for table in nodes["tables"]]
-    assert sorted(shown) == sorted(expected_tables)  # every cycle's table, cell for cell (newest first on the page)
-    for header, rows in shown:
+    assert sorted(shown) == sorted(expected_tables)  # every cycle's tables, cell for cell (newest first on the page)
+    for header, rows in [table for table in shown if table[0][0] == "node"]:
         assert {"node", "fwd ms/call", "bwd ms/call"} <= set(header), header
         names = [row[0] for row in rows]
         assert set(names) == {n.name for n in served.cycles[0].nodes}, names  # one row per shown node
