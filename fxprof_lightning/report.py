@@ -18,7 +18,7 @@ NS_PER_MS = 1e6
 # The rows of ``CycleReport.unowned``: time of the measured forward and backward that no row owns.
 UNOWNED_FORWARD = "(between the rows: code between graphs, guards, the call, the clock)"
 UNOWNED_OUTSIDE = "(autograd nodes no row made: the loss, ops between graphs)"
-UNOWNED_ENGINE = "(the autograd engine: between nodes, gradient accumulation, hooks)"
+UNOWNED_ENGINE = "(the autograd engine: between its nodes, its start and end, hooks)"
 
 
 def describe_phases(phases: dict[str, float]) -> str:
