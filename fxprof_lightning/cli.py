@@ -358,6 +358,8 @@ def run_report(path: Path, stage: str, last: int, layers: int, options: dict,
     if cycles[-1].phases:
         lines += ["", *textwrap.wrap(f"The whole step in cycle {cycles[-1].index}: {describe_phases(cycles[-1].phases)}",
                                      WIDTH)]
+    if cycles[-1].unowned():
+        lines += ["", *textwrap.wrap(f"Time no row owns in cycle {cycles[-1].index}: {_unowned(cycles[-1])}", WIDTH)]
     regressions = [(c, r) for c in cycles for r in found[id(c)].regressions]
     lines.append("")
     if regressions:
@@ -385,6 +387,18 @@ def run_report(path: Path, stage: str, last: int, layers: int, options: dict,
             raise UsageError(f"--html {html}: cannot write the page ({error.strerror or error})") from error
         lines += ["", f"HTML report: {html}"]
     return "\n".join(lines), EXIT_REGRESSION if regressions else EXIT_OK
+
+
+def _unowned(cycle: CycleReport) -> str:
+    """The named rows of ``CycleReport.unowned`` on one line, with the rows' share of each measured wall."""
+    parts = []
+    for side, index, rows_ms, wall in (("forward", 0, cycle.forward_ms_per_step, cycle.forward_wall_ms),
+                                       ("backward", 1, cycle.backward_ms_per_step, cycle.backward_wall_ms)):
+        named = [f"{name} {ms[index]:.3f} ms" for name, ms in cycle.unowned().items() if ms[index] is not None]
+        if named and wall:
+            parts.append(f"{side} {', '.join(named)} (the rows: {100 * rows_ms / wall:.0f}% of the measured "
+                         f"{wall:.3f} ms)")
+    return "; ".join(parts) + " per step."
 
 
 def _regression_line(cycle: CycleReport, r: Regression) -> str:

@@ -23,7 +23,7 @@ from fxprof_lightning.analysis.regressions import Regression
 from fxprof_lightning.cli import main
 from fxprof_lightning.outputs.formats import ms_text
 from fxprof_lightning.outputs.runs import RunError, find_cycles, load_cycle, load_run
-from fxprof_lightning.report import ModuleStats, NodeStats, shorten
+from fxprof_lightning.report import UNOWNED_FORWARD, ModuleStats, NodeStats, shorten
 
 SUMMARY = "cycle.jsonl"
 TIMES = ("mean_ms", "median_ms", "min_ms", "max_ms", "total_ms")
@@ -370,6 +370,12 @@ def test_report_of_a_real_run(capsys, profiled):
     assert status == (1 if "Regressions, each cycle" in out else 0)
     if prof.cycles[-1].advice:
         assert "Advice stored with cycle 3:" in out
+    words = " ".join(out.split())  # (wrapped to the terminal's width)
+    last = prof.cycles[-1]
+    assert last.forward_wall_ms is not None and last.backward_wall_ms is not None
+    assert (f"Time no row owns in cycle 3: forward {UNOWNED_FORWARD} {last.unowned()[UNOWNED_FORWARD][0]:.3f} ms (the "
+            f"rows: {100 * last.forward_ms_per_step / last.forward_wall_ms:.0f}% of the measured "
+            f"{last.forward_wall_ms:.3f} ms); backward ") in words
     assert_narrow(out)
     status, out, _ = run_cli(capsys, "report", str(root), "--stage", "val", "--last", "1", "--layers", "2")
     assert "1 validation cycle(s); 4 training cycle(s) too (--stage train)" in out and "[3]" not in out
