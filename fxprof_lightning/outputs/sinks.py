@@ -43,6 +43,7 @@ from fxprof_lightning.report import CycleReport
 
 # What TensorBoard's summary writer would replace in a tag (with a warning each time): all but letters, digits, _ - . /
 TAG_UNSAFE = re.compile(r"[^-\w./]+")
+LINES_PER_CHART = 5  # TensorBoard gives the lines of one run in a CUSTOM SCALARS chart 5 symbols
 
 __all__ = ["ConsoleSink", "CsvSink", "Display", "PictureSink", "RunSummary", "Sink", "TensorBoardSink", "cycle_pictures",
            "cycle_scalars", "cycle_texts", "tag_prefix"]
@@ -125,15 +126,28 @@ def cycle_scalars(report: CycleReport) -> dict[str, float]:
     return metrics
 
 
-def custom_scalars_layout(validation: bool = False) -> dict:
-    """A TensorBoard CUSTOM SCALARS page comparing the tracked layers and the totals in one chart each."""
+def custom_scalars_layout(validation: bool = False, tracked: list[str] | None = None) -> dict:
+    """A TensorBoard CUSTOM SCALARS page: the tracked layers' forward and backward ms per call, and the totals.
+
+    With the training stage's ``tracked`` layers known (the layout is written once, at the first cycle, and
+    TensorBoard reads only the first layout of a run), their charts hold ``LINES_PER_CHART`` layers each: a chart's
+    lines share the run's colour and TensorBoard tells them apart by one of 5 symbols per chart, named in the
+    chart's "Matches" list. Otherwise (and for validation) one chart per side holds every tracked layer.
+    """
     charts = {}
     for stage, prefix in (("training", "fxprof"), ("validation", "fxprof_val"))[: 2 if validation else 1]:
-        charts[f"fxprof ({stage})"] = {
-            "forward ms per call, tracked layers": ["Multiline", [rf"^{prefix}_nodes/.*/forward_ms_per_call$"]],
-            "backward ms per call, tracked layers": ["Multiline", [rf"^{prefix}_nodes/.*/backward_ms_per_call$"]],
-            "ms per step": ["Multiline", [rf"^{prefix}/(forward|backward)_ms_per_step$"]],
-        }
+        tags = [TAG_UNSAFE.sub("_", name) for name in tracked] if tracked and stage == "training" else None
+        groups = [tags[i:i + LINES_PER_CHART] for i in range(0, len(tags), LINES_PER_CHART)] if tags else [None]
+        charts[f"fxprof ({stage})"] = {}
+        for side in ("forward", "backward"):
+            for i, group in enumerate(groups):
+                title = f"{side} ms per call, tracked layers"
+                if group is not None:
+                    first, last = LINES_PER_CHART * i + 1, LINES_PER_CHART * i + len(group)
+                    title += f" {first}-{last}" if last > first else f" {first}"
+                names = "|".join(re.escape(tag) for tag in group) if group is not None else ".*"
+                charts[f"fxprof ({stage})"][title] = ["Multiline", [rf"^{prefix}_nodes/({names})/{side}_ms_per_call$"]]
+        charts[f"fxprof ({stage})"]["ms per step"] = ["Multiline", [rf"^{prefix}/(forward|backward)_ms_per_step$"]]
     return charts
 
 
@@ -207,7 +221,8 @@ def log_to_summary_writer(writer: Any, report: CycleReport, display: Display) ->
     """Scalars, text and pictures of a cycle to a ``SummaryWriter`` (also what the callback sends to a TensorBoardLogger)."""
     step = report.steps[-1]
     if not getattr(writer, "_fxprof_layout", False):
-        writer.add_custom_scalars(custom_scalars_layout(display.validation))
+        writer.add_custom_scalars(custom_scalars_layout(display.validation,
+                                                        report.tracked if report.stage == "train" else None))
         writer._fxprof_layout = True
     for tag, value in cycle_scalars(report).items():
         writer.add_scalar(tag, value, global_step=step)
