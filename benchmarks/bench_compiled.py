@@ -37,7 +37,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # before torch: kineto reads it 
 
 import torch
 import torchvision
-from run_info import contention, cpu_stall_us, package_state, parse_args, quiet_stderr
+from run_info import closing_lines, cpu_stall_us, package_state, parse_args, quiet_stderr
 from torch import nn
 from torch.nn import functional as F
 from torch.profiler import ProfilerActivity
@@ -152,10 +152,7 @@ def main() -> int:
         with quiet_stderr():  # compile warnings
             lines = measure(name, make, x, y, rounds=5 if args.quick else 40)
         print("\n".join(lines), flush=True)
-    share = contention(stall, began)
-    print(f"CPU contention: some task waited for a CPU {100 * share:.0f} % of the time" if share is not None
-          else "CPU contention: unknown")
-    print(f"total wall time {time.perf_counter() - began:.0f} s")
+    print("\n".join(closing_lines(stall, began)))
     return 0
 
 

@@ -42,7 +42,7 @@ import warnings
 
 import lightning
 import torch
-from run_info import contention, cpu_stall_us, package_state, quiet_stderr
+from run_info import closing_lines, cpu_stall_us, package_state, quiet_stderr
 
 from fxprof_lightning.report import UNOWNED_ENGINE, UNOWNED_FORWARD, UNOWNED_OUTSIDE
 
@@ -214,10 +214,7 @@ def main() -> int:
           "| node bwd | backward_outside_ms |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     print("\n".join(seconds))
-    share = contention(stall, began)
-    print(f"\nCPU contention: some task waited for a CPU {100 * share:.0f} % of the time" if share is not None
-          else "\nCPU contention: unknown")
-    print(f"total wall time {time.perf_counter() - began:.0f} s")
+    print("", *closing_lines(stall, began), sep="\n")
     return 0
 
 

@@ -60,6 +60,13 @@ def contention(stall_start: int | None, wall_start: float) -> float | None:
     return (stall_end - stall_start) / 1e6 / (time.perf_counter() - wall_start)
 
 
+def closing_lines(stall_start: int | None, wall_start: float) -> list[str]:
+    """A run's last lines: the CPU contention during it and its wall time."""
+    share = contention(stall_start, wall_start)
+    return [f"CPU contention: some task waited for a CPU {100 * share:.0f} % of the time" if share is not None
+            else "CPU contention: unknown", f"total wall time {time.perf_counter() - wall_start:.0f} s"]
+
+
 def package_state() -> str:
     """fxprof_lightning's version and the git commit it was measured at (+dirty: uncommitted edits)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(fxprof_lightning.__file__)))
