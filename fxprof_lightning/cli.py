@@ -391,10 +391,10 @@ def run_report(path: Path, stage: str, last: int, layers: int, options: dict,
 
 def _unowned(cycle: CycleReport) -> str:
     """The named rows of ``CycleReport.unowned`` on one line, with the rows' share of each measured wall."""
-    parts = []
+    parts, unowned = [], cycle.unowned()
     for side, index, rows_ms, wall in (("forward", 0, cycle.forward_ms_per_step, cycle.forward_wall_ms),
                                        ("backward", 1, cycle.backward_ms_per_step, cycle.backward_wall_ms)):
-        named = [f"{name} {ms[index]:.3f} ms" for name, ms in cycle.unowned().items() if ms[index] is not None]
+        named = [f"{name} {ms[index]:.3f} ms" for name, ms in unowned.items() if ms[index] is not None]
         if named and wall:
             parts.append(f"{side} {', '.join(named)} (the rows: {100 * rows_ms / wall:.0f}% of the measured "
                          f"{wall:.3f} ms)")

@@ -155,7 +155,7 @@ class Cycle:
             self.backward_outside_ns = timer.backward_outside_ns
         if device is None:
             self.forward_walls_ns = list(timer.forward_walls_ns)
-        if device is not None:
+        else:
             rows = {info.name: i for i, info in enumerate(timer.nodes)}
             nodes = [replace(n, device_span_ms=_mean_ms(spans[rows[n.name]]), device_idle_ms=_mean_ms(idle[rows[n.name]]))
                      for n in nodes]
