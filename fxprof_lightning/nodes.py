@@ -100,6 +100,8 @@ class Capture:
         recaptures: ``dynamo``: why each capture after the first was made (the guard that failed).
         host_reads: ``dynamo``: where the forward reads tensors' values on the host (``.item()``, a branch on a
             value: host syncs on a GPU), module path -> what and where (``dynamo_capture.host_reads``).
+        untimed: ``dynamo``: layers whose parameters the forward used that no graph was given (they ran in a frame
+            Dynamo ran eagerly, after a graph break inside a loop: untimed), module path -> why.
         capture_s: seconds of each capture: ``dynamo``: Dynamo, the check against eager, the call; the torch.fx ladder:
             the tracing (with its retries and checks).
     """
@@ -114,6 +116,7 @@ class Capture:
     graphs: int = 0
     recaptures: list[str] = field(default_factory=list)
     host_reads: dict[str, str] = field(default_factory=dict)
+    untimed: dict[str, str] = field(default_factory=dict)
     capture_s: list[float] = field(default_factory=list)
 
     @property
@@ -136,6 +139,8 @@ class Capture:
                 text += "; graph breaks: " + "; ".join(f"{reason.splitlines()[0]} (x{n})" for reason, n in self.graph_breaks.items())
             if self.recaptures:
                 text += "; captured again: " + "; ".join(self.recaptures)
+            if self.untimed:
+                text += f"; untimed, outside the graphs: {', '.join(self.untimed)} ({next(iter(self.untimed.values()))})"
             text += ")"
         if self.method == "module_hooks":
             text += f" (torch.fx failed on the module's own forward: {self.error})"

@@ -29,10 +29,13 @@ function Dynamo saw and the module that called it (``layer1_0_iadd``, ``self_att
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import random
 import re
 import sys
 import time
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -86,6 +89,52 @@ def _opened(functions: tuple[Callable[..., Any], ...]) -> Iterator[None]:
     try:
         yield
     finally:
+        rules.update(saved)
+
+
+def _hook_functions(root: nn.Module) -> tuple[Callable[..., Any], ...]:
+    """The Python functions of the forward hooks and pre-hooks on ``root`` and its submodules, as Dynamo inlines them
+    (a bound method's function, a partial's, a callable object's ``__call__``)."""
+    found = []
+    for module in root.modules():
+        for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()):
+            while isinstance(hook, functools.partial):
+                hook = hook.func
+            hook = getattr(hook, "__func__", hook)
+            if not isinstance(hook, types.FunctionType):
+                hook = getattr(type(hook).__call__, "__func__", type(hook).__call__)
+            if isinstance(hook, types.FunctionType):
+                found.append(hook)
+    return tuple(dict.fromkeys(found))
+
+
+def _frames_skipped(functions: tuple[Callable[..., Any], ...], skipped: bool) -> None:
+    """Whether Dynamo leaves the frames of ``functions``, and the frames they call, to run eagerly (an eager hook's
+    own frame, run after its graph break, would otherwise be captured as a graph of its own)."""
+    from torch._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    action = FrameAction.SKIP if skipped else FrameAction.DEFAULT
+    for function in functions:
+        set_code_exec_strategy(function.__code__, FrameExecStrategy(action, action))
+
+
+@contextlib.contextmanager
+def _hooks_eager(functions: tuple[Callable[..., Any], ...]) -> Iterator[None]:
+    """Inside the block, Dynamo breaks its graph at each call of ``functions`` (the model's hooks) and runs it eagerly,
+    as a function of its own rules marks skipped: code that changes what Dynamo would guard on at every call (a hook
+    that appends to a list: its length) then runs as eager runs it, and the graphs around it keep their guards."""
+    from torch._dynamo import trace_rules
+    from torch._dynamo.variables import SkipFunctionVariable
+
+    rules = trace_rules.get_torch_obj_rule_map()
+    saved = {f: rules[f] for f in functions if f in rules}
+    rules.update(dict.fromkeys(functions, SkipFunctionVariable))
+    try:
+        yield
+    finally:
+        for function in functions:
+            rules.pop(function, None)
         rules.update(saved)
 
 
@@ -147,13 +196,16 @@ def _not_compiling(on: bool) -> Iterator[None]:
         answers.update(saved)
 
 
-def annotate_rows(graph_module: fx.GraphModule, names: dict[int, tuple[str, nn.Module]]) -> None:
+def annotate_rows(graph_module: fx.GraphModule, names: dict[int, tuple[str, nn.Module]], frame: str = "") -> None:
     """Give every node of a Dynamo graph its row (``ROW``) and join the ops of one layer call (``JOINS``).
 
     ``names`` maps ``id(module)`` to its qualified name and the module (``nn_module_stack`` keys are
-    ``str(id(module))``, with ``@N`` for its N-th extra call in the graph).
+    ``str(id(module))``, with ``@N`` for its N-th extra call in the graph). ``frame``: the path of the module whose
+    forward the graph's frame runs (its own ops have no ``nn_module_stack``), "" for the root.
     """
     taken: dict[str, int] = {}
+    parts = frame.split(".") if frame else []
+    outer = tuple(".".join(parts[:i + 1]) for i in range(len(parts)))  # the frame's module and those around it
     previous_layer: str | None = None
     for node in graph_module.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module"):
@@ -166,9 +218,9 @@ def annotate_rows(graph_module: fx.GraphModule, names: dict[int, tuple[str, nn.M
             ident, _, call = str(key).partition("@")
             path = names[int(ident)][0] if ident.isdigit() and int(ident) in names else _path_of(source)
             stack.append((path, call, int(ident) if ident.isdigit() else None, str(key)))
-        path, call, ident, key = stack[-1] if stack else ("", "", None, "")
+        path, call, ident, key = stack[-1] if stack else (frame, "", None, "")
         module = names[ident][1] if ident in names else None
-        module_stack = tuple(p + (f"@{c}" if c else "") for p, c, _, _ in stack if p)
+        module_stack = outer + tuple(p + (f"@{c}" if c else "") for p, c, _, _ in stack if p and p not in outer)
         if module is not None and path and _is_layer(module):
             name = path.replace(".", "_") + (f"_{call}" if call else "")
             node.meta[ROW] = NodeInfo(name, "call_module", path, path, module_stack)
@@ -213,6 +265,7 @@ class _Way:
     opening: tuple[Callable[..., Any], ...] = ()
     follow: bool = False
     eager_branches: bool = False  # Dynamo answers ``torch.compiler.is_compiling()`` with False
+    eager_hooks: bool = False  # the model's forward hooks and pre-hooks run eagerly, between graphs (``_hooks_eager``)
 
 
 @dataclass
@@ -227,6 +280,7 @@ class _Attempt:
     breaks: dict[str, int] = field(default_factory=dict)  # its graph breaks, by reason
     host_reads: dict[str, str] = field(default_factory=dict)  # module path -> a read of a tensor's value there
     timed: int = 0  # how many of its timed ops are placed in a layer (``_placed``)
+    untimed: list[str] = field(default_factory=list)  # layers that ran outside its graphs (``_untimed_layers``)
 
 
 def _placed(node: fx.Node, first: bool) -> int:
@@ -242,12 +296,72 @@ def _placed(node: fx.Node, first: bool) -> int:
 
 
 @dataclass
+class _Anchor:
+    """Which module a graph of a submodule's forward runs for. Dynamo passes that module's parameters and buffers as
+    graph inputs, so one graph serves every module of the same code (wav2vec2's encoder layers, Mask R-CNN's heads,
+    where a graph break made each layer's forward a frame of its own); the rows are named for the module of the
+    capture. The ``index``-th input is ``tensor`` in that module (at ``frame``), at ``inner`` below it."""
+
+    index: int
+    tensor: torch.Tensor
+    inner: str
+    frame: str
+    names: dict[int, tuple[str, nn.Module]]  # the timer's module names at the capture
+
+
+@dataclass
 class _Graph:
-    """One graph Dynamo captured: as captured, and instrumented (events) and hooked (CUDA, or another profiler)."""
+    """One graph Dynamo captured: as captured, and instrumented (events) and hooked (CUDA, or another profiler); and
+    its copies for the other modules that run it, with their own rows (by the module's path)."""
 
     captured: fx.GraphModule
     lean: fx.GraphModule
     hooked: fx.GraphModule | None = None
+    anchor: _Anchor | None = None
+    inputs: list[Any] = field(default_factory=list)  # the capture's inputs for counting FLOPs (``_meta_input``)
+    others: dict[str, _Graph] = field(default_factory=dict)
+
+
+def _anchor(captured: fx.GraphModule, example_inputs: list[Any], owners: dict[int, str],
+            names: dict[int, tuple[str, nn.Module]]) -> _Anchor | None:
+    """The first input of ``captured`` that is a parameter or buffer of the module whose forward the graph's frame
+    runs, unless that module is the root (``owners``: a tensor's id -> the path of its module)."""
+    placeholders = [node for node in captured.graph.nodes if node.op == "placeholder"]
+    for index, (node, value) in enumerate(zip(placeholders, example_inputs, strict=False)):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        match = re.fullmatch(r"L\['\w+'\](.*?)\._(?:parameters|buffers)\['[^']+'\]", getattr(source, "name", "") or "")
+        owner = owners.get(id(value))
+        if match is None or owner is None:
+            continue
+        inner = _path_of(f"L['self']{match.group(1)}")
+        if not (owner == inner or owner.endswith(f".{inner}") or not inner):
+            return None
+        frame = owner[:len(owner) - len(inner)].rstrip(".") if inner else owner
+        return _Anchor(index, value, inner, frame, names) if frame else None
+    return None
+
+
+def _names_moved(anchor: _Anchor, frame: str, root: nn.Module) -> dict[int, tuple[str, nn.Module]] | None:
+    """The capture's module names (``anchor.names``) with the modules at and below ``anchor.frame`` given the names
+    and modules at and below ``frame`` (None where the structure there differs)."""
+    names = dict(anchor.names)
+    for ident, (path, _module) in anchor.names.items():
+        if path == anchor.frame or path.startswith(f"{anchor.frame}."):
+            moved = frame + path[len(anchor.frame):]
+            try:
+                names[ident] = (moved, root.get_submodule(moved))
+            except AttributeError:
+                return None
+    return names
+
+
+def _separate_copy(graph_module: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``graph_module`` (and of its checkpointed regions) whose nodes' ``meta`` can be changed apart."""
+    copied = fx.GraphModule(graph_module, copy.deepcopy(graph_module.graph), class_name=type(graph_module).__name__)
+    for node in copied.graph.nodes:
+        if _is_checkpoint(node):
+            setattr(copied, node.args[0].target, _separate_copy(getattr(graph_module, node.args[0].target)))
+    return copied
 
 
 class DynamoTimer(NodeTimer):
@@ -280,11 +394,15 @@ class DynamoTimer(NodeTimer):
         self._expected = 0  # graph calls in one forward call, as verified
         self._hooks_now = False
         self._names: dict[int, tuple[str, nn.Module]] = {}
+        self._tensor_owners: dict[int, str] = {}  # id of a parameter or buffer -> the path of its module, at the last capture
         self._guard_failures: list[str] = []
         self._graph_breaks: dict[str, int] = {}
+        self.outside_graphs: list[str] = []  # layers that ran outside the graphs of the last capture (``Capture.untimed``)
         self.host_reads: dict[str, str] = {}  # module path -> where its forward reads a tensor's value (``host_reads``)
         self._global_hooks: tuple[tuple[int, ...], ...] = ()  # the global module hooks at the last capture
         self._streak = 0  # timed calls in a row that missed the guards
+        self._eager_hooks: tuple[Callable[..., Any], ...] = ()  # hook functions run eagerly (``_Way.eager_hooks``)
+        self._inputs_seen: set[int] | None = None  # ids of what the graphs were given, while noted
         self._way = _Way(OPENED)  # how Dynamo captures (``_explore`` may change it at the first graph break)
         self._explored = False
         self._context = self._new_context()
@@ -292,21 +410,49 @@ class DynamoTimer(NodeTimer):
         self._own_forward: Callable[..., Any] | None = None  # and its own
 
     def _backend(self, captured: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        anchor = _anchor(captured, example_inputs, self._tensor_owners, self._names)
         for graph_module in (captured, *_checkpointed_bodies(captured)):
-            annotate_rows(graph_module, self._names)
-        graph = _Graph(captured, self._instrument(captured, self._annotate, hooked=self._cuda))
+            annotate_rows(graph_module, self._names, anchor.frame if anchor else "")
+        graph = _Graph(captured, self._instrument(captured, self._annotate, hooked=self._cuda), anchor=anchor,
+                       inputs=[_meta_input(t) for t in example_inputs])
         self.graphs.append(graph)
         # Counted when asked (``costs``, after the cycle), not here inside the capture's checked calls.
-        self._uncounted.append((inline_checkpoints(captured), [_meta_input(t) for t in example_inputs]))
+        self._uncounted.append((inline_checkpoints(captured), graph.inputs))
 
         def run(*args: Any) -> Any:
+            if self._inputs_seen is not None:
+                self._inputs_seen.update(id(a) for a in args)
+            chosen = graph if anchor is None or args[anchor.index] is anchor.tensor else self._run_for(graph, args)
             if self._hooks_now and not self._cuda:
-                if graph.hooked is None:
-                    graph.hooked = self._instrument(captured, self._annotate, hooked=True)
-                return graph.hooked.forward(*args)
-            return graph.lean.forward(*args)
+                if chosen.hooked is None:
+                    chosen.hooked = self._instrument(chosen.captured, self._annotate, hooked=True)
+                return chosen.hooked.forward(*args)
+            return chosen.lean.forward(*args)
 
         return run
+
+    def _run_for(self, graph: _Graph, args: tuple[Any, ...]) -> _Graph:
+        """The copy of ``graph`` whose rows are named for the module it runs for now (``_Anchor``), made at its first
+        call; ``graph`` itself where that module is the capture's, or cannot be told."""
+        anchor = graph.anchor
+        assert anchor is not None
+        owner = self._tensor_owners.get(id(args[anchor.index]))
+        if owner is None or not (owner == anchor.inner or owner.endswith(f".{anchor.inner}") or not anchor.inner):
+            return graph
+        frame = owner[:len(owner) - len(anchor.inner)].rstrip(".") if anchor.inner else owner
+        if frame == anchor.frame:
+            return graph
+        other = graph.others.get(frame)
+        if other is None:
+            names = _names_moved(anchor, frame, self._root)
+            if names is None:
+                return graph
+            copied = _separate_copy(graph.captured)
+            for graph_module in (copied, *_checkpointed_bodies(copied)):
+                annotate_rows(graph_module, names, frame)
+            other = graph.others[frame] = _Graph(copied, self._instrument(copied, self._annotate, hooked=self._cuda))
+            self._uncounted.append((inline_checkpoints(copied), graph.inputs))
+        return other
 
     def install(self, module: nn.Module, backward_hooks: bool = False) -> None:
         """Make ``module(...)`` run the captured graphs until ``uninstall``; see the module docstring."""
@@ -333,10 +479,12 @@ class DynamoTimer(NodeTimer):
 
         module.forward = forward
         _TRACEABLE.enter()
+        _frames_skipped(self._eager_hooks, True)
 
     def uninstall(self, module: nn.Module) -> None:
         if id(module) in self._saved_forward:
             _TRACEABLE.exit()
+            _frames_skipped(self._eager_hooks, False)
         super().uninstall(module)
 
     def _new_context(self) -> Any:
@@ -352,6 +500,8 @@ class DynamoTimer(NodeTimer):
         started = time.perf_counter()
         reason, self._pending = self._pending, None
         self._names = {id(m): (name, m) for name, m in module.named_modules(remove_duplicate=False)}
+        self._tensor_owners = {id(t): name for name, m in module.named_modules(remove_duplicate=False)
+                        for t in (*m._parameters.values(), *m._buffers.values()) if t is not None}
         state = _State(module)
         try:
             eager: CallResult | Exception = _run(own_forward, module, args, kwargs)
@@ -359,21 +509,35 @@ class DynamoTimer(NodeTimer):
             eager = error
         state.restore()
         attempt = self._attempt(module, eager, state, args, kwargs, self._way)
+        hooks_now_eager = False
         if (attempt.breaks or attempt.difference) and not self._explored:
             attempt = self._explore(module, eager, state, args, kwargs, attempt)
+        if (attempt.difference is None and self._streak >= RECAPTURES_IN_A_ROW and not self._way.eager_hooks
+                and _hook_functions(module)):  # perhaps a hook changes what Dynamo guards on: run hooks eagerly
+            self._drop(attempt)
+            self._way = replace(self._way, eager_hooks=True)
+            self._streak = 0
+            attempt = self._attempt(module, eager, state, args, kwargs, self._way)
+            if attempt.difference is None and attempt.untimed:
+                attempt.difference = _hooks_refusal(attempt.untimed)
+            hooks_now_eager = True
         for why, count in attempt.breaks.items():
             self._graph_breaks[why] = self._graph_breaks.get(why, 0) + count
         self.host_reads.update(attempt.host_reads)
+        self.outside_graphs = attempt.untimed
         if self._guard_failures and reason != "first call":  # Dynamo's first line says what changed (since the last capture)
             reason = f"{reason}: {'; '.join(dict.fromkeys(f.splitlines()[0] for f in self._guard_failures))}"
         self._guard_failures.clear()
+        if hooks_now_eager:
+            reason += (f" ({RECAPTURES_IN_A_ROW} calls in a row, each right after a capture): from now on the model's "
+                       "forward hooks run eagerly, between graphs")
         if reason != "first call":
             self.recaptures.append(reason)
         if attempt.difference is None and self._streak >= RECAPTURES_IN_A_ROW:
             attempt.difference = (f"the graphs missed Dynamo's guards at {RECAPTURES_IN_A_ROW} calls in a row, each "
                                   f"right after a capture ({reason}): the code changes what Dynamo guards on at every "
-                                  "call (for example a forward hook that appends to a list makes it guard on the "
-                                  "list's length), so no graph would ever be used")
+                                  "call (a forward that appends to a list makes it guard on the list's length; the "
+                                  "model's forward hooks already ran eagerly), so no graph would ever be used")
         if attempt.difference is not None:
             self.capture_s.append(time.perf_counter() - started)
             self._refuse(attempt.difference)
@@ -441,16 +605,22 @@ class DynamoTimer(NodeTimer):
         try:
             if isinstance(eager, Exception):
                 raise eager
-            before = self.calls
+            before, self._inputs_seen = self.calls, set()
+            if way.eager_hooks:
+                _frames_skipped(self._eager_hooks, False)
+                self._eager_hooks = _hook_functions(module)
+                _frames_skipped(self._eager_hooks, True)
             with (torch._dynamo.config.patch({**GUARD_SETTINGS, "dont_skip_tracing": way.follow}), _opened(way.opening),
-                  _not_compiling(way.eager_branches)):
+                  _not_compiling(way.eager_branches), _hooks_eager(self._eager_hooks if way.eager_hooks else ())):
                 captured = _run(self._compiled, module, args, kwargs)
             attempt.graph_calls = self.calls - before
+            attempt.untimed = _untimed_layers(module, eager, self._inputs_seen)
             attempt.difference = first_difference(eager, captured)
             if attempt.difference is None and attempt.graph_calls == 0:
                 attempt.difference = "Dynamo captured no graph of the forward (it ran the module's code eagerly)"
         except Exception as error:  # Dynamo or the graph failed: refuse, the call runs eagerly
             attempt.difference = f"capturing with Dynamo failed: {type(error).__name__}: {error}"
+        self._inputs_seen = None
         state.restore()
         self._truncate(mark)
         attempt.breaks = {why: count - breaks.get(why, 0) for why, count in _graph_break_counter().items()
@@ -499,8 +669,9 @@ class DynamoTimer(NodeTimer):
             return None
         why = self.recaptures[-1] if self.recaptures else "a guard failed"
         return (f"{self._misses} call(s) failed Dynamo's guards and ran the module's own code, untimed; each next call "
-                f"captured it again. The last reason: {why}. A guard that fails at every call (a forward hook "
-                "that appends to a list makes Dynamo guard on the list's length) leaves nothing timed.")
+                f"captured it again. The last reason: {why}. When the calls right after {RECAPTURES_IN_A_ROW} "
+                "captures in a row all fail (a hook that appends to a list makes Dynamo guard on the list's length), "
+                "the model's forward hooks run eagerly, between graphs; if that does not help, the graphs are refused.")
 
     def add_backward(self, events: list[tuple[int, int]]) -> None:
         """``NodeTimer.add_backward``, with each checkpointed region's recompute moved out of the backward time of
@@ -562,8 +733,9 @@ class DynamoTimer(NodeTimer):
         leaves = {info.module_path: (f"{info.target} timed as one row: traced into, it broke Dynamo's graph (its "
                                      "checks), so it was captured whole")
                   for info in self.nodes if info.target in whole}
+        untimed = dict.fromkeys(self.outside_graphs, OUTSIDE_GRAPHS)
         return replace(capture, graphs=len(self.graphs), recaptures=list(self.recaptures), capture_s=list(self.capture_s),
-                       graph_breaks=self.graph_breaks(), leaves=leaves, host_reads=dict(self.host_reads))
+                       graph_breaks=self.graph_breaks(), leaves=leaves, host_reads=dict(self.host_reads), untimed=untimed)
 
     def graph_breaks(self) -> dict[str, int]:
         """Dynamo's graph breaks in this timer's captures, by reason (each code path is broken once per capture)."""
@@ -787,6 +959,28 @@ def _runs_in(function: Any, frame: Any) -> bool:
 
 
 # ---------------------------------------------------------------- verification
+
+
+OUTSIDE_GRAPHS = ("their parameters were given to no graph: a graph break inside a loop made Dynamo run the frame "
+                  "that calls them eagerly")
+
+
+def _hooks_refusal(untimed: list[str]) -> str:
+    shown = untimed[:5] + [f"{len(untimed) - 5} more"] * (len(untimed) > 5)
+    return (f"with the model's forward hooks run eagerly, between graphs, {', '.join(shown)} ran outside Dynamo's "
+            "graphs, untimed (a graph break inside a loop, here at a hook's call, makes Dynamo run that loop's whole "
+            "frame eagerly)")
+
+
+def _untimed_layers(module: nn.Module, eager: CallResult | Exception, seen: set[int]) -> list[str]:
+    """The modules whose parameters eager's call used (they got gradients; none are known without grad) but no
+    graph was given (``seen``: ids of the graphs' inputs): they ran outside the graphs, untimed."""
+    if isinstance(eager, Exception):
+        return []
+    parameters = dict(module.named_parameters())
+    used = [name.removeprefix("gradient of ") for name, gradient in eager.gradients if gradient is not None]
+    return list(dict.fromkeys(name.rpartition(".")[0] or "(the root)" for name in used
+                              if name in parameters and id(parameters[name]) not in seen))
 
 
 @dataclass
