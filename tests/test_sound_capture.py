@@ -540,6 +540,37 @@ def test_llama_without_padding_is_captured_on_the_branches_eager_takes(tmp_path)
     assert {"model_layers_0_self_attn_q_proj", "model_layers_1_mlp_down_proj", "lm_head"} <= names(cycle)
 
 
+def tiny_mixtral() -> nn.Module:
+    """MixtralForCausalLM from its default config with ``output_router_logits=True`` (its auxiliary load-balancing
+    loss, as MoE training recipes set it), only the sizes shrunk."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                            num_experts_per_tok=2, vocab_size=64, max_position_embeddings=32,
+                                            output_router_logits=True))
+
+
+@pytest.mark.slow
+def test_mixtral_with_router_logits_is_timed_expert_by_expert(tmp_path):
+    """HF's MoE experts run ``torch._grouped_mm``, whose meta kernel takes bfloat16 and float16 only while the CPU
+    kernel computes float32: on eager's branches Dynamo could not trace it (before 2026-11-25: refused, module
+    hooks, no FLOPs). The router logits' output-capturing hooks break the graph (a ContextVar), nothing is left whole."""
+    from test_transformers import LitHF
+
+    _, callback = train_both(tmp_path, lambda: LitHF(tiny_mixtral), steps=4, loader_fn=unpadded_lm_loader)
+    cycle = callback.cycles[0]
+    assert cycle.capture.method == "dynamo" and "refused" not in cycle.capture.error, cycle.capture.describe()
+    assert not cycle.capture.untimed and not cycle.capture.leaves
+    rows = {n.name: n for n in cycle.nodes}
+    assert {"model_layers_0_mlp_gate_linear", "model_layers_1_self_attn_q_proj", "lm_head"} <= rows.keys()
+    experts = [n for n in cycle.nodes if n.module_path == "model.layers.1.mlp.experts" and n.target.endswith("grouped_mm")]
+    assert experts and all(n.calls == 2 for n in experts), [(n.name, n.target) for n in experts]
+    # 48 tokens, 2 experts each, through gate_up (32 -> 128) and down (64 -> 32)
+    assert sum(n.fwd_flops for n in experts) == 2 * 48 * 2 * (32 * 128 + 64 * 32), [(n.name, n.fwd_flops) for n in experts]
+    assert all(n.bwd_flops == 2 * n.fwd_flops for n in experts)
+
+
 class TensorChecks(nn.Module):
     """Libraries check their inputs' types (diffusers, torchvision detection, PyG): torch.fx's proxies fail them."""
 

@@ -45,7 +45,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from fxprof_lightning.nodes import JOINS, NESTS, ROW, NodeInfo, describe_target, is_timed, mark_untimed, node_info
-from fxprof_lightning.timing.flops import NodeCosts, count_costs
+from fxprof_lightning.timing.flops import NodeCosts, count_costs, float_grouped_mm_meta
 from fxprof_lightning.timing.node_timing import NodeTimer
 
 if TYPE_CHECKING:
@@ -611,7 +611,8 @@ class DynamoTimer(NodeTimer):
                 self._eager_hooks = _hook_functions(module)
                 _frames_skipped(self._eager_hooks, True)
             with (torch._dynamo.config.patch({**GUARD_SETTINGS, "dont_skip_tracing": way.follow}), _opened(way.opening),
-                  _not_compiling(way.eager_branches), _hooks_eager(self._eager_hooks if way.eager_hooks else ())):
+                  _not_compiling(way.eager_branches), _hooks_eager(self._eager_hooks if way.eager_hooks else ()),
+                  float_grouped_mm_meta()):
                 captured = _run(self._compiled, module, args, kwargs)
             attempt.graph_calls = self.calls - before
             attempt.untimed = _untimed_layers(module, eager, self._inputs_seen)

@@ -21,7 +21,11 @@ through memory (not counted), and smaller when an input is still in cache from t
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import math
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,7 +150,7 @@ def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool)
     fwd: list[int | None] = [None] * len(timed)
     out_bytes: list[int | None] = [None] * len(timed)
     moved: list[int | None] = [None] * len(timed)
-    backward_counter = FlopCounterMode(display=False)
+    backward_counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FORMULAS)
     backward: list[_BackwardFlops | None] = [_BackwardFlops(backward_counter) for _ in timed]
     failures: list[str] = []  # what the pass could not run, each with its error
     failed_nodes: set[str] = set()
@@ -167,7 +171,7 @@ def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool)
                 read += [*module.parameters(), *module.buffers()]
             first = sequence_nr_now()
             try:
-                with FlopCounterMode(display=False) as counter:
+                with FlopCounterMode(display=False, custom_mapping=EXTRA_FORMULAS) as counter:
                     output = super().run_node(node)
             except Exception as error:
                 failures.append(_failure(node, error))
@@ -183,7 +187,7 @@ def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool)
             return output
 
     # Host random numbers a leaf or a node draws are put back; tensors the code makes with no device are meta too.
-    with torch.enable_grad(), random_states_kept(), torch.device("meta"):
+    with torch.enable_grad(), random_states_kept(), torch.device("meta"), float_grouped_mm_meta():
         interpreter = Counter(meta_module)
         try:
             ends = tensors_in(interpreter.run(*(_to_meta(x) for x in inputs)))
@@ -237,3 +241,53 @@ def _stand_in(node: fx.Node, read: list[torch.Tensor]) -> Any:
         return tensor
 
     return fx.node.map_aggregate(example, one)
+
+
+def _grouped_mm_flops(a_shape: torch.Size, b_shape: torch.Size, *args: Any, **kwargs: Any) -> int:
+    """``aten._grouped_mm``: each row (or column, for a weight's gradient) of ``a`` meets one group's matrix."""
+    return 2 * math.prod(a_shape) * b_shape[-1]
+
+
+# FLOP formulas torch's counter lacks (``FlopCounterMode(custom_mapping=...)``: only our own counts use them).
+EXTRA_FORMULAS = {op: _grouped_mm_flops for op in (getattr(torch.ops.aten, "_grouped_mm", None),) if op}
+
+
+def _grouped_mm_meta(original: Callable[..., Any]) -> Callable[..., Any]:
+    def meta(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
+             bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        if mat_a.dtype in (torch.float32, torch.float64) and mat_b.dtype == mat_a.dtype and bias is None:
+            dtype = out_dtype or mat_a.dtype
+            if mat_a.dim() == 2 and mat_b.dim() == 3:  # the experts' forward: each row by its group's matrix
+                return mat_a.new_empty((mat_a.shape[0], mat_b.shape[-1]), dtype=dtype)
+            if mat_a.dim() == 2 and mat_b.dim() == 2 and offs is not None:  # their weights' gradient: one per group
+                return mat_a.new_empty((offs.shape[0], mat_a.shape[0], mat_b.shape[-1]), dtype=dtype)
+        return original(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
+
+    return meta
+
+
+@contextlib.contextmanager
+def float_grouped_mm_meta() -> Iterator[None]:
+    """Inside the block, ``aten._grouped_mm`` has a meta kernel for float32/float64 inputs (2-D by 3-D, the MoE
+    experts' forward and backward): torch's allows bfloat16 and float16 only, as the CUDA kernel does, while the CPU kernel computes
+    float32 too. HF's MoE experts (Mixtral) call it on CPU in float32; without this Dynamo cannot trace them (fake
+    tensors) and FLOPs cannot be counted (the meta device). The kernel gives the output's shape and dtype only."""
+    op = getattr(torch.ops.aten, "_grouped_mm", None)
+    kernels = getattr(getattr(op, "default", None), "py_kernels", None)
+    key = torch._C.DispatchKey.Meta
+    if kernels is None or key not in kernels:
+        yield
+        return
+    original = kernels[key]
+    kernels[key] = _grouped_mm_meta(original)  # for fake tensors, under the Python dispatcher (Dynamo)
+    op.default._dispatch_cache.clear()
+    library = torch.library.Library("aten", "IMPL")  # for meta tensors; destroyed, torch's kernel is back
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "overriding a previously registered kernel": for this block only
+            library.impl("_grouped_mm", kernels[key], "Meta")
+        yield
+    finally:
+        library._destroy()
+        kernels[key] = original
+        op.default._dispatch_cache.clear()
