@@ -94,6 +94,7 @@ def worker(rank: int, port: int, out: Path) -> None:
                 "method": cycle.capture.method,
                 "leaves": cycle.capture.leaves,
                 "nodes": {n.name: [n.op, n.calls, n.mean_ms, n.bwd_calls] for n in cycle.nodes},
+                "flops": {n.name: [n.fwd_flops, n.bwd_flops] for n in cycle.nodes},
                 "ranges": [[r.name, r.module, r.ms_per_step] for r in cycle.ranges],
                 "markdown": cycle.to_markdown(),
                 "files": sorted(p.name for p in cycle.directory.iterdir()),

@@ -42,6 +42,14 @@ def test_every_node_of_the_root_is_timed_over_both_ranks(fsdp2_run):
     assert all(calls == 2 and mean_ms > 0 and bwd_calls == 2 for _, calls, mean_ms, bwd_calls in nodes.values())
 
 
+def test_sharded_blocks_have_the_flops_of_their_whole_weights(fsdp2_run):
+    """FSDP2's modules refuse the copy the meta pass makes; each is counted as the user's own class, with its
+    parameters by their whole shape (each rank computes the whole block on its batch of 8)."""
+    block = 2 * 8 * (32 * 64 + 64 * 32)  # fc1 and fc2
+    assert fsdp2_run["flops"]["blocks_0"] == fsdp2_run["flops"]["blocks_1"] == [block, 2 * block]
+    assert fsdp2_run["flops"]["fc_in"] == [2 * 8 * 16 * 32, 2 * 8 * 16 * 32]  # no input gradient: weights' only
+
+
 def test_fsdp_ranges_are_reported_per_module(fsdp2_run):
     ranges = {name: (module, ms) for name, module, ms in fsdp2_run["ranges"]}
     assert {"FSDP::all_gather (blocks.0)", "FSDP::all_gather (blocks.1)", "FSDP::all_gather"} <= set(ranges)

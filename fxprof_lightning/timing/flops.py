@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxprof_lightning.nodes import is_timed
@@ -118,6 +118,27 @@ def bytes_moved(tensors: list[torch.Tensor]) -> int:
     return sum(largest.values())
 
 
+def _unsharded_copies(root: nn.Module, memo: dict[int, Any]) -> None:
+    """FSDP2's modules refuse ``deepcopy``: each is copied into ``memo`` as an instance of the user's own class,
+    without FSDP2's state and hooks, innermost first (its parameters are in ``memo`` already)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return
+    for module in reversed(list(root.modules())):
+        if not isinstance(module, FSDPModule):
+            continue
+        cls = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+        copied = memo[id(module)] = cls.__new__(cls)
+        for key, value in module.__dict__.items():
+            if key.startswith("__composable_api_state_key"):  # FSDP2's state
+                continue
+            copied.__dict__[key] = type(value)() if key.endswith(HOOK_DICTS) else copy.deepcopy(value, memo)
+
+
+HOOK_DICTS = ("hooks", "hooks_with_kwargs", "hooks_always_called")  # nn.Module's dicts of hooks, by name ending
+
+
 def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool) -> NodeCosts:
     """FLOPs, output bytes and bytes moved of every timed node of ``traced`` for ``inputs``, node by node.
 
@@ -127,10 +148,11 @@ def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool)
     there and the nodes after it get None too. Raises only when the graph cannot be put on the meta device at all.
     """
     memo: dict[int, Any] = {}
-    for p in traced.parameters():
-        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for p in traced.parameters():  # a sharded parameter (FSDP2's DTensor) by its whole shape
+        memo[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
     for b in traced.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
+    _unsharded_copies(traced, memo)
     meta_module = copy.deepcopy(traced, memo).train(training)
     for module in meta_module.modules():  # a leaf's hooks (the user's, FSDP2's) must not run in this pass
         for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks):
