@@ -230,6 +230,72 @@ def test_layers_that_run_one_graph_each_have_their_own_rows(tmp_path):
     assert set(cycle.capture.untimed) == {"stem", "head"} and "untimed, outside the graphs: stem, head" in cycle.to_markdown()
 
 
+class NormFirst(Reads):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.bn(x)
+        if x.abs().max().item() > 1e9:  # never: only the read (a graph break) matters
+            x = x * 0
+        return x + self.drop(F.relu(self.conv(x)))
+
+
+class SharedNorm(Looped):
+    """Blocks that all run one norm module, first in their forward: its weight, the graphs' first input, tells no
+    block from another (each block's rows went to the last block's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        norm = nn.GroupNorm(2, 8)
+        self.blocks = nn.ModuleList([NormFirst(8) for _ in range(3)])
+        for block in self.blocks:
+            block.bn = norm
+
+
+def test_blocks_sharing_a_module_still_have_their_own_rows(tmp_path):
+    _, callback = train_both(tmp_path, lambda: Lit(SharedNorm()), steps=4)
+    nodes = callback.cycles[0].nodes
+    conv = {n.name: n.calls for n in nodes if n.name.endswith("_conv")}
+    assert conv == {"blocks_0_conv": 2, "blocks_1_conv": 2, "blocks_2_conv": 2}, conv
+    # The ops before the read (the shared norm's graph) run for every block: given to no block (the norm itself
+    # is one module, one row), never all to one block (before: blocks_2_abs with the 6 calls of all three).
+    shared = {n.name: n.calls for n in nodes if n.calls == 6}
+    assert shared.keys() == {"blocks_2_bn", "abs", "max"}, sorted((n.name, n.calls) for n in nodes)
+
+
+def test_a_block_replaced_mid_run_by_one_of_its_class_gets_its_rows(tmp_path):
+    """Dynamo's guards let a new block of the same class through (its parameters are graph inputs): its calls are
+    still timed in its own rows, not in another block's."""
+
+    def replace_block(trainer, lit):
+        lit.model.blocks[1] = Reads(8)
+        trainer.optimizers[0].add_param_group({"params": list(lit.model.blocks[1].parameters())})
+
+    _, callback = train_both(tmp_path, lambda: Lit(Looped()), changes=lambda: [At(4, replace_block)], steps=8)
+    conv = {n.name: n.calls for n in callback.cycles[-1].nodes if n.name.endswith("_conv")}
+    assert conv == {"blocks_0_conv": 2, "blocks_1_conv": 2, "blocks_2_conv": 2}, conv
+
+
+def test_the_float_grouped_mm_meta_kernel_is_put_back():
+    """Inside the block (Python dispatcher) float32 ``_grouped_mm`` has a meta kernel; after it, fake tensors fail
+    on it again as torch's own kernel does, however often the block was entered."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxprof_lightning.timing.flops import float_grouped_mm_meta
+
+    def fake_call() -> torch.Size:
+        with FakeTensorMode():
+            a, b, offs = torch.empty(6, 4), torch.empty(2, 4, 5), torch.tensor([3, 6], dtype=torch.int32)
+            return torch._grouped_mm(a, b, offs=offs).shape
+
+    for _ in range(2):
+        with float_grouped_mm_meta(), enable_python_dispatcher():
+            assert fake_call() == (6, 5)
+        with pytest.raises(RuntimeError, match="BFloat16"):
+            fake_call()
+        with pytest.raises(RuntimeError, match="BFloat16"), enable_python_dispatcher():
+            fake_call()
+
+
 def test_a_global_module_hook_added_and_removed_mid_run_is_never_bypassed(tmp_path):
     """``register_module_forward_hook`` reaches every module; Dynamo inlines it at capture and does not guard on it. A
     hook that halves every conv's output, added in a warm-up step and removed in a recorded one, changes training: the

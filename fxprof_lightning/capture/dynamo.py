@@ -103,7 +103,7 @@ def _hook_functions(root: nn.Module) -> tuple[Callable[..., Any], ...]:
             hook = getattr(hook, "__func__", hook)
             if not isinstance(hook, types.FunctionType):
                 hook = getattr(type(hook).__call__, "__func__", type(hook).__call__)
-            if isinstance(hook, types.FunctionType):
+            if isinstance(hook, types.FunctionType) and not getattr(hook, "_torchdynamo_disable", False):
                 found.append(hook)
     return tuple(dict.fromkeys(found))
 
@@ -329,7 +329,7 @@ def _anchor(captured: fx.GraphModule, example_inputs: list[Any], owners: dict[in
     placeholders = [node for node in captured.graph.nodes if node.op == "placeholder"]
     for index, (node, value) in enumerate(zip(placeholders, example_inputs, strict=False)):
         source = getattr(node.meta.get("grapharg"), "source", None)
-        match = re.fullmatch(r"L\['\w+'\](.*?)\._(?:parameters|buffers)\['[^']+'\]", getattr(source, "name", "") or "")
+        match = re.fullmatch(r"L\['self'\](.*?)\._(?:parameters|buffers)\['[^']+'\]", getattr(source, "name", "") or "")
         owner = owners.get(id(value))
         if match is None or owner is None:
             continue
@@ -339,6 +339,45 @@ def _anchor(captured: fx.GraphModule, example_inputs: list[Any], owners: dict[in
         frame = owner[:len(owner) - len(inner)].rstrip(".") if inner else owner
         return _Anchor(index, value, inner, frame, names) if frame else None
     return None
+
+
+def _tensor_owners(root: nn.Module) -> dict[int, str]:
+    """id of a parameter or buffer -> the path of its module. Left out: a tensor whose module is shared by different
+    parents (one norm given to every block), or that several modules hold (tied): it does not tell which module a
+    graph runs for. A module reachable by two paths through the same parents (an alias) is kept."""
+    owners: dict[int, str] = {}
+    parents: dict[int, int] = {}
+    shared: set[int] = set()
+    modules = dict(root.named_modules(remove_duplicate=False))
+    for name, module in modules.items():
+        parent = id(modules[name.rpartition(".")[0]]) if name else 0
+        for t in (*module._parameters.values(), *module._buffers.values()):
+            if t is not None:
+                if parents.setdefault(id(t), parent) != parent:
+                    shared.add(id(t))
+                owners[id(t)] = name
+    for ident in shared:
+        del owners[ident]
+    return owners
+
+
+class _Owners:
+    """The module path of each parameter and buffer of ``root`` (``_tensor_owners``), looked at again once when a
+    tensor no module owned is asked about (a module replaced since the capture, which Dynamo's guards let pass)."""
+
+    def __init__(self, root: nn.Module | None) -> None:
+        self.root = root
+        self.owners = _tensor_owners(root) if root is not None else {}
+        self.unowned: set[int] = set()  # ids of tensors no module owned at the last look
+
+    def of(self, tensor: Any) -> str | None:
+        owner = self.owners.get(id(tensor))
+        if owner is None and self.root is not None and id(tensor) not in self.unowned:
+            self.owners, self.unowned = _tensor_owners(self.root), set()
+            owner = self.owners.get(id(tensor))
+            if owner is None:
+                self.unowned.add(id(tensor))
+        return owner
 
 
 def _names_moved(anchor: _Anchor, frame: str, root: nn.Module) -> dict[int, tuple[str, nn.Module]] | None:
@@ -394,7 +433,7 @@ class DynamoTimer(NodeTimer):
         self._expected = 0  # graph calls in one forward call, as verified
         self._hooks_now = False
         self._names: dict[int, tuple[str, nn.Module]] = {}
-        self._tensor_owners: dict[int, str] = {}  # id of a parameter or buffer -> the path of its module, at the last capture
+        self._tensor_owners = _Owners(None)  # the module of each parameter and buffer
         self._guard_failures: list[str] = []
         self._graph_breaks: dict[str, int] = {}
         self.outside_graphs: list[str] = []  # layers that ran outside the graphs of the last capture (``Capture.untimed``)
@@ -410,7 +449,7 @@ class DynamoTimer(NodeTimer):
         self._own_forward: Callable[..., Any] | None = None  # and its own
 
     def _backend(self, captured: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        anchor = _anchor(captured, example_inputs, self._tensor_owners, self._names)
+        anchor = _anchor(captured, example_inputs, self._tensor_owners.owners, self._names)
         for graph_module in (captured, *_checkpointed_bodies(captured)):
             annotate_rows(graph_module, self._names, anchor.frame if anchor else "")
         graph = _Graph(captured, self._instrument(captured, self._annotate, hooked=self._cuda), anchor=anchor,
@@ -436,7 +475,7 @@ class DynamoTimer(NodeTimer):
         call; ``graph`` itself where that module is the capture's, or cannot be told."""
         anchor = graph.anchor
         assert anchor is not None
-        owner = self._tensor_owners.get(id(args[anchor.index]))
+        owner = self._tensor_owners.of(args[anchor.index])
         if owner is None or not (owner == anchor.inner or owner.endswith(f".{anchor.inner}") or not anchor.inner):
             return graph
         frame = owner[:len(owner) - len(anchor.inner)].rstrip(".") if anchor.inner else owner
@@ -500,8 +539,7 @@ class DynamoTimer(NodeTimer):
         started = time.perf_counter()
         reason, self._pending = self._pending, None
         self._names = {id(m): (name, m) for name, m in module.named_modules(remove_duplicate=False)}
-        self._tensor_owners = {id(t): name for name, m in module.named_modules(remove_duplicate=False)
-                        for t in (*m._parameters.values(), *m._buffers.values()) if t is not None}
+        self._tensor_owners = _Owners(module)
         state = _State(module)
         try:
             eager: CallResult | Exception = _run(own_forward, module, args, kwargs)
@@ -513,7 +551,7 @@ class DynamoTimer(NodeTimer):
         if (attempt.breaks or attempt.difference) and not self._explored:
             attempt = self._explore(module, eager, state, args, kwargs, attempt)
         if (attempt.difference is None and self._streak >= RECAPTURES_IN_A_ROW and not self._way.eager_hooks
-                and _hook_functions(module)):  # perhaps a hook changes what Dynamo guards on: run hooks eagerly
+                and not self._way.follow and _hook_functions(module)):  # a hook may change what Dynamo guards on
             self._drop(attempt)
             self._way = replace(self._way, eager_hooks=True)
             self._streak = 0

@@ -24,13 +24,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
+from torch._dispatch.python import enable_python_dispatcher
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxprof_lightning.nodes import is_timed
@@ -209,7 +209,8 @@ def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool)
             return output
 
     # Host random numbers a leaf or a node draws are put back; tensors the code makes with no device are meta too.
-    with torch.enable_grad(), random_states_kept(), torch.device("meta"), float_grouped_mm_meta():
+    with torch.enable_grad(), random_states_kept(), torch.device("meta"), float_grouped_mm_meta(), \
+            enable_python_dispatcher():
         interpreter = Counter(meta_module)
         try:
             ends = tensors_in(interpreter.run(*(_to_meta(x) for x in inputs)))
@@ -290,10 +291,12 @@ def _grouped_mm_meta(original: Callable[..., Any]) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def float_grouped_mm_meta() -> Iterator[None]:
-    """Inside the block, ``aten._grouped_mm`` has a meta kernel for float32/float64 inputs (2-D by 3-D, the MoE
-    experts' forward and backward): torch's allows bfloat16 and float16 only, as the CUDA kernel does, while the CPU kernel computes
-    float32 too. HF's MoE experts (Mixtral) call it on CPU in float32; without this Dynamo cannot trace them (fake
-    tensors) and FLOPs cannot be counted (the meta device). The kernel gives the output's shape and dtype only."""
+    """Inside the block, under the Python dispatcher (Dynamo's tracing, ``count_costs``), ``aten._grouped_mm`` has a
+    meta kernel for float32/float64 inputs (the MoE experts' forward and backward): torch's allows bfloat16 and
+    float16 only, as the CUDA kernel does, while the CPU kernel computes float32 too. HF's MoE experts (Mixtral) call
+    it on CPU in float32; without this Dynamo cannot trace them and FLOPs cannot be counted. The kernel gives the
+    output's shape and dtype only. Only the op's Python kernel is swapped (no ``torch.library`` registration, which
+    leaves fake tensors accepting float32 after it is destroyed), and put back after."""
     op = getattr(torch.ops.aten, "_grouped_mm", None)
     kernels = getattr(getattr(op, "default", None), "py_kernels", None)
     key = torch._C.DispatchKey.Meta
@@ -301,15 +304,21 @@ def float_grouped_mm_meta() -> Iterator[None]:
         yield
         return
     original = kernels[key]
-    kernels[key] = _grouped_mm_meta(original)  # for fake tensors, under the Python dispatcher (Dynamo)
+    kernels[key] = _grouped_mm_meta(original)  # read under the Python dispatcher (Dynamo's tracing; ``count_costs``)
     op.default._dispatch_cache.clear()
-    library = torch.library.Library("aten", "IMPL")  # for meta tensors; destroyed, torch's kernel is back
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "overriding a previously registered kernel": for this block only
-            library.impl("_grouped_mm", kernels[key], "Meta")
         yield
     finally:
-        library._destroy()
         kernels[key] = original
         op.default._dispatch_cache.clear()
+        _forget_cached(op.default)
+
+
+def _forget_cached(op: torch._ops.OpOverload) -> None:
+    """Drop the fake-tensor cache's entries for ``op``: made while its kernel was swapped, they would answer later
+    fake calls with the same inputs (float32 ``_grouped_mm`` accepted where torch's kernel refuses it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for cached in [cached for cached in FakeTensorMode.cache if getattr(cached, "key", (None,))[0] is op]:
+        del FakeTensorMode.cache[cached]
+
