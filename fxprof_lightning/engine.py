@@ -461,10 +461,10 @@ class Engine:
         stage.forget_old_cycles(self.keep_cycles, self.rank)
 
     def _analyse(self, stage: _Stage, report: CycleReport) -> None:
-        """What the report says beyond its tables: tracked nodes, roofline, trust, regressions, advice (rank 0)."""
-        raised = stage.history.analyse(report, self._device_peaks(), self.top_k)
-        if raised is not None:
-            self.peaks = raised  # a measured peak a node beat was too low
+        """What the report says beyond its tables: tracked nodes (validation's: training's, once known), roofline,
+        trust, regressions, advice (rank 0). A raised peak: a measured one a node beat was too low."""
+        tracked = self._train.history.tracked if stage is self._val else None
+        self.peaks = stage.history.analyse(report, self._device_peaks(), self.top_k, tracked) or self.peaks
 
     def _device_peaks(self) -> Peaks | None:
         """The given peaks, or the target's device's, measured once (and cached across runs). A known GPU

@@ -23,11 +23,13 @@ class StageHistory:
     tables: list[list[NodeStats]] = field(default_factory=list)  # node tables of the recent cycles (advice)
     watch: RegressionWatch = field(default_factory=lambda: RegressionWatch(history=HISTORY))  # trust, regressions
 
-    def analyse(self, report: CycleReport, peaks: Peaks | None, top_k: int) -> Peaks | None:
+    def analyse(self, report: CycleReport, peaks: Peaks | None, top_k: int,
+                tracked: list[str] | None = None) -> Peaks | None:
         """Fill in the report's tracked nodes, roofline, trust, regressions and advice (rank 0). Returns the peaks,
-        raised when a node beat a measured one (it was too low)."""
+        raised when a node beat a measured one (it was too low). The tracked nodes are fixed at the stage's first
+        cycle: ``tracked`` (another stage's), else the cycle's ``top_k`` slowest."""
         if self.tracked is None:
-            self.tracked = [n.name for n in report.nodes[:top_k]]
+            self.tracked = list(tracked) if tracked else [n.name for n in report.nodes[:top_k]]
         report.tracked = self.tracked
         if peaks is not None:
             report.nodes = with_roofline(report.nodes, peaks)

@@ -15,12 +15,12 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from helpers import LitClassifier, image_loader, make_trainer
+from helpers import LitClassifier, image_loader, make_trainer, read_events
 from lightning.pytorch.loggers import CSVLogger
 from torch.nn import functional as F
 
 from fxprof_lightning import FXProfilerCallback
-from fxprof_lightning.outputs.sinks import tag_prefix
+from fxprof_lightning.outputs.sinks import TAG_UNSAFE, tag_prefix
 from fxprof_lightning.report import CycleReport, ModuleStats, NodeStats
 
 TRACE_NAME = re.compile(r"^rank0\.\d+\.pt\.trace\.json\.gz$")
@@ -171,6 +171,33 @@ class Validated(LitClassifier):
     def validation_step(self, batch, batch_idx):
         x, y = batch
         self.log("val_loss", F.cross_entropy(self.model(x), y))
+
+
+def test_validation_tracks_the_training_layers_in_custom_scalars_charts_of_five(tmp_path):
+    """What TensorBoard holds: the validation stage logs the training stage's tracked layers, and its CUSTOM
+    SCALARS charts hold 5 of them each (TensorBoard tells a chart's lines apart by 5 symbols)."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    callback = profiler(profile_validation=True, top_k=6)
+    trainer = make_trainer(tmp_path, [callback], max_steps=6, logger=logger, num_sanity_val_steps=0)
+    trainer.fit(Validated(), image_loader(samples=12), image_loader(samples=12, seed=1))
+    tracked = callback.cycles[0].tracked
+    assert len(tracked) == 6 and [c.tracked for c in callback.val_cycles] == [tracked, tracked]
+
+    events = read_events(logger.log_dir)
+    (config,) = events.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(config.tensor_proto.string_val[0])
+    charts = {category.title: {chart.title: list(chart.multiline.tag) for chart in category.chart}
+              for category in layout.category}
+    for stage in ("training", "validation"):
+        titles = [t for t in charts[f"fxprof ({stage})"] if t.startswith("forward")]
+        assert titles == ["forward ms per call, tracked layers 1-5", "forward ms per call, tracked layers 6"], titles
+    logged = {tag.split("/")[1] for tag in events.Tags()["scalars"] if tag.startswith("fxprof_val_nodes/")}
+    assert logged and logged <= {TAG_UNSAFE.sub("_", name) for name in tracked}, (logged, tracked)
+    (regex,) = charts["fxprof (validation)"]["forward ms per call, tracked layers 1-5"]
+    assert all(re.match(regex, f"fxprof_val_nodes/{TAG_UNSAFE.sub('_', n)}/forward_ms_per_call") for n in tracked[:5])
 
 
 def wandb_records(path: Path) -> list:

@@ -132,11 +132,12 @@ def custom_scalars_layout(validation: bool = False, tracked: list[str] | None = 
     With the training stage's ``tracked`` layers known (the layout is written once, at the first cycle, and
     TensorBoard reads only the first layout of a run), their charts hold ``LINES_PER_CHART`` layers each: a chart's
     lines share the run's colour and TensorBoard tells them apart by one of 5 symbols per chart, named in the
-    chart's "Matches" list. Otherwise (and for validation) one chart per side holds every tracked layer.
+    chart's "Matches" list. Validation tracks the same layers (``StageHistory.analyse``), in charts of the same
+    layers. Otherwise (a run whose first cycle is a validation one) one chart per side holds every tracked layer.
     """
     charts = {}
     for stage, prefix in (("training", "fxprof"), ("validation", "fxprof_val"))[: 2 if validation else 1]:
-        tags = [TAG_UNSAFE.sub("_", name) for name in tracked] if tracked and stage == "training" else None
+        tags = [TAG_UNSAFE.sub("_", name) for name in tracked] if tracked else None
         groups = [tags[i:i + LINES_PER_CHART] for i in range(0, len(tags), LINES_PER_CHART)] if tags else [None]
         charts[f"fxprof ({stage})"] = {}
         for side in ("forward", "backward"):
