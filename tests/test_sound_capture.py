@@ -274,6 +274,22 @@ def test_a_block_replaced_mid_run_by_one_of_its_class_gets_its_rows(tmp_path):
     assert conv == {"blocks_0_conv": 2, "blocks_1_conv": 2, "blocks_2_conv": 2}, conv
 
 
+def test_the_hooks_run_eagerly_are_the_models_own_functions():
+    """A hook that is a module (its ``__call__`` is every module's) is never marked to run eagerly."""
+    net, seen = Net(), []
+
+    def keep(module, inputs, output):
+        seen.append(output)
+
+    class Counter(nn.Module):
+        def forward(self, module, inputs, output):
+            return None
+
+    net.head.register_forward_hook(keep)
+    net.stem.register_forward_hook(Counter())
+    assert dynamo_capture._hook_functions(net) == (keep,)
+
+
 def test_the_float_grouped_mm_meta_kernel_is_put_back():
     """Inside the block (Python dispatcher) float32 ``_grouped_mm`` has a meta kernel; after it, fake tensors fail
     on it again as torch's own kernel does, however often the block was entered."""

@@ -101,6 +101,8 @@ def _hook_functions(root: nn.Module) -> tuple[Callable[..., Any], ...]:
             while isinstance(hook, functools.partial):
                 hook = hook.func
             hook = getattr(hook, "__func__", hook)
+            if isinstance(hook, nn.Module):  # its __call__ is every module's: left to Dynamo
+                continue
             if not isinstance(hook, types.FunctionType):
                 hook = getattr(type(hook).__call__, "__func__", type(hook).__call__)
             if isinstance(hook, types.FunctionType) and not getattr(hook, "_torchdynamo_disable", False):
