@@ -80,16 +80,26 @@ OPENED_BY = (nn.MultiheadAttention,)  # the modules that call them
 
 
 @contextlib.contextmanager
-def _opened(functions: tuple[Callable[..., Any], ...]) -> Iterator[None]:
-    """Let Dynamo trace into ``functions`` (rather than keep each call whole) inside the block."""
+def _traced_as(functions: tuple[Callable[..., Any], ...], rule: type | None) -> Iterator[None]:
+    """Inside the block, Dynamo's trace rule for each of ``functions`` is ``rule`` (None: none, so that Dynamo traces
+    into it as into the user's code); the rules there were before are put back after."""
     from torch._dynamo import trace_rules
 
     rules = trace_rules.get_torch_obj_rule_map()
     saved = {f: rules.pop(f) for f in functions if f in rules}
+    if rule is not None:
+        rules.update(dict.fromkeys(functions, rule))
     try:
         yield
     finally:
+        for function in functions:
+            rules.pop(function, None)
         rules.update(saved)
+
+
+def _opened(functions: tuple[Callable[..., Any], ...]) -> contextlib.AbstractContextManager[None]:
+    """Let Dynamo trace into ``functions`` (rather than keep each call whole) inside the block."""
+    return _traced_as(functions, None)
 
 
 def _hook_functions(root: nn.Module) -> tuple[Callable[..., Any], ...]:
@@ -121,23 +131,13 @@ def _frames_skipped(functions: tuple[Callable[..., Any], ...], skipped: bool) ->
         set_code_exec_strategy(function.__code__, FrameExecStrategy(action, action))
 
 
-@contextlib.contextmanager
-def _hooks_eager(functions: tuple[Callable[..., Any], ...]) -> Iterator[None]:
+def _hooks_eager(functions: tuple[Callable[..., Any], ...]) -> contextlib.AbstractContextManager[None]:
     """Inside the block, Dynamo breaks its graph at each call of ``functions`` (the model's hooks) and runs it eagerly,
     as a function of its own rules marks skipped: code that changes what Dynamo would guard on at every call (a hook
     that appends to a list: its length) then runs as eager runs it, and the graphs around it keep their guards."""
-    from torch._dynamo import trace_rules
     from torch._dynamo.variables import SkipFunctionVariable
 
-    rules = trace_rules.get_torch_obj_rule_map()
-    saved = {f: rules[f] for f in functions if f in rules}
-    rules.update(dict.fromkeys(functions, SkipFunctionVariable))
-    try:
-        yield
-    finally:
-        for function in functions:
-            rules.pop(function, None)
-        rules.update(saved)
+    return _traced_as(functions, SkipFunctionVariable)
 
 
 def _check_key_padding_mask(key_padding_mask: torch.Tensor, src_len: int, bsz: int) -> None:
@@ -336,11 +336,19 @@ def _anchor(captured: fx.GraphModule, example_inputs: list[Any], owners: dict[in
         if match is None or owner is None:
             continue
         inner = _path_of(f"L['self']{match.group(1)}")
-        if not (owner == inner or owner.endswith(f".{inner}") or not inner):
-            return None
-        frame = owner[:len(owner) - len(inner)].rstrip(".") if inner else owner
+        frame = _frame_of(owner, inner)
         return _Anchor(index, value, inner, frame, names) if frame else None
     return None
+
+
+def _frame_of(owner: str, inner: str) -> str | None:
+    """The path of the module a frame runs for, from the path of a tensor's module (``owner``) and that module's path
+    below the frame's (``inner``); None where ``owner`` does not end in ``inner``."""
+    if not inner:
+        return owner
+    if owner != inner and not owner.endswith(f".{inner}"):
+        return None
+    return owner[:len(owner) - len(inner)].rstrip(".")
 
 
 def _tensor_owners(root: nn.Module) -> dict[int, str]:
@@ -478,10 +486,8 @@ class DynamoTimer(NodeTimer):
         anchor = graph.anchor
         assert anchor is not None
         owner = self._tensor_owners.of(args[anchor.index])
-        if owner is None or not (owner == anchor.inner or owner.endswith(f".{anchor.inner}") or not anchor.inner):
-            return graph
-        frame = owner[:len(owner) - len(anchor.inner)].rstrip(".") if anchor.inner else owner
-        if frame == anchor.frame:
+        frame = _frame_of(owner, anchor.inner) if owner is not None else None
+        if frame is None or frame == anchor.frame:
             return graph
         other = graph.others.get(frame)
         if other is None:
