@@ -118,6 +118,9 @@ def bytes_moved(tensors: list[torch.Tensor]) -> int:
     return sum(largest.values())
 
 
+HOOK_DICTS = ("hooks", "hooks_with_kwargs", "hooks_always_called")  # nn.Module's dicts of hooks, by name ending
+
+
 def _unsharded_copies(root: nn.Module, memo: dict[int, Any]) -> None:
     """FSDP2's modules refuse ``deepcopy``: each is copied into ``memo`` as an instance of the user's own class,
     without FSDP2's state and hooks, innermost first (its parameters are in ``memo`` already)."""
@@ -134,9 +137,6 @@ def _unsharded_copies(root: nn.Module, memo: dict[int, Any]) -> None:
             if key.startswith("__composable_api_state_key"):  # FSDP2's state
                 continue
             copied.__dict__[key] = type(value)() if key.endswith(HOOK_DICTS) else copy.deepcopy(value, memo)
-
-
-HOOK_DICTS = ("hooks", "hooks_with_kwargs", "hooks_always_called")  # nn.Module's dicts of hooks, by name ending
 
 
 def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool) -> NodeCosts:
