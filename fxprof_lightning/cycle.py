@@ -21,6 +21,7 @@ from torch import nn
 from fxprof_lightning.capture.timers import Timer
 from fxprof_lightning.nodes import Capture
 from fxprof_lightning.report import CycleReport, NodeStats, summarize_modules, summarize_nodes, summarize_ranges
+from fxprof_lightning.timing.autograd_walk import sequence_nr_now
 from fxprof_lightning.timing.gpu_trace import node_device_times
 from fxprof_lightning.timing.gpu_trace import summary as device_summary
 from fxprof_lightning.timing.node_timing import BackwardEvents
@@ -60,6 +61,19 @@ class Cycle:
     backward_outside_ns: int | None = None  # backward events no node call accounts for (``measure``)
     forward_walls_ns: list[int] = field(default_factory=list)  # each timed call whole (``measure``)
     untimed: str | None = None  # why the timer's calls ran untimed (``Timer.untimed``, kept by ``measure``)
+    dropped: dict[int, str] = field(default_factory=dict)  # recorded steps not counted (a capture ran in them), why
+    captures_before: int = 0  # the timer's captures before the cycle (``capture_s``: those since)
+    _step_mark: Any = None  # where the recorded step in progress began (``_StepMark``)
+    _dropped_sequences: list[tuple[int, int]] = field(default_factory=list)  # their autograd sequence numbers
+
+    def __post_init__(self) -> None:
+        self.captures_before = len(self.timer.capture_s) if self.timer is not None else 0
+
+    @property
+    def capture_s(self) -> float:
+        """Seconds the timer spent capturing (and checking captures) since the cycle opened: in its warm-up steps or
+        in recorded steps it dropped, never in a step it counts."""
+        return sum(self.timer.capture_s[self.captures_before:]) if self.timer is not None else 0.0
 
     def choose_backward(self, warn: Callable[[str], None]) -> None:
         """Where backward times come from, decided at each recorded training step for its timer: the trace when
@@ -77,6 +91,31 @@ class Cycle:
                     warn(f"another profiler is running, so this cycle's backward times {self.timer.without_events}")
             self.backward = EVENTS if self.backward_events.running else HOOKS
 
+    def steps_wanted(self, active: int) -> int:
+        """How many more steps to record in place of the dropped ones: up to ``active`` counted steps, and no more
+        than twice ``active`` recorded in all."""
+        if not self.dropped:
+            return 0
+        return max(min(active - len(self.recorded), 2 * active - len(self.recorded) - len(self.dropped)), 0)
+
+    def cut_short(self, scheduled: int) -> bool:
+        """Whether the cycle recorded (counted or dropped) fewer than the ``scheduled`` steps."""
+        return len(self.recorded) + len(self.dropped) < scheduled
+
+    def nothing_timed(self, stage: str, module: str, nodes: list[NodeStats] | None) -> str | None:
+        """Why the cycle has no node to show, for a warning (None: nothing to say)."""
+        if not self.recorded:
+            if not self.dropped:
+                return None
+            return (f"{stage} cycle {self.index} counted no step: it dropped steps {sorted(self.dropped)} "
+                    f"({'; '.join(dict.fromkeys(self.dropped.values()))}) and the schedule left no idle step to record "
+                    "in their place; it has no report")
+        if self.timer is None or nodes or not self.timer.usable or self.timer.reads_trace_events:
+            return None
+        why = self.untimed or "If the training step calls a submodule instead, profile that submodule (the Lightning callback: module='...')."
+        return (f"{module}.forward {'did not run' if self.untimed is None else 'ran untimed'} in the recorded steps "
+                f"{self.recorded}, so no node was timed. {why}")
+
     @property
     def ran_in_step(self) -> bool:
         """Whether the module ran in the step in progress (its samples are in the timer)."""
@@ -93,9 +132,15 @@ class Cycle:
             self.samples_at_step, self.hooks_now = self.timer.calls, times_backward and self.backward == HOOKS
             self.timer.install(module, backward_hooks=self.hooks_now)
         if recording:
+            self._step_mark = _StepMark(self.timer.mark() if self.timer is not None else None,
+                                        self.timer.interruptions if self.timer is not None else 0, sequence_nr_now(),
+                                        len(self.phases), len(self.batch_sizes), len(self.backward_wall_ns))
             self.step_start = (time.perf_counter_ns(), time.process_time())
 
     def end_step(self, module: nn.Module, step: int, recording: bool) -> None:
+        """The step ends (``step_trace`` then ends it in the trace). A recorded step in which the timer was
+        interrupted (a capture, a call that missed the guards and ran untimed) is dropped: its samples, times and
+        phases are forgotten and the step is named in ``dropped`` with why."""
         if self.step_start is not None:
             wall, cpu = self.step_start
             self.step_ms.append((time.perf_counter_ns() - wall) / 1e6)
@@ -103,8 +148,18 @@ class Cycle:
             self.step_start = None
         if self.timer is not None:
             self.timer.uninstall(module)
-        if recording:
+        mark, self._step_mark = self._step_mark, None
+        if recording and mark is not None and self.timer is not None and self.timer.interruptions > mark.interruptions:
+            self.timer.drop_since(mark.samples)
+            self._dropped_sequences.append((mark.sequence_nr, sequence_nr_now()))
+            del self.step_ms[-1:], self.step_cpu_ms[-1:], self.phases[mark.phases:]
+            del self.batch_sizes[mark.batch_sizes:], self.backward_wall_ns[mark.backward_walls:]
+            self.dropped[step] = self.timer.interrupted_by
+        elif recording:
             self.recorded.append(step)
+
+    def step_trace(self) -> None:
+        """End the step in the cycle's trace (after its last step, the trace is written)."""
         if self.trace is not None:
             self.trace.step()
 
@@ -137,6 +192,8 @@ class Cycle:
             return None
         if events is None:
             events = self.trace.backward_events if self.trace is not None else []
+        if self._dropped_sequences:  # the autograd nodes made in dropped steps: their forward samples are gone too
+            events = [(nr, ns) for nr, ns in events if not any(a <= nr < b for a, b in self._dropped_sequences)]
         nothing = timer.collect(events, self.trace.events if self.trace is not None else [])
         if nothing is not None:
             warn(nothing)
@@ -170,7 +227,8 @@ class Cycle:
                              trace_paths=list(self.trace.paths) if self.trace is not None else [],
                              step_ms=self.step_ms, step_cpu_ms=self.step_cpu_ms, device=self.device,
                              phases=_mean_phases(self.phases),
-                             batch_size=round(statistics.mean(self.batch_sizes)) if self.batch_sizes else None)
+                             batch_size=round(statistics.mean(self.batch_sizes)) if self.batch_sizes else None,
+                             dropped_steps=dict(self.dropped), capture_s=self.capture_s)
         report.ranges = summarize_ranges(ranges, len(self.recorded))
         if self.backward_wall_ns:
             report.backward_wall_ms = sum(self.backward_wall_ns) / len(self.backward_wall_ns) / 1e6
@@ -201,6 +259,19 @@ class Cycle:
         if self.trace is not None:
             with contextlib.suppress(Exception):  # already failing; the warning has been given
                 self.trace.stop()
+
+
+@dataclass(frozen=True)
+class _StepMark:
+    """Where a recorded step began: the timer's samples and interruptions, the autograd sequence number, and how
+    many phases, batch sizes and backward walls had been given (``Cycle.end_step`` drops what came after)."""
+
+    samples: Any
+    interruptions: int
+    sequence_nr: int
+    phases: int
+    batch_sizes: int
+    backward_walls: int
 
 
 def _mean_phases(steps: list[dict[str, int]]) -> dict[str, float]:

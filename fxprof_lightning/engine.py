@@ -18,6 +18,7 @@ Trainer hooks onto ``begin_run``/``prepare``/``begin_step``/``end_step``/``end_s
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import time
@@ -79,6 +80,7 @@ class _Stage:
     last_index: int | None = None  # the cycle opened last, to name the pieces of a cut cycle
     piece: int = 0
     history: StageHistory = field(default_factory=StageHistory)  # what the analysis remembers across cycles
+    extra: list[int] = field(default_factory=list)  # steps the open cycle records in place of dropped ones (``_extend``)
 
     def directory_for(self, dirpath: Path, index: int, taken: set[str]) -> Path:
         """The directory of the cycle ``index`` opening now (a new piece of a cycle cut earlier gets its own)."""
@@ -89,6 +91,39 @@ class _Stage:
         if not self.directories or self.directories[-1] != directory:
             self.directories.append(directory)
         return directory
+
+    def action(self, schedule: Schedule, step: int) -> ProfilerAction:
+        """What ``step`` is: the schedule's action, but for the steps the open cycle records in place of the
+        recorded steps it dropped (``extend``)."""
+        if self.extra and self.extra[0] - 1 <= step <= self.extra[-1]:
+            return ProfilerAction.RECORD_AND_SAVE if step == self.extra[-1] else ProfilerAction.RECORD
+        return schedule.action(step)
+
+    def step_ended(self, schedule: Schedule, step: int, action: ProfilerAction) -> None:
+        """After the open cycle's ``end_step``: at its last recorded step, ``extend`` it; then end the step in its trace."""
+        if action is ProfilerAction.RECORD_AND_SAVE:
+            self.extend(schedule, step)
+        if self.open is not None:
+            self.open.step_trace()
+
+    def extend(self, schedule: Schedule, step: int) -> None:
+        """At the open cycle's last recorded step (``step``): record more steps in place of those it dropped
+        (``Cycle.steps_wanted``), as long as the schedule leaves them idle; as many as the rank that dropped the most
+        asks for, so that every rank records the same steps."""
+        wanted = self.open.steps_wanted(schedule.active) if self.open is not None else 0
+        if _distributed() and torch.distributed.get_world_size() > 1:
+            asked: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(asked, wanted)
+            wanted = max(asked)
+        more = []
+        for later in range(step + 1, step + 1 + max(wanted, 0)):
+            if schedule.action(later) is not ProfilerAction.NONE:
+                break
+            more.append(later)
+        if more:
+            self.extra = [*self.extra, *more]
+            if self.open is not None and self.open.trace is not None:
+                self.open.trace.extend(more)
 
     def drop(self, cycle: Cycle) -> None:
         """A cycle cut during warm-up: nothing to report (a trace holds no recorded step); the rest of the cycle,
@@ -235,7 +270,7 @@ class Engine:
     def recording(self, stage: str = "train") -> bool:
         """Whether the step in progress of ``stage`` (between ``end_step`` calls: the next one) is a recorded step."""
         state = self._stage(stage)
-        return state is not None and self._enabled and self.schedule.action(state.step) in RECORDING
+        return state is not None and self._enabled and state.action(self.schedule, state.step) in RECORDING
 
     def idle_steps_ahead(self, stage: str = "train") -> int:
         """How many steps from the next one need nothing of the profiler (a driver may skip their begin_step/end_step
@@ -297,7 +332,7 @@ class Engine:
         self.timers.stop()
         for state in (self._train, self._val):
             cycle = state.open
-            if state.in_step and cycle is not None and cycle.ran_in_step and self.schedule.action(state.step) in RECORDING:
+            if state.in_step and cycle is not None and cycle.ran_in_step and state.action(self.schedule, state.step) in RECORDING:
                 cycle.recorded.append(state.step)  # its samples are in: the step the exception stopped counts
             state.in_step = False
             if state.open is not None:
@@ -319,7 +354,7 @@ class Engine:
 
     def backward_started(self) -> None:
         """Mark the start of a recorded step's backward (measures ``CycleReport.backward_wall_ms``)."""
-        if self._train.open is not None and self.schedule.action(self._train.step) in RECORDING:
+        if self._train.open is not None and self._train.action(self.schedule, self._train.step) in RECORDING:
             self._backward_start = time.perf_counter_ns()
 
     def backward_ended(self) -> None:
@@ -364,12 +399,16 @@ class Engine:
 
     def _lifecycle(self, stage: _Stage, edge: str, step: int) -> None:
         """Do what ``LIFECYCLE`` says for this edge of ``step``, each part under the failure policy."""
-        action = self.schedule.action(step)
+        action = stage.action(self.schedule, step)
         for work in LIFECYCLE.get((edge, action), ()):
             if work == "collect" and self._enabled:
                 self._safely("starting a profiled step", self._start_collecting, stage, action)
-            elif work == "stop" and stage.open is not None:
-                self._safely("ending a profiled step", stage.open.end_step, self.target, step, action in RECORDING)
+            elif work == "stop":  # (every rank: a cycle's last step may extend it, as every rank must agree)
+                if stage.open is not None:
+                    self._safely("ending a profiled step", stage.open.end_step, self.target, step, action in RECORDING)
+                self._safely("ending a profiled step", stage.step_ended, self.schedule, step, action)
+            elif work == "close" and stage.extra and step < stage.extra[-1]:
+                continue  # the cycle goes on with the steps it records in place of dropped ones
             elif work == "close":
                 what = "writing a cycle" if edge == "end" else "writing a partial cycle"
                 self._safely(what, self._close_cycle, stage, gather=True)
@@ -380,6 +419,7 @@ class Engine:
         cycle = stage.open
         if cycle.timer is not None and not cycle.timer.usable and not cycle.recorded:  # nothing recorded is lost: switch
             cycle.timer, cycle.capture = self.timers.for_module(self.target)
+            cycle.captures_before = len(cycle.timer.capture_s)
         recording = action in RECORDING
         cycle.begin_step(self.target, recording, stage is self._train and recording, self.warn)
 
@@ -425,6 +465,7 @@ class Engine:
 
     def _close_cycle(self, stage: _Stage, gather: bool) -> None:
         cycle, stage.open = stage.open, None
+        extra, stage.extra = stage.extra, []
         nodes = None
         if cycle is not None:
             cycle.stop_trace(self.warn)
@@ -440,17 +481,15 @@ class Engine:
             ranges = [r for _, rank_ranges in gathered for r in rank_ranges]
         if cycle is None:
             return
+        nothing = cycle.nothing_timed(stage.name, type(self.target).__name__, nodes)
+        if nothing is not None:
+            self.warn(nothing)
         if not cycle.recorded:
             stage.drop(cycle)
             return
         report = cycle.report(stage.name, nodes or [], ranges, max(ranks, 1),
-                              partial=cycle.recorded != self.schedule.recorded_steps(cycle.index), type_name=self._type_name)
-        if cycle.timer is not None and not report.nodes and cycle.timer.usable and not cycle.timer.reads_trace_events:
-            why = cycle.untimed or ("If the training step calls a submodule instead, profile that submodule "
-                                          "(the Lightning callback: module='...').")
-            ran = "did not run" if cycle.untimed is None else "ran untimed"
-            self.warn(f"{type(self.target).__name__}.forward {ran} in the recorded steps {cycle.recorded}, so no node "
-                      f"was timed. {why}")
+                              partial=cycle.cut_short(len(self.schedule.recorded_steps(cycle.index)) + len(extra)),
+                              type_name=functools.partial(_type_name, self.target))
         if report.nodes and self.rank == 0:
             self._safely("analysing a cycle", self._analyse, stage, report)
             display = self.display()
@@ -481,12 +520,6 @@ class Engine:
                           "give them as peaks=Peaks(gflops_per_s=..., gbytes_per_s=...)")
                 self.peaks = False
         return self.peaks or None
-
-    def _type_name(self, path: str) -> str:
-        try:
-            return type(self.target.get_submodule(path)).__name__
-        except AttributeError:
-            return ""
 
     def stop_observing(self) -> None:
         """Remove the hooks waiting for a mode's first call (a mode whose first call never came)."""
@@ -707,6 +740,13 @@ def _check_settings(module: Any, torch_profiler: bool, fx_timing: bool, top_k: A
 def _check_int(name: str, value: Any, minimum: int, alternative: str = "") -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}{' ' + alternative if alternative else ''}, got {value!r}")
+
+
+def _type_name(module: nn.Module, path: str) -> str:
+    try:
+        return type(module.get_submodule(path)).__name__
+    except AttributeError:
+        return ""
 
 
 def _distributed() -> bool:

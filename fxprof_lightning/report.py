@@ -335,6 +335,12 @@ class CycleReport:
         peaks: the roofline's peaks and where they come from (measured, cached, given, spec sheet), or None.
         batch_size: samples per recorded step (the batch's leading dimension), or None where it was not recorded;
             ``fxprof compare`` divides the totals by it when two runs' batch sizes differ.
+        dropped_steps: recorded steps the cycle did not count, step -> why: a capture ran in them (Dynamo captured the
+            module again, or a call missed its guards and ran untimed), so their times are not those of training.
+            The cycle recorded as many later steps in their place, where the schedule left them idle, up to twice
+            ``active`` steps in all (``steps`` lists the steps it counts).
+        capture_s: seconds spent capturing the module (and checking each capture against eager) in the cycle's
+            warm-up and dropped steps: the cost of the capture, in no step, phase or node time.
         pictures: PNG images by tag (``fxprof/slowest_layers``...), rendered once for every sink that wants them
             and emptied when the sinks are done (the PNG files stay in ``directory``).
     """
@@ -365,6 +371,8 @@ class CycleReport:
     peaks: str | None = None
     phases: dict[str, float] = field(default_factory=dict)
     batch_size: int | None = None
+    dropped_steps: dict[int, str] = field(default_factory=dict)
+    capture_s: float = 0.0
 
     @property
     def forward_ms_per_step(self) -> float:
@@ -403,8 +411,25 @@ class CycleReport:
             "unconfirmed": [asdict(r) for r in self.unconfirmed], "advice": self.advice,
             "distortion": self.distortion, "tracked": self.tracked,
             "trace_files": [p.name for p in self.trace_paths], "device": self.device, "peaks": self.peaks, "phases": self.phases,
-            "batch_size": self.batch_size,
+            "batch_size": self.batch_size, "dropped_steps": {str(step): why for step, why in self.dropped_steps.items()},
+            "capture_s": self.capture_s,
         }
+
+    def dropped_text(self) -> str:
+        """The steps the cycle dropped and the capture time, in a few words ('' when none and no capture).
+
+        >>> CycleReport(0, [5, 7, 8], dropped_steps={6: "captured (a guard failed)"}, capture_s=0.25).dropped_text()
+        'step 6 dropped (captured (a guard failed)), steps 5, 7, 8 counted; capture 0.25 s'
+        """
+        text = ""
+        if self.dropped_steps:
+            dropped = sorted(self.dropped_steps)
+            whys = "; ".join(dict.fromkeys(self.dropped_steps.values()))
+            text = (f"step{'s' * (len(dropped) > 1)} {', '.join(map(str, dropped))} dropped ({whys}), "
+                    f"step{'s' * (len(self.steps) != 1)} {', '.join(map(str, self.steps)) or 'none'} counted")
+        if self.capture_s:
+            text += f"{'; ' if text else ''}capture {self.capture_s:.2f} s"
+        return text
 
     def backward_account(self) -> str:
         """Where the measured backward went: the nodes' share, autograd nodes no node call created, and the rest
@@ -461,6 +486,8 @@ class CycleReport:
             header += f". Roofline peaks: {self.peaks}"
         if self.phases:
             header += f". The whole step: {describe_phases(self.phases)}"
+        if self.dropped_steps or self.capture_s:
+            header += f". Not counted: {self.dropped_text()}"
         grand = sum(n.total_ms + n.bwd_total_ms for n in self.nodes) or 1.0
         lines = [
             header,

@@ -99,7 +99,9 @@ def test_resume_through_state_dict_continues_the_schedule_with_plain_names(tmp_p
     with resumed:
         train(5, resumed)  # steps 7-11
     assert [(c.index, c.steps, c.partial) for c in first.cycles] == [(0, [2, 3], False), (1, [6], True)]
-    assert [(c.index, c.steps, c.partial) for c in resumed.cycles] == [(1, [7], True), (2, [10, 11], False)]
+    # The resumed process captures at its first call, in recorded step 7: dropped, idle step 8 recorded in its place.
+    assert [(c.index, c.steps, c.partial) for c in resumed.cycles] == [(1, [8], True), (2, [10, 11], False)]
+    assert resumed.cycles[0].dropped_steps == {7: "captured (first call)"}
     # The cut cycle's name was taken by the first run: only that one gets a suffix.
     assert [c.directory.name for c in resumed.cycles] == ["cycle_0001-r1", "cycle_0002"]
 
@@ -109,35 +111,37 @@ def test_validation_steps_are_their_own_stage_and_not_training(tmp_path):
     torch.manual_seed(0)
     model = SmallNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    with Profiler(model, wait=0, warmup=0, active=2, repeat=1, dirpath=tmp_path, profile_validation=True, sinks=[]) as prof:
+    with Profiler(model, wait=0, warmup=1, active=2, repeat=1, dirpath=tmp_path, profile_validation=True, sinks=[]) as prof:
         for x, y in image_loader(samples=12):
-            F.cross_entropy(model(x), y).backward()  # step 0 runs, then validation inside step 1
+            F.cross_entropy(model(x), y).backward()  # step 0 (warm-up) runs, then validation inside step 1
             optimizer.step()
             optimizer.zero_grad()
             prof.step()
             if prof.step_num == 1:
                 model.eval()
                 with torch.no_grad(), prof.validation():
-                    for vx, _ in image_loader(samples=8, seed=1):
+                    for vx, _ in image_loader(samples=12, seed=1):
                         model(vx)
                         prof.step()
                 model.train()
-    assert [c.steps for c in prof.cycles] == [[0, 1]]
+    assert [c.steps for c in prof.cycles] == [[1, 2]]
     assert all(n.calls == 2 for n in prof.cycles[0].nodes)  # validation calls were not counted as training
     (val,) = prof.val_cycles
-    assert val.steps == [0, 1] and val.directory.name == "val_cycle_0000" and val.stage == "val"
+    assert val.steps == [1, 2] and val.directory.name == "val_cycle_0000" and val.stage == "val"
     assert {n.name for n in val.nodes} >= {"conv", "head"} and all(n.bwd_calls == 0 for n in val.nodes)
 
 
 def test_validation_without_profile_validation_is_only_paused_training(tmp_path):
     model = SmallNet()
-    with Profiler(model, wait=0, warmup=0, active=2, repeat=1, dirpath=tmp_path, sinks=[]) as prof:
+    with Profiler(model, wait=0, warmup=1, active=2, repeat=1, dirpath=tmp_path, sinks=[]) as prof:
+        model(torch.randn(4, 3, 8, 8)).sum().backward()  # the warm-up step: captured
+        prof.step()
         model(torch.randn(4, 3, 8, 8)).sum().backward()
         with torch.no_grad(), prof.validation():
             model(torch.randn(4, 3, 8, 8))
             prof.step()
         prof.step()
-    assert [c.steps for c in prof.cycles] == [[0]] and prof.val_cycles == []
+    assert [c.steps for c in prof.cycles] == [[1]] and prof.val_cycles == []
     assert all(n.calls == 1 for n in prof.cycles[0].nodes)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cycle_0000"]
 
@@ -146,7 +150,9 @@ def test_a_call_in_the_other_mode_runs_the_modules_own_forward(tmp_path):
     torch.manual_seed(0)
     model = SmallNet()  # dropout and batch norm: the graph traced in training mode must not run in eval mode
     x = torch.randn(4, 3, 8, 8)
-    with Profiler(model, wait=0, warmup=0, active=2, repeat=1, dirpath=tmp_path, sinks=[]) as prof:
+    with Profiler(model, wait=0, warmup=1, active=2, repeat=1, dirpath=tmp_path, sinks=[]) as prof:
+        model(x).sum().backward()  # the warm-up step: captured
+        prof.step()
         model(x).sum().backward()
         model.eval()
         evaluated = model(x)  # inside a recorded training step, without validation()
@@ -154,7 +160,7 @@ def test_a_call_in_the_other_mode_runs_the_modules_own_forward(tmp_path):
         model.train()
         prof.step()
     assert torch.equal(evaluated, expected)
-    assert prof.cycles[0].steps == [0]  # stop() counts the step in progress: the module ran in it
+    assert prof.cycles[0].steps == [1]  # stop() counts the step in progress: the module ran in it
     assert all(n.calls == 1 for n in prof.cycles[0].nodes)
 
 
@@ -189,12 +195,12 @@ def test_ranks_not_listed_write_no_trace_but_time_nodes(tmp_path):
 
 def test_an_exception_in_the_loop_writes_the_cut_cycle_and_leaves_no_wrapper(tmp_path):
     model = SmallNet()
-    with pytest.raises(KeyError), Profiler(model, wait=0, warmup=0, active=3, repeat=1, dirpath=tmp_path, sinks=[]) as prof:
-        train(2, prof, model)
+    with pytest.raises(KeyError), Profiler(model, wait=0, warmup=1, active=3, repeat=1, dirpath=tmp_path, sinks=[]) as prof:
+        train(3, prof, model)
         raise KeyError("the user's own error")
     assert "forward" not in model.__dict__ and not torch.autograd.profiler._is_profiler_enabled
     (cycle,) = prof.cycles
-    assert cycle.partial and cycle.steps == [0, 1]
+    assert cycle.partial and cycle.steps == [1, 2]
 
 
 @pytest.mark.parametrize(
@@ -265,18 +271,19 @@ def test_a_fabric_loop(tmp_path):
 @notices("profiler is still running")
 def test_validation_entered_in_training_mode_leaves_the_training_cycle_alone(tmp_path):
     model = SmallNet()
-    with Profiler(model, wait=0, warmup=0, active=3, repeat=1, dirpath=tmp_path, profile_validation=True, sinks=[]) as prof:
-        for step in range(3):
+    with Profiler(model, wait=0, warmup=1, active=3, repeat=1, dirpath=tmp_path, profile_validation=True, sinks=[]) as prof:
+        for step in range(4):
             model(torch.randn(4, 3, 8, 8)).sum().backward()
-            if step == 1:
+            if step == 2:
                 # eval() only inside validation(): the val cycle opens in training mode.
                 with pytest.warns(UserWarning, match="Switch the module to eval mode"), torch.no_grad(), prof.validation():
                     model.eval()
-                    model(torch.randn(4, 3, 8, 8))
-                    prof.step()
+                    for _ in range(2):  # warm-up, recorded
+                        model(torch.randn(4, 3, 8, 8))
+                        prof.step()
                 model.train()
             prof.step()
-    assert [c.steps for c in prof.cycles] == [[0, 1, 2]] and all(n.calls == 3 for n in prof.cycles[0].nodes)
+    assert [c.steps for c in prof.cycles] == [[1, 2, 3]] and all(n.calls == 3 for n in prof.cycles[0].nodes)
     assert [c.nodes for c in prof.val_cycles] == [[]]
 
 

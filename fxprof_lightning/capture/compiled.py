@@ -228,6 +228,15 @@ class KernelTimer:
     reads_trace_events = True  # the trace keeps its events for ``collect``
     device_times_from_trace = False
     without_events = ""
+    interruptions = 0  # nothing is captured while it times
+    interrupted_by = ""
+    capture_s: tuple[float, ...] = ()
+
+    def mark(self) -> None:
+        """(Never interrupted: nothing to drop.)"""
+
+    def drop_since(self, mark: None) -> None:
+        pass
 
     def collect(self, backward: Any, trace_events: list[tuple[str, int, int, int, int]]) -> str | None:
         """The rows and samples from the cycle's trace events (``read``); says so when no compiled graph ran."""

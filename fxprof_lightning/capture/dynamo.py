@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import random
 import re
 import sys
@@ -404,6 +405,56 @@ def _names_moved(anchor: _Anchor, frame: str, root: nn.Module) -> dict[int, tupl
     return names
 
 
+@dataclass
+class _EntryGuards:
+    """The guards of the graphs Dynamo captured for the forward's own frame, asked before a call: a call in a state no
+    graph was captured for (a module called with and without grad, a new input shape) is then captured on that
+    call, rather than run untimed with the next call captured in its place. ``code`` is the frame's code (Dynamo's
+    ``wrap_inline`` frame around a forward of torch's own), ``bound`` the object of a bound method, ``free`` the
+    values of its closure."""
+
+    code: types.CodeType
+    signature: inspect.Signature
+    bound: tuple[Any, ...]
+    free: dict[str, Any]
+    region: int  # the context's own cache (``isolate_recompiles``)
+
+    @classmethod
+    def of(cls, compiled: Callable[..., Any], context: Any) -> _EntryGuards | None:
+        """For the function a Dynamo ``context`` wrapped (``compiled``: what the context returned)."""
+        forward = getattr(compiled, "__wrapped__", None)
+        function = getattr(forward, "__func__", forward)
+        if not isinstance(function, types.FunctionType):
+            return None
+        bound = (forward.__self__,) if isinstance(forward, types.MethodType) else ()
+        cells = function.__closure__ or ()
+        try:
+            free = {name: cell.cell_contents for name, cell in zip(function.__code__.co_freevars, cells, strict=True)}
+        except ValueError:  # an empty cell
+            return None
+        return cls(function.__code__, inspect.signature(function, follow_wrapped=False), bound, free,
+                   context._isolate_recompiles_id)
+
+    def misses(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """How a call would miss the guards of every graph captured for the frame (its first failing guard); None
+        when one fits, or where that cannot be told."""
+        from torch._dynamo.eval_frame import _get_cache_entries_for_region
+
+        entries = _get_cache_entries_for_region(self.code, self.region)
+        if not entries:
+            return None
+        try:
+            arguments = self.signature.bind(*self.bound, *args, **kwargs)
+        except TypeError:
+            return None
+        arguments.apply_defaults()
+        frame_locals = {**arguments.arguments, **self.free}  # the frame's locals as it starts
+        if any(entry.guard_manager.check(frame_locals) for entry in entries):
+            return None
+        failed = entries[0].guard_manager.check_verbose(frame_locals).verbose_code_parts
+        return re.sub(r"L\['([^']+)'\]", r"\1", str(failed[0]).strip()) if failed else "a guard failed"  # as Dynamo says it
+
+
 def _separate_copy(graph_module: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``graph_module`` (and of its checkpointed regions) whose nodes' ``meta`` can be changed apart."""
     copied = fx.GraphModule(graph_module, copy.deepcopy(graph_module.graph), class_name=type(graph_module).__name__)
@@ -440,7 +491,8 @@ class DynamoTimer(NodeTimer):
         self._row_costs: dict[int, list[int | None]] = {}  # row -> fwd FLOPs, bwd FLOPs, out bytes, bytes moved (per call)
         self.costs_error: str | None = None
         self._pending: str | None = "first call"  # capture (and verify) at the next call, for this reason
-        self._expected = 0  # graph calls in one forward call, as verified
+        self._expected: set[int] = set()  # graph calls in one forward call, as verified, for each state captured
+        self._entry: _EntryGuards | None = None  # asks the guards of the forward's own frame before a call
         self._hooks_now = False
         self._names: dict[int, tuple[str, nn.Module]] = {}
         self._tensor_owners = _Owners(None)  # the module of each parameter and buffer
@@ -449,7 +501,7 @@ class DynamoTimer(NodeTimer):
         self.outside_graphs: list[str] = []  # layers that ran outside the graphs of the last capture (``Capture.untimed``)
         self.host_reads: dict[str, str] = {}  # module path -> where its forward reads a tensor's value (``host_reads``)
         self._global_hooks: tuple[tuple[int, ...], ...] = ()  # the global module hooks at the last capture
-        self._streak = 0  # timed calls in a row that missed the guards
+        self._streak = 0  # calls in a row that missed the guards
         self._eager_hooks: tuple[Callable[..., Any], ...] = ()  # hook functions run eagerly (``_Way.eager_hooks``)
         self._inputs_seen: set[int] | None = None  # ids of what the graphs were given, while noted
         self._way = _Way(OPENED)  # how Dynamo captures (``_explore`` may change it at the first graph break)
@@ -514,15 +566,19 @@ class DynamoTimer(NodeTimer):
         if self._compiled is None or own_forward != self._own_forward:
             self._own_forward = own_forward
             self._compiled = self._context(own_forward)
+            self._entry = _EntryGuards.of(self._compiled, self._context)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if module.training is not self.training or self.mismatch is not None:
                 return own_forward(*args, **kwargs)
             if self._pending is None and _global_hooks() != self._global_hooks:  # Dynamo does not guard on these
                 self._pending = "a global module hook (torch.nn.modules.module.register_module_*_hook) added or removed"
+            if self._pending is None and self._entry is not None and (missed := self._entry.misses(args, kwargs)):
+                self._pending, self._streak = "a guard failed", self._streak + 1  # captured on this call, its state
+                self._guard_failures.append(missed)
             if self._pending is not None:
                 return self._capture_call(module, own_forward, args, kwargs)
-            return self._timed_call(args, kwargs)
+            return self._timed_call(args, kwargs, after_capture=False)
 
         module.forward = forward
         _TRACEABLE.enter()
@@ -546,6 +602,7 @@ class DynamoTimer(NodeTimer):
         The first capture that has graph breaks or is refused also tries other ways (``_explore``)."""
         started = time.perf_counter()
         reason, self._pending = self._pending, None
+        self.interruptions += 1
         self._names = {id(m): (name, m) for name, m in module.named_modules(remove_duplicate=False)}
         self._tensor_owners = _Owners(module)
         state = _State(module)
@@ -572,13 +629,15 @@ class DynamoTimer(NodeTimer):
         self.host_reads.update(attempt.host_reads)
         self.outside_graphs = attempt.untimed
         if self._guard_failures and reason != "first call":  # Dynamo's first line says what changed (since the last capture)
-            reason = f"{reason}: {'; '.join(dict.fromkeys(f.splitlines()[0] for f in self._guard_failures))}"
+            firsts = (re.sub(r"\s+", " ", re.sub(r"^\d+/\d+: ", "", f.splitlines()[0])).strip() for f in self._guard_failures)
+            reason = f"{reason}: {'; '.join(dict.fromkeys(firsts))}"
         self._guard_failures.clear()
         if hooks_now_eager:
             reason += (f" ({RECAPTURES_IN_A_ROW} calls in a row, each right after a capture): from now on the model's "
                        "forward hooks run eagerly, between graphs")
         if reason != "first call":
             self.recaptures.append(reason)
+        self.interrupted_by = f"captured ({reason})"
         if attempt.difference is None and self._streak >= RECAPTURES_IN_A_ROW:
             attempt.difference = (f"the graphs missed Dynamo's guards at {RECAPTURES_IN_A_ROW} calls in a row, each "
                                   f"right after a capture ({reason}): the code changes what Dynamo guards on at every "
@@ -588,24 +647,26 @@ class DynamoTimer(NodeTimer):
             self.capture_s.append(time.perf_counter() - started)
             self._refuse(attempt.difference)
             return own_forward(*args, **kwargs)
-        self._expected = attempt.graph_calls
+        self._expected.add(attempt.graph_calls)
         self._global_hooks = _global_hooks()
+        if self._entry is not None and self._entry.misses(args, kwargs):
+            self._entry = None  # the guards cannot be asked before a call here (the call just captured would miss)
         out = self._timed_call(args, kwargs)
         self.capture_s.append(time.perf_counter() - started)
         return out
 
-    def _timed_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _timed_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], after_capture: bool = True) -> Any:
         """A call through the captured graphs; where a guard fails, that code runs eagerly (untimed) and the next
-        call captures again."""
+        call captures again. A call that fits every guard, and was not just captured, ends a streak of misses."""
         before, start = self.calls, time.perf_counter_ns()
         with torch.compiler.set_stance("eager_on_recompile"):
             out = self._compiled(*args, **kwargs)
-        if self.calls - before != self._expected:
+        if self.calls - before not in self._expected:
             self._pending = "a guard failed"
-            self._misses += 1
-            self._streak += 1
+            self._misses, self._streak, self.interruptions = self._misses + 1, self._streak + 1, self.interruptions + 1
+            self.interrupted_by = "a call missed Dynamo's guards inside the forward and ran untimed"
         else:
-            self._streak = 0
+            self._streak = self._streak if after_capture else 0
             if not self._cuda:  # the call whole, for the time between the rows (``CycleReport.unowned``)
                 self.forward_walls_ns.append(time.perf_counter_ns() - start)
         return out
@@ -645,7 +706,7 @@ class DynamoTimer(NodeTimer):
         """One capture through Dynamo (the ``way``), run and compared with ``eager``; the module's state and the
         timer's logs put back after."""
         attempt = _Attempt(way, len(self.graphs), len(self._uncounted))
-        mark = self._log_mark()
+        mark = self.mark()
         breaks = dict(_graph_break_counter())
         reasons = len(_graph_break_reasons())
         try:
@@ -669,7 +730,8 @@ class DynamoTimer(NodeTimer):
             attempt.difference = f"capturing with Dynamo failed: {type(error).__name__}: {error}"
         self._inputs_seen = None
         state.restore()
-        self._truncate(mark)
+        self.drop_since(mark)
+        self._in_pass = False  # (the checking calls' backward ended without the engine's callback)
         attempt.breaks = {why: count - breaks.get(why, 0) for why, count in _graph_break_counter().items()
                           if count > breaks.get(why, 0)}
         attempt.host_reads = host_reads(_graph_break_reasons()[reasons:], module)
@@ -680,8 +742,10 @@ class DynamoTimer(NodeTimer):
     def _drop(self, attempt: _Attempt) -> None:
         """Forget an attempt's graphs: a fresh Dynamo cache, so that the next call captures again."""
         del self.graphs[attempt.graphs:], self._uncounted[attempt.uncounted:]
+        self._expected.clear()
         self._context = self._new_context()
         self._compiled = self._context(self._own_forward)
+        self._entry = _EntryGuards.of(self._compiled, self._context)
 
     def _instrument(self, traced: fx.GraphModule, annotate: bool, hooked: bool) -> fx.GraphModule:
         """``NodeTimer``'s instrumented graph, with each checkpointed region opened: its ops are rows of their own
@@ -793,23 +857,12 @@ class DynamoTimer(NodeTimer):
         if self._on_refused is not None:
             self._on_refused(reason)
 
-    def _log_mark(self) -> tuple[Any, ...]:
-        """Where every log of samples ends now (``_truncate`` drops what a capture's checking calls added)."""
-        per_row = [(len(a), len(b), len(c), len(d), len(e)) for a, b, c, d, e in
-                   zip(self._fwd, self._starts, self._spans, self.mem_delta, self.mem_peak, strict=True)]
-        return (len(self._stamps), len(self._sequence_nrs), len(self._calls), len(self.anchors), len(self._marks),
-                per_row, self.forward_inputs, len(self._recomputes))
+    def mark(self) -> tuple[Any, ...]:
+        return super().mark(), len(self._recomputes)
 
-    def _truncate(self, mark: tuple[Any, ...]) -> None:
-        stamps, sequence_nrs, calls, anchors, marks, per_row, inputs, recomputes = mark
-        del self._stamps[stamps:], self._sequence_nrs[sequence_nrs:], self._calls[calls:], self._recomputes[recomputes:]
-        del self.anchors[anchors:], self._marks[marks:]
-        for row, lists in enumerate(zip(self._fwd, self._starts, self._spans, self.mem_delta, self.mem_peak, strict=True)):
-            lengths = per_row[row] if row < len(per_row) else (0,) * 5
-            for values, length in zip(lists, lengths, strict=True):
-                del values[length:]
-        self.forward_inputs = inputs
-        self._in_pass = False
+    def drop_since(self, mark: tuple[Any, ...]) -> None:
+        super().drop_since(mark[0])
+        del self._recomputes[mark[1]:]
 
 
 def _meta_input(value: Any) -> Any:

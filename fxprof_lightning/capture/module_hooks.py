@@ -47,6 +47,15 @@ class ModuleHookTimer:
     reads_trace_events = False
     device_times_from_trace = False  # host time per module (no node ranges for the trace's kernels)
     without_events = "are missing (module hooks take them from profiler events)"
+    interruptions = 0  # nothing is captured while it times
+    interrupted_by = ""
+    capture_s: tuple[float, ...] = ()
+
+    def mark(self) -> None:
+        """(Never interrupted: nothing to drop.)"""
+
+    def drop_since(self, mark: None) -> None:
+        pass
 
     def __init__(self, root: nn.Module, annotate: bool = False) -> None:
         self._annotate = annotate

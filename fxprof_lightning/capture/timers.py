@@ -58,6 +58,9 @@ class Timer(Protocol):
     costs_error: str | None  # why FLOPs could not be counted, since the engine last said so
     backward_outside_ns: int  # backward events given to ``collect`` that no node call accounts for
     forward_walls_ns: list[int]  # since ``reset``, the host wall time of each timed call whole (empty: not measured)
+    interruptions: int  # grows at each capture and each call that ran untimed (a recorded step in which it grew is dropped)
+    interrupted_by: str  # what the last interruption was
+    capture_s: list[float]  # seconds of each capture the timer made (Dynamo's: capture, check, call)
 
     @property
     def calls(self) -> int:
@@ -77,6 +80,11 @@ class Timer(Protocol):
 
     def reset(self) -> None:
         """Forget every sample (the warm-up steps', the last cycle's)."""
+
+    def mark(self) -> Any:
+        """Where the samples end now: ``drop_since`` forgets what came after (a step that was interrupted)."""
+
+    def drop_since(self, mark: Any) -> None: ...
 
     def collect(self, backward: list[tuple[int, int]], trace_events: list[Any]) -> str | None:
         """Make the cycle's samples readable from its backward events (and trace events); why nothing was timed, or None."""
@@ -157,7 +165,9 @@ class Timers:
             entry = self._timers[training] = self._choose(module)
         elif not entry[0].usable:
             timer, how = entry
-            entry = self._timers[training] = (self._hook_timer(module), Capture("module_hooks", None, {}, timer.refusal(how)))
+            before = timer.describe(how)  # the captures made until then, and why
+            entry = self._timers[training] = (self._hook_timer(module), Capture("module_hooks", None, {}, timer.refusal(how),
+                                                                                 recaptures=before.recaptures))
         return entry
 
     def _choose(self, module: nn.Module) -> tuple[Timer, Capture]:

@@ -37,7 +37,7 @@ SUMMARY_FIELDS = {  # taken from the summary as they are, when present: name -> 
     "backward_wall_ms": (int, float, type(None)), "backward_outside_ms": (int, float, type(None)),
     "forward_wall_ms": (int, float, type(None)), "step_ms": (list,), "step_cpu_ms": (list,), "advice": (list,),
     "distortion": (str, type(None)), "tracked": (list,), "phases": (dict,), "peaks": (str, type(None)),
-    "batch_size": (int, type(None)),
+    "batch_size": (int, type(None)), "dropped_steps": (dict,), "capture_s": (int, float),
 }
 
 
@@ -125,6 +125,10 @@ def load_cycle(directory: str | os.PathLike) -> CycleReport:
                 raise RunError(f"{summary_path}: {name} holds something other than numbers: {value!r}")
             if name == "phases" and not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value.values()):
                 raise RunError(f"{summary_path}: phases holds something other than numbers: {value!r}")
+            if name == "dropped_steps":
+                if not all(k.isdigit() and isinstance(v, str) for k, v in value.items()):
+                    raise RunError(f"{summary_path}: dropped_steps is not step numbers with their reasons: {value!r}")
+                value = {int(k): v for k, v in value.items()}
             setattr(report, name, value)
     report.regressions = [_regression(r, summary_path) for r in summary.get("regressions") or []]
     return report

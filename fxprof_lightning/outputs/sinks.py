@@ -335,6 +335,8 @@ def cycle_line(report: CycleReport, name: str) -> str:
         total = sum(report.phases.values()) or 1.0
         biggest = sorted(report.phases.items(), key=lambda item: -item[1])[:2]
         line += f"; step {total:.1f} ms: " + ", ".join(f"{phase} {100 * ms / total:.0f}%" for phase, ms in biggest)
+    if report.dropped_steps or report.capture_s:
+        line += f"; {report.dropped_text()}"
     if report.regressions:
         worst = report.regressions[0]
         more = f" and {len(report.regressions) - 1} more" if len(report.regressions) > 1 else ""

@@ -160,7 +160,32 @@ def backward_durations(events: Any) -> list[tuple[int, int]]:
     return durations
 
 
-class NodeTimer:
+class _Samples:
+    """What ``NodeTimer``'s samples can forget: those logged since a ``mark`` (a capture's checking calls, a recorded
+    step that was interrupted)."""
+
+    def mark(self) -> tuple[Any, ...]:
+        """Where every log of samples ends now: ``drop_since`` forgets what came after."""
+        self._fold()
+        per_row = [(len(a), len(b), len(c), len(d), len(e)) for a, b, c, d, e in
+                   zip(self._fwd, self._starts, self._spans, self.mem_delta, self.mem_peak, strict=True)]
+        return (per_row, len(self._firsts), len(self.anchors), len(self._marks), len(self.forward_walls_ns),
+                self.forward_inputs)
+
+    def drop_since(self, mark: tuple[Any, ...]) -> None:
+        """Forget the samples logged since ``mark`` (``mark``)."""
+        self._fold()
+        per_row, calls, anchors, marks, walls, inputs = mark
+        for row, lists in enumerate(zip(self._fwd, self._starts, self._spans, self.mem_delta, self.mem_peak, strict=True)):
+            for values, length in zip(lists, per_row[row] if row < len(per_row) else (0,) * 5, strict=True):
+                del values[length:]
+        for entries in (self._firsts, self._ends, self._owners, self._totals):
+            del entries[calls:]
+        del self.anchors[anchors:], self._marks[marks:], self.forward_walls_ns[walls:]
+        self.forward_inputs = inputs
+
+
+class NodeTimer(_Samples):
     """An instrumented copy of a traced module that records each node's forward and backward time.
 
     After ``reset()``: ``fwd[i]`` holds one forward duration in nanoseconds per execution of
@@ -300,6 +325,9 @@ class NodeTimer:
         return self._backward and not self._cuda
 
     # ``timers.Timer``: what the engine asks of every timer.
+    interruptions = 0  # captures and untimed calls (Dynamo's timer counts them)
+    interrupted_by = ""
+    capture_s: list[float] = []  # noqa: RUF012 (never grown here; Dynamo's timer has its own)
     mismatch: str | None = None  # why the graph stopped fitting the calls (traced on an example, Dynamo)
     untimed: str | None = None  # why calls of the cycle ran untimed (Dynamo's guards), or None
     reads_trace_events = False  # its rows come from the trace's events (a compiled module's kernels)

@@ -104,13 +104,14 @@ class CycleTrace:
         self._directory = directory
         self._worker = worker
         self._suffix = ".pt.trace.json.gz" if use_gzip else ".pt.trace.json"
-        self._schedule = lambda step: actions.get(step, ProfilerAction.NONE)
+        self._actions = dict(actions)
+        self._schedule = lambda step: self._actions.get(step, ProfilerAction.NONE)
         self._profiler = torch.profiler.profile(
             schedule=self._schedule,
             on_trace_ready=self._write,
             **(profiler_kwargs or {}),
         )
-        first = min(actions)
+        first = min(self._actions)
         with quiet_kineto():
             if first > 0:
                 # Enter the cycle through step() so the profiler's step number is the training step.
@@ -119,6 +120,14 @@ class CycleTrace:
                 self._profiler.step()
             else:
                 self._profiler.start()
+
+    def extend(self, steps: list[int]) -> None:
+        """Record ``steps`` too (after the cycle's last step, before its ``step()``): the trace is written after them."""
+        last = max(self._actions)
+        self._actions.update(dict.fromkeys([last, *steps], ProfilerAction.RECORD))
+        self._actions[steps[-1]] = ProfilerAction.RECORD_AND_SAVE
+        if self._profiler.step_num == last:  # in that step: the profiler took its action when it began
+            self._profiler.current_action = ProfilerAction.RECORD
 
     def step(self) -> None:
         """End the current step (after the cycle's last step this writes the trace)."""

@@ -1,0 +1,223 @@
+"""Numbers that stay true while the program changes (issue 28): no capture inside a counted step, every call timed.
+
+A capture (the first, or again when the module changed: pruning hooks, a new batch length, a module called with and
+without grad) costs 0.05-4 s. A recorded step in which one ran is dropped from the cycle, which records a later idle
+step in its place (up to twice ``active`` steps in all), and says so; a call in a state captured before runs that
+state's graph, timed. Every test trains through a real Trainer (or the plain-loop ``Profiler``), once with the
+profiler and once without, and checks that the weights end bitwise equal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import lightning.pytorch as pl
+import torch
+from helpers import make_trainer
+from lightning.pytorch.callbacks import ModelPruning
+from test_sound_capture import _bitwise
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from fxprof_lightning import FXProfilerCallback, Profiler
+from fxprof_lightning.outputs.runs import load_cycle
+from fxprof_lightning.outputs.sinks import cycle_line
+
+
+def fit_both(tmp_path, make_lit, loader, steps, callbacks=list, **options):
+    """(profiled LightningModule, callback) after checking every weight and buffer is bitwise the same as without
+    the profiler; ``callbacks()`` gives each run its own copies of the user's callbacks."""
+    runs = []
+    for profiled in (False, True):
+        pl.seed_everything(5, verbose=False)
+        lit = make_lit()
+        extra = [FXProfilerCallback(pictures=False, **options)] if profiled else []
+        make_trainer(tmp_path / str(profiled), [*extra, *callbacks()], max_steps=steps).fit(lit, loader())
+        runs.append((lit, extra[0] if extra else None))
+    (plain, _), (lit, callback) = runs
+    reference = plain.state_dict()
+    assert reference.keys() == lit.state_dict().keys()
+    different = [k for k, t in lit.state_dict().items() if not _bitwise(t, reference[k])]
+    assert not different, f"training was changed: {different}"
+    return lit, callback
+
+
+def every_call_timed(cycle, calls_per_step: int = 1) -> None:
+    """Each layer row has one timed call per call the counted steps made."""
+    layers = [n for n in cycle.nodes if n.op == "call_module"]
+    assert layers and all(n.calls == calls_per_step * len(cycle.steps) for n in layers), [(n.name, n.calls) for n in layers]
+
+
+class GAN(pl.LightningModule):
+    """The usual manual-optimisation GAN loop: the generator runs under ``no_grad`` for the discriminator's update
+    and with grad for its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+        self.disc = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def training_step(self, batch, batch_idx):
+        (real,) = batch
+        opt_g, opt_d = self.optimizers()
+        z = torch.randn(real.shape[0], 8)
+        with torch.no_grad():
+            fake = self.model(z)
+        loss_d = F.softplus(self.disc(fake)).mean() + F.softplus(-self.disc(real)).mean()
+        opt_d.zero_grad()
+        self.manual_backward(loss_d)
+        opt_d.step()
+        loss_g = F.softplus(-self.disc(self.model(z))).mean()
+        opt_g.zero_grad()
+        self.manual_backward(loss_g)
+        opt_g.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.model.parameters(), lr=0.01), torch.optim.SGD(self.disc.parameters(), lr=0.01)
+
+
+def gan_loader():
+    return DataLoader(TensorDataset(torch.randn(16 * 24, 16, generator=torch.Generator().manual_seed(1))), batch_size=16)
+
+
+def test_a_generator_called_with_and_without_grad_is_timed_at_every_call(tmp_path):
+    # It used to capture again at every call (each missed the other's guards): 3 of 6 calls timed, ~150 ms steps.
+    # Lightning counts each optimizer's step: 38 steps are 19 batches, whose steps the profiler counts.
+    _, callback = fit_both(tmp_path, GAN, gan_loader, steps=38, module="model", wait=2, warmup=1, active=3, repeat=3)
+    assert len(callback.cycles) == 3
+    for cycle in callback.cycles:
+        every_call_timed(cycle, calls_per_step=2)
+        assert cycle.nodes[0].bwd_calls == len(cycle.steps)  # one of the two calls per step runs backward
+        assert not cycle.dropped_steps
+    # Both states captured once, in the first warm-up step; later cycles capture nothing.
+    assert callback.cycles[-1].capture.recaptures == ["a guard failed: GLOBAL_STATE changed: grad_mode"]
+    assert callback.cycles[0].capture_s > 0 and callback.cycles[1].capture_s == callback.cycles[2].capture_s == 0
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.model(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def classifier_loader(batches: int = 8):
+    generator = torch.Generator().manual_seed(2)
+    data = TensorDataset(torch.randn(8 * batches, 16, generator=generator), torch.randint(0, 4, (8 * batches,), generator=generator))
+    return DataLoader(data, batch_size=8)
+
+
+def test_pruning_at_an_epoch_end_is_captured_in_a_dropped_step(tmp_path):
+    # 8 steps an epoch; ModelPruning adds forward pre-hooks at the end of epoch 0, so step 8 (recorded) captures again.
+    def pruning():
+        return [ModelPruning("l1_unstructured", amount=0.3, parameters_to_prune=None, verbose=0)]
+
+    _, callback = fit_both(tmp_path, Classifier, classifier_loader, steps=30, callbacks=pruning, module="model",
+                           wait=5, warmup=1, active=3, repeat=3, dirpath=tmp_path / "fxprof")
+    first = callback.cycles[0]
+    assert first.steps == [6, 7, 9] and list(first.dropped_steps) == [8] and not first.partial
+    assert first.dropped_steps[8].startswith("captured (a guard failed") and "_parameters['bias']" in first.dropped_steps[8]
+    assert first.capture_s > 0
+    for cycle in callback.cycles:
+        every_call_timed(cycle)
+    # The user sees it in the console line, the Markdown and cycle.jsonl, and it reads back.
+    assert "step 8 dropped (captured (a guard failed" in cycle_line(first, "FXProfilerCallback")
+    assert "Not counted: step 8 dropped" in first.to_markdown()
+    summary = json.loads((first.directory / "cycle.jsonl").read_text().splitlines()[-1])
+    assert list(summary["dropped_steps"]) == ["8"] and summary["capture_s"] == first.capture_s
+    assert load_cycle(first.directory).dropped_steps == first.dropped_steps
+
+
+class TokenModel(nn.Module):
+    """A forward of its own: Dynamo remembers which sizes changed per code object, for the whole process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mlp = nn.Embedding(50, 16), nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 50))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.embed(tokens))
+
+
+class Tokens(pl.LightningModule):
+    """Dynamic padding: each batch is as long as its longest sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = TokenModel()
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def token_loader():
+    generator = torch.Generator().manual_seed(3)
+    lengths = [12, 12, 12, 12, 12, 12, 17, 9, 21, 14, 12, 19, 11, 16, 13, 18, 10, 12, 15, 20]
+    return DataLoader([torch.randint(0, 50, (4, n), generator=generator) for n in lengths], batch_size=None)
+
+
+def test_batches_of_changing_length_are_captured_once_dynamic(tmp_path):
+    _, callback = fit_both(tmp_path, Tokens, token_loader, steps=20, module="model", wait=4, warmup=1, active=3,
+                           repeat=2)
+    first, second = callback.cycles
+    # The first new length (step 6, recorded) is captured again with the length dynamic: dropped, step 8 in its place.
+    assert first.steps == [5, 7, 8] and list(first.dropped_steps) == [6] and "size mismatch" in first.dropped_steps[6]
+    assert second.steps == [13, 14, 15] and not second.dropped_steps and second.capture_s == 0  # every length fits
+    for cycle in callback.cycles:
+        every_call_timed(cycle)
+    assert len(second.capture.recaptures) == 1
+
+
+class Switch(nn.Module):
+    """Reads a Python string attribute in forward: Dynamo guards on its value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 4)
+        self.activation = "relu"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(torch, self.activation)(self.linear(x))
+
+
+def test_a_cycle_records_at_most_twice_active_steps(tmp_path):
+    # Warm-up step 10 captures relu; 11 and 12 each capture a new activation (dropped), 13 runs relu's graph
+    # (counted); one more step is recorded in place of the two dropped, within 2 x active = 4: step 14, which
+    # captures erf (dropped). The cycle ends there with one counted step, and says so.
+    activations = {11: "sigmoid", 12: "tanh", 14: "erf"}
+    generator = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)) for _ in range(20)]
+    models = []
+    for profiled in (False, True):
+        torch.manual_seed(0)
+        model = Switch()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        prof = Profiler(model, dirpath=tmp_path, wait=10, warmup=1, active=2, repeat=1, torch_profiler=False,
+                        pictures=False, sinks=[])
+        with prof if profiled else contextlib.nullcontext():
+            for step, (x, y) in enumerate(batches):
+                model.activation = activations.get(step, "relu")
+                F.mse_loss(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if profiled:
+                    prof.step()
+        models.append((prof, model))
+    (_, plain), (prof, model) = models
+    assert all(_bitwise(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values(), strict=True))
+    (cycle,) = prof.cycles
+    assert cycle.steps == [13] and list(cycle.dropped_steps) == [11, 12, 14] and not cycle.partial
+    assert all(why.startswith("captured (a guard failed") for why in cycle.dropped_steps.values())
+    every_call_timed(cycle)
