@@ -1,4 +1,4 @@
-"""Whether the capture survives the ways people really train: seventeen patterns, each trained through a real
+"""Whether the capture survives the ways people really train: nineteen patterns, each trained through a real
 Lightning ``Trainer`` without the callback, with it (``capture="dynamo"``) and with it (``capture="fx"``), compared
 bitwise.
 
@@ -29,6 +29,10 @@ Columns, one row per pattern and capture, (b) or (c) against (a):
         grad must match a None).
     ckpt: patterns with activation checkpointing: ``yes`` when the last cycle has ``recompute`` rows and the
         capture was not refused, else ``NO``; ``-`` without checkpointing.
+    timed: in the last cycle, the fewest timed calls of a layer row against the calls its counted steps made
+        (``calls_per_step`` x steps): every call timed reads n/n.
+    drop: recorded steps the run's cycles dropped because a capture ran in them (``CycleReport.dropped_steps``; each
+        replaced by a later idle step).
     cap s: ``sum(capture.capture_s)`` of the last cycle's capture.
     warn: warnings the callback raised in the run (texts naming ``FXProfilerCallback``; one of them is always "the
         Trainer has no logger", as ``logger=False``); those that mention
@@ -91,6 +95,7 @@ class Pattern:
     lit: type | None = None                               # a LightningModule class other than Lit
     callbacks: Callable[[], list[pl.Callback]] = field(default=lambda: [])
     note: str = ""
+    calls_per_step: int = 1                               # forward calls of ``model`` per training step
 
 
 class Lit(pl.LightningModule):
@@ -116,6 +121,34 @@ class LitFinetune(Lit):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD([p for p in self.model[1].parameters() if p.requires_grad], lr=0.01, momentum=0.9)
+
+
+class LitGAN(Lit):
+    """The usual manual-optimisation GAN loop: the generator (``model``) runs under ``no_grad`` for the
+    discriminator's update and with grad for its own. Lightning counts each optimizer's step in ``max_steps``."""
+
+    def __init__(self, pattern: Pattern) -> None:
+        super().__init__(pattern)
+        self.automatic_optimization = False
+        self.disc = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt_g, opt_d = self.optimizers()
+        z = torch.randn(batch.shape[0], 8)
+        with torch.no_grad():
+            fake = self.model(z)
+        loss_d = F.softplus(self.disc(fake)).mean() + F.softplus(-self.disc(batch)).mean()
+        opt_d.zero_grad()
+        self.manual_backward(loss_d)
+        opt_d.step()
+        loss_g = F.softplus(-self.disc(self.model(z))).mean()
+        opt_g.zero_grad()
+        self.manual_backward(loss_g)
+        opt_g.step()
+
+    def configure_optimizers(self) -> Any:
+        return (torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9),
+                torch.optim.SGD(self.disc.parameters(), lr=0.01, momentum=0.9))
 
 
 def gen(seed: int = 0) -> torch.Generator:
@@ -385,12 +418,18 @@ PATTERNS = [
     Pattern("backbone_finetuning", finetune_model, lambda: images(4, 4, 32), ce, steps=M, lit=LitFinetune,
             callbacks=finetune_callbacks),
     Pattern("dynamic_padding", bert, lambda: padded_batches(P), hf_loss),
+    Pattern("gan_no_grad_and_grad", lambda: nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16)),
+            lambda: [torch.randn(16, 16, generator=gen(i)) for i in range(M)], ce, steps=2 * M, lit=LitGAN,
+            calls_per_step=2),
+    Pattern("pruning_epoch_end", resnet18, lambda: images(CHANGE_STEP, 4, 32), ce, steps=M,
+            callbacks=lambda: [__import__("lightning.pytorch.callbacks", fromlist=["ModelPruning"]).ModelPruning(
+                "l1_unstructured", amount=0.5)]),
 ]
 QUICK = ("vit_eval_flip", "head_swap", "vit_grad_checkpointing", "lightning_demo_transformer")
 PACKAGES = {"vit": "timm", "drop_path": "timm", "efficientnet": "timm", "llama": "transformers", "gpt2": "transformers",
             "wav2vec2": "transformers", "mixtral": "transformers", "dynamic_padding": "transformers",
             "pyg": "torch_geometric", "diffusers": "diffusers", "tv_": "torchvision", "head_swap": "torchvision",
-            "hook_added": "torchvision", "maskrcnn": "torchvision"}
+            "hook_added": "torchvision", "maskrcnn": "torchvision", "pruning": "torchvision"}
 
 
 # ------------------------------------------------------------------ one run
@@ -471,7 +510,8 @@ def tensors(lit: pl.LightningModule) -> tuple[dict, dict, dict]:
 # ------------------------------------------------------------------ the table
 
 COLUMNS = [("pattern", 26), ("capture", 7), ("method", 24), ("rows", 5), ("graphs", 6), ("breaks", 6), ("recap", 5),
-           ("whole%", 6), ("W", 10), ("B", 10), ("G", 10), ("ckpt", 4), ("cap s", 6), ("warn", 4), ("error", 0)]
+           ("whole%", 6), ("timed", 7), ("drop", 4), ("W", 10), ("B", 10), ("G", 10), ("ckpt", 4), ("cap s", 6),
+           ("warn", 4), ("error", 0)]
 
 
 def line(values: list[Any]) -> str:
@@ -502,7 +542,7 @@ def row_for(pattern: Pattern, capture: str, ref: Run, run: Run, details: bool = 
     error = run.error or (f"run without the callback failed: {ref.error}" if ref.error else "")
     cycle = run.callback.cycles[-1] if run.callback is not None and run.callback.cycles else None
     how = cycle.capture if cycle is not None else None
-    rows = graphs = breaks = recaps = "-"
+    rows = graphs = breaks = recaps = timed = dropped = "-"
     cap_s = whole = "-"
     if how is not None:
         row.method = how.method
@@ -510,6 +550,9 @@ def row_for(pattern: Pattern, capture: str, ref: Run, run: Run, details: bool = 
         rows, graphs, breaks, recaps = len(cycle.nodes), how.graphs, sum(how.graph_breaks.values()), len(how.recaptures)
         row.whole = max(c.whole_share for c in run.callback.cycles)
         whole = f"{row.whole:.1f}"
+        layers = [n.calls for n in cycle.nodes if n.op == "call_module"]
+        timed = f"{min(layers, default=0)}/{pattern.calls_per_step * len(cycle.steps)}"
+        dropped = sum(len(c.dropped_steps) for c in run.callback.cycles)
         cap_s = f"{sum(how.capture_s):.2f}"
         if how.method == "module_hooks" and not error:
             error = how.error
@@ -525,8 +568,8 @@ def row_for(pattern: Pattern, capture: str, ref: Run, run: Run, details: bool = 
     if "hook_calls" in run.state or "hook_calls" in ref.state:
         a, b = len(ref.state.get("hook_calls", [])), len(run.state.get("hook_calls", []))
         notes.insert(0, f"hook calls: {b} with the callback, {a} without ({'same' if a == b else 'DIFFERENT'})")
-    text = line([pattern.name, capture, row.method, rows, graphs, breaks, recaps, whole, row.weights, row.buffers,
-                 row.grads, row.ckpt, cap_s, len(run.warnings), error[:120]])
+    text = line([pattern.name, capture, row.method, rows, graphs, breaks, recaps, whole, timed, dropped, row.weights,
+                 row.buffers, row.grads, row.ckpt, cap_s, len(run.warnings), error[:120]])
     if details and how is not None:
         notes.append(f"capture: {how.describe()}")
     return row, [text] + [f"    ! {n[:700] if not details else n}" for n in notes]
