@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 
 import lightning.pytorch as pl
 import torch
@@ -22,6 +23,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from fxprof_lightning import FXProfilerCallback, Profiler
+from fxprof_lightning.cli import main as cli_main
 from fxprof_lightning.outputs.runs import load_cycle
 from fxprof_lightning.outputs.sinks import cycle_line
 
@@ -221,3 +223,77 @@ def test_a_cycle_records_at_most_twice_active_steps(tmp_path):
     assert cycle.steps == [13] and list(cycle.dropped_steps) == [11, 12, 14] and not cycle.partial
     assert all(why.startswith("captured (a guard failed") for why in cycle.dropped_steps.values())
     every_call_timed(cycle)
+
+
+DELAY = [0.0]  # seconds of busy work in ``busy`` (set by ``SlowFrom``)
+
+
+@torch.compiler.disable
+def busy() -> None:
+    """Work Dynamo does not trace (a call it skips): it runs eagerly, between two graphs."""
+    end = time.perf_counter() + DELAY[0]
+    while time.perf_counter() < end:
+        pass
+
+
+def helper(x: torch.Tensor) -> torch.Tensor:
+    x = x * 2
+    busy()
+    return x + 1
+
+
+class WithHelper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(helper(self.first(x)))
+
+
+class LitHelper(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = WithHelper()
+
+
+class SlowFrom(pl.Callback):
+    """``busy`` takes ``delay`` seconds from training step ``step`` on."""
+
+    def __init__(self, step: int, delay: float) -> None:
+        self.step, self.delay = step, delay
+        DELAY[0] = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        DELAY[0] = self.delay if trainer.global_step >= self.step else 0.0
+
+
+HELPER_ROW = f"helper (test_dynamics.py:{helper.__code__.co_firstlineno + 2}): busy()"
+
+
+def test_code_between_graphs_is_a_row_whose_slowdown_is_flagged_by_function_and_line(tmp_path, capsys):
+    def slow_from_step_20():
+        return [SlowFrom(20, 0.01)]
+
+    _, callback = fit_both(tmp_path, LitHelper, lambda: classifier_loader(36), steps=36, callbacks=slow_from_step_20,
+                           module="model", wait=2, warmup=1, active=3, dirpath=tmp_path / "slow")
+    assert len(callback.cycles) == 6
+    for cycle in callback.cycles:
+        rows = {n.name: n for n in cycle.nodes}
+        assert rows[HELPER_ROW].op == "graph_break" and rows[HELPER_ROW].calls == len(cycle.steps)
+    for cycle in callback.cycles[3:]:  # the 10 ms the helper takes is in its row, not between the rows
+        assert cycle.forward_ms_per_step >= 0.9 * cycle.forward_wall_ms
+    before, after = callback.cycles[2], callback.cycles[3]  # steps 15-17, 21-23
+    assert {n.name: n for n in before.nodes}[HELPER_ROW].mean_ms < 5 < {n.name: n for n in after.nodes}[HELPER_ROW].mean_ms
+    flagged = [r.node for c in callback.cycles[3:] for r in (*c.regressions, *c.unconfirmed)]
+    assert flagged and flagged[0] == HELPER_ROW, flagged  # first (the layer after it may be flagged too: cold caches)
+    # ``fxprof compare`` of a run slow from its start against one that never was puts the helper first.
+    for name, step in (("normal", 10**6), ("always_slow", 0)):
+        pl.seed_everything(5, verbose=False)
+        run = FXProfilerCallback(pictures=False, module="model", wait=2, warmup=1, active=3, dirpath=tmp_path / name)
+        make_trainer(tmp_path / f"{name}_logs", [run, SlowFrom(step, 0.01)], max_steps=12).fit(LitHelper(), classifier_loader(12))
+    capsys.readouterr()
+    status = cli_main(["compare", str(tmp_path / "normal"), str(tmp_path / "always_slow")])
+    out = capsys.readouterr().out
+    flagged_lines = [line for line in out.splitlines() if line.rstrip().endswith("SLOWER")]
+    assert status == 1 and flagged_lines and "helper (test_dynamics.py" in flagged_lines[0], out

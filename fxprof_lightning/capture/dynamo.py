@@ -32,6 +32,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import linecache
 import random
 import re
 import sys
@@ -52,7 +53,7 @@ from fxprof_lightning.timing.node_timing import NodeTimer
 if TYPE_CHECKING:
     from fxprof_lightning.nodes import Capture
 
-__all__ = ["DYNAMO", "DynamoTimer", "annotate_rows"]
+__all__ = ["DYNAMO", "GRAPH_BREAK", "DynamoTimer", "annotate_rows", "break_row"]
 
 DYNAMO = ("captured by Dynamo (torch._dynamo, run eagerly by a backend that times each op; no Inductor), checked "
           "bitwise against eager (outputs, gradients, buffers, random states) before use, captured again when a guard fails")
@@ -502,6 +503,7 @@ class DynamoTimer(NodeTimer):
         self.host_reads: dict[str, str] = {}  # module path -> where its forward reads a tensor's value (``host_reads``)
         self._global_hooks: tuple[tuple[int, ...], ...] = ()  # the global module hooks at the last capture
         self._streak = 0  # calls in a row that missed the guards
+        self._gap: tuple[int, int] | None = None  # the row of the code after the last graph's break, and when it began
         self._eager_hooks: tuple[Callable[..., Any], ...] = ()  # hook functions run eagerly (``_Way.eager_hooks``)
         self._inputs_seen: set[int] | None = None  # ids of what the graphs were given, while noted
         self._way = _Way(OPENED)  # how Dynamo captures (``_explore`` may change it at the first graph break)
@@ -519,16 +521,26 @@ class DynamoTimer(NodeTimer):
         self.graphs.append(graph)
         # Counted when asked (``costs``, after the cycle), not here inside the capture's checked calls.
         self._uncounted.append((inline_checkpoints(captured), graph.inputs))
+        info = None if self._cuda else break_row(getattr(captured, "compile_subgraph_reason", None), self._root)
+        after = self._row_of(info) if info is not None else None  # the code run eagerly after the graph's break
 
         def run(*args: Any) -> Any:
             if self._inputs_seen is not None:
                 self._inputs_seen.update(id(a) for a in args)
+            if self._gap is not None:  # the code since the last graph of this call, from its break on
+                row, end = self._gap
+                self._fwd[row].append(time.perf_counter_ns() - end)
+                self._starts[row].append(end)
+                self._gap = None
             chosen = graph if anchor is None or args[anchor.index] is anchor.tensor else self._run_for(graph, args)
             if self._hooks_now and not self._cuda:
                 if chosen.hooked is None:
                     chosen.hooked = self._instrument(chosen.captured, self._annotate, hooked=True)
-                return chosen.hooked.forward(*args)
-            return chosen.lean.forward(*args)
+                out = chosen.hooked.forward(*args)
+            else:
+                out = chosen.lean.forward(*args)
+            self._gap = (after, time.perf_counter_ns()) if after is not None else None
+            return out
 
         return run
 
@@ -658,9 +670,10 @@ class DynamoTimer(NodeTimer):
     def _timed_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], after_capture: bool = True) -> Any:
         """A call through the captured graphs; where a guard fails, that code runs eagerly (untimed) and the next
         call captures again. A call that fits every guard, and was not just captured, ends a streak of misses."""
-        before, start = self.calls, time.perf_counter_ns()
+        before, start, self._gap = self.calls, time.perf_counter_ns(), None
         with torch.compiler.set_stance("eager_on_recompile"):
             out = self._compiled(*args, **kwargs)
+        self._gap = None
         if self.calls - before not in self._expected:
             self._pending = "a guard failed"
             self._misses, self._streak, self.interruptions = self._misses + 1, self._streak + 1, self.interruptions + 1
@@ -751,23 +764,8 @@ class DynamoTimer(NodeTimer):
         """``NodeTimer``'s instrumented graph, with each checkpointed region opened: its ops are rows of their own
         (``open_checkpoints``)."""
         opened = open_checkpoints(traced, lambda body: self._instrument(body, annotate, hooked),
-                                  None if hooked else self._recompute_log)
+                                  None if hooked else functools.partial(_recompute_log, self))
         return super()._instrument(opened, annotate, hooked)
-
-    def _recompute_log(self, body: fx.GraphModule) -> Callable[[int, int], None]:
-        """What a checkpointed region's recompute reports to (``open_checkpoints``): the row ``<region>_recompute``,
-        whose backward time it is, taken out of the backward time of the autograd node that asked for it."""
-        stacks = [info.module_stack for node in body.graph.nodes if (info := node.meta.get(ROW)) is not None]
-        common = [parts[0] for parts in zip(*stacks) if len(set(parts)) == 1] if stacks else []
-        path = common[-1].partition("@")[0] if common else ""
-        name = f"{path.replace('.', '_')}_recompute" if path else "checkpoint_recompute"
-        row = self._row_of(NodeInfo(name, "recompute", "torch.utils.checkpoint (recompute in backward)", path,
-                                    tuple(common)))
-
-        def recomputed(sequence_nr: int, ns: int) -> None:
-            self._recomputes.append((row, sequence_nr, ns))
-
-        return recomputed
 
     def reset(self) -> None:
         super().reset()
@@ -863,6 +861,21 @@ class DynamoTimer(NodeTimer):
     def drop_since(self, mark: tuple[Any, ...]) -> None:
         super().drop_since(mark[0])
         del self._recomputes[mark[1]:]
+
+
+def _recompute_log(timer: DynamoTimer, body: fx.GraphModule) -> Callable[[int, int], None]:
+    """What a checkpointed region's recompute reports to (``open_checkpoints``): the row ``<region>_recompute`` of
+    ``timer``, whose backward time it is, taken out of the backward time of the autograd node that asked for it."""
+    stacks = [info.module_stack for node in body.graph.nodes if (info := node.meta.get(ROW)) is not None]
+    common = [parts[0] for parts in zip(*stacks) if len(set(parts)) == 1] if stacks else []
+    path = common[-1].partition("@")[0] if common else ""
+    name = f"{path.replace('.', '_')}_recompute" if path else "checkpoint_recompute"
+    row = timer._row_of(NodeInfo(name, "recompute", "torch.utils.checkpoint (recompute in backward)", path, tuple(common)))
+
+    def recomputed(sequence_nr: int, ns: int) -> None:
+        timer._recomputes.append((row, sequence_nr, ns))
+
+    return recomputed
 
 
 def _meta_input(value: Any) -> Any:
@@ -1047,6 +1060,33 @@ def host_reads(reasons: list[Any], root: nn.Module) -> dict[str, str]:
                 found.setdefault(", ".join(paths), where + inside)
                 break
     return found
+
+
+GRAPH_BREAK = "graph_break"  # the op of a row of code Dynamo ran eagerly, between two graphs
+
+
+def break_row(reason: Any, root: nn.Module | None) -> NodeInfo | None:
+    """The row of the code Dynamo runs eagerly after a graph that ended at a graph break (``reason``: the graph's
+    ``compile_subgraph_reason``), until the next graph starts: named by the function and line where the graph
+    broke, with the code of that line (``maybe_slow (train.py:25): time.sleep(0.03)``; a module's forward as
+    ``Block.forward``), in the module whose forward runs there (none where several modules share that code: one
+    row for all of them). None for a graph that ended at its frame's return."""
+    if reason is None or not getattr(reason, "graph_break", False) or not reason.user_stack:
+        return None
+    frame = reason.user_stack[0]  # the frame whose graph broke
+    modules = list(root.named_modules()) if root is not None else []
+    runs = [(path, module) for path, module in modules if _runs_in(type(module).forward, frame)]
+    function = re.sub(r"^torch_dynamo_resume_in_(.+)_at_\d+$", r"\1", frame.name)
+    function = getattr(type(runs[0][1]).forward, "__qualname__", function) if runs else function
+    where = f"{function} ({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})"
+    code = linecache.getline(frame.filename, frame.lineno or 0).strip()
+    name = f"{where}: {code[:40]}{'...' if len(code) > 40 else ''}" if code else where
+    for inner in reversed(reason.user_stack):  # the innermost frame that runs a module's forward
+        if runs := [path for path, module in modules if _runs_in(type(module).forward, inner)]:
+            break
+    path = runs[0] if len(runs) == 1 else ""
+    stack = tuple(".".join(path.split(".")[:i + 1]) for i in range(len(path.split(".")))) if path else ()
+    return NodeInfo(name, GRAPH_BREAK, reason.reason.splitlines()[0] if reason.reason else where, path, stack)
 
 
 def _runs_in(function: Any, frame: Any) -> bool:
