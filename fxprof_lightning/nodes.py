@@ -53,6 +53,7 @@ class NodeInfo:
     target: str
     module_path: str
     module_stack: tuple[str, ...] = ()
+    source: str = ""  # an op outside every submodule: the user's function and line (``stack_rows (train.py:12)``)
 
 
 def describe_target(node: fx.Node) -> str:

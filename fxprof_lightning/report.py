@@ -61,7 +61,8 @@ class NodeStats:
     the mean peak above the starting point (the peak is never measured per node: that would reset the
     user's peak statistics). On CUDA with the profiler's trace, the times are device times: the summed
     durations of the kernels, memcpys and memsets each node call launched (``gpu_trace``), and
-    ``device_span_ms``/``device_idle_ms`` the mean span of a forward call's GPU work and the gaps in it. ``mad_ms``/``bwd_mad_ms`` are the median absolute
+    ``device_span_ms``/``device_idle_ms`` the mean span of a forward call's GPU work and the gaps in it. ``source``:
+    for an op outside every submodule, the user's function and line that ran it (``stack_rows (train.py:12)``). ``mad_ms``/``bwd_mad_ms`` are the median absolute
     deviations of the per-call samples (the robust spread that regression checks use).
     ``fwd_bytes`` estimates the bytes one forward call moves (its input and output tensors and the
     parameters it reads, each once); ``fwd_gbytes_per_s`` divides it by ``mean_ms``,
@@ -108,6 +109,7 @@ class NodeStats:
     pct_of_peak: float | None = None
     device_span_ms: float | None = None
     device_idle_ms: float | None = None
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -205,7 +207,7 @@ def summarize_nodes(
                 out_bytes=costs.out_bytes[i] if costs else None, fwd_bytes=costs.fwd_bytes[i] if costs else None,
                 mem_delta_bytes=statistics.fmean(mem_delta[i]) if mem_delta and mem_delta[i] else None,
                 mem_peak_bytes=statistics.fmean(mem_peak[i]) if mem_peak and mem_peak[i] else None,
-                slowest_rank_ms=mean, mad_ms=_mad(fwd[i]), bwd_mad_ms=_mad(bwd[i]),
+                slowest_rank_ms=mean, mad_ms=_mad(fwd[i]), bwd_mad_ms=_mad(bwd[i]), source=info.source,
             )
         )
     stats.sort(key=lambda s: s.total_ms + s.bwd_total_ms, reverse=True)

@@ -297,3 +297,38 @@ def test_code_between_graphs_is_a_row_whose_slowdown_is_flagged_by_function_and_
     out = capsys.readouterr().out
     flagged_lines = [line for line in out.splitlines() if line.rstrip().endswith("SLOWER")]
     assert status == 1 and flagged_lines and "helper (test_dynamics.py" in flagged_lines[0], out
+
+
+def stack_rows(x: torch.Tensor) -> torch.Tensor:
+    return torch.stack([r * 2 + 1 for r in x])  # a Python loop over rows: one op per row
+
+
+class RowLoop(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(stack_rows(self.first(x)))
+
+
+class LitRowLoop(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = RowLoop()
+
+
+def test_ops_outside_every_submodule_are_named_by_the_users_function_and_line(tmp_path):
+    def loader():
+        generator = torch.Generator().manual_seed(2)
+        return DataLoader(TensorDataset(torch.randn(64 * 8, 16, generator=generator),
+                                        torch.randint(0, 4, (64 * 8,), generator=generator)), batch_size=64)
+
+    _, callback = fit_both(tmp_path, LitRowLoop, loader, steps=6, module="model", wait=1, warmup=1, active=3, repeat=1)
+    (cycle,) = callback.cycles
+    where = f"stack_rows (test_dynamics.py:{stack_rows.__code__.co_firstlineno + 1})"
+    loop = [n for n in cycle.nodes if n.source == where]
+    assert len(loop) >= 64 * 2 and all(n.name.startswith("stack_rows_") and n.module_path == "" for n in loop)
+    assert any(where in advice and "a Python loop over rows" in advice for advice in cycle.advice), cycle.advice
+    csv_text = (cycle.directory / "fx_nodes.csv").read_text()
+    assert where in csv_text and load_cycle(cycle.directory).nodes[0].source == cycle.nodes[0].source

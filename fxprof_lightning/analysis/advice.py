@@ -134,11 +134,12 @@ def elementwise_share(nodes: list[NodeStats]) -> list[Advice]:
     """Many small FLOP-less nodes (activations, adds, norms' pieces) of one module taking a large share."""
     grand = _grand(nodes)
     by_module: dict[str, list[NodeStats]] = {}
-    for n in nodes:
+    for n in nodes:  # by module; outside every submodule, by the user's function (``source``)
         if n.op in ("call_function", "call_method") and not n.fwd_flops:
-            by_module.setdefault(n.module_path, []).append(n)
+            by_module.setdefault(n.module_path or re.sub(r":\d+\)$", ")", n.source), []).append(n)
     found = []
-    for module, group in by_module.items():
+    for key, group in by_module.items():
+        module = key if group[0].module_path or not group[0].source else group[0].source
         share = sum(_share(n, grand) for n in group)
         if len(group) < 2 or share < ELEMENTWISE_SHARE:
             continue

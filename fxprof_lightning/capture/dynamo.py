@@ -236,11 +236,24 @@ def annotate_rows(graph_module: fx.GraphModule, names: dict[int, tuple[str, nn.M
         functions = node.meta.get("source_fn_stack") or []
         function = functions[-1][0] if functions else node.name
         function = re.sub(r"_\d+$", "", str(function))
-        base = f"{path.replace('.', '_')}_{function}" if path else function
+        source, caller = ("", "") if path else _user_line(node)  # outside every submodule: the user's function
+        base = f"{path.replace('.', '_')}_{function}" if path else f"{caller}_{function}" if caller else function
         count = taken.get(base, 0)
         taken[base] = count + 1
         name = base if count == 0 else f"{base}_{count}"
-        node.meta[ROW] = NodeInfo(name, node.op, describe_target(node), path, module_stack)
+        node.meta[ROW] = NodeInfo(name, node.op, describe_target(node), path, module_stack, source)
+
+
+def _user_line(node: fx.Node) -> tuple[str, str]:
+    """The innermost frame of a node's stack trace as ``function (file:line)``, and the function when it is not a
+    ``forward`` (a helper the forward called: its name starts the row's), else ''."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', node.meta.get("stack_trace") or "")
+    if not frames:
+        return "", ""
+    file, line, _ = frames[-1]
+    named = [f for _, _, f in frames if not f.startswith("<")]  # a comprehension's frame is its function's
+    function = re.sub(r"^torch_dynamo_resume_in_(.+)_at_\d+$", r"\1", named[-1] if named else frames[-1][2])
+    return f"{function} ({file.rsplit('/', 1)[-1]}:{line})", "" if function in ("forward", "<module>") else function
 
 
 def _makes_tensors(node: fx.Node) -> bool:
