@@ -342,6 +342,8 @@ class Engine:
     def end_run(self) -> None:
         """Profiling ends: remove the first-call recorders, put Inductor's settings back and let the sinks finish (rank 0)."""
         self.timers.stop()
+        if self.rank == 0 and not self._train.cycles and (why := _nothing_recorded(self.schedule, self._train.step)):
+            self.warn(why)
         if self.rank == 0:
             run = RunSummary(self._train.cycles, self.dirpath, self.display())
             for sink in self.sinks:
@@ -645,11 +647,6 @@ class Profiler(Engine):
         self._finish_step(self._current)
         self.end_stage("train")
         self.end_run()
-        if not self._train.cycles and self.rank == 0:
-            first = self.schedule.recorded_steps(0)
-            self.warn(f"stopped after {self._train.step} step(s), before any recorded step (the first is step "
-                      f"{first[0] if first else '?'}: skip_first={self.schedule.skip_first}, wait={self.schedule.wait}, "
-                      f"warmup={self.schedule.warmup}), so prof.cycles is empty; run more steps or lower wait/skip_first")
 
     def __enter__(self) -> Profiler:
         self.start()
@@ -740,6 +737,17 @@ def _check_settings(module: Any, torch_profiler: bool, fx_timing: bool, top_k: A
 def _check_int(name: str, value: Any, minimum: int, alternative: str = "") -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}{' ' + alternative if alternative else ''}, got {value!r}")
+
+
+def _nothing_recorded(schedule: Schedule, steps: int) -> str | None:
+    """Why a run of ``steps`` training steps has no cycle, when it stopped before the first recorded step (a cycle
+    that counted no step says so itself)."""
+    first = schedule.recorded_steps(0)
+    if first and steps > first[0]:
+        return None
+    return (f"stopped after {steps} step(s), before any recorded step (the first is step {first[0] if first else '?'}: "
+            f"skip_first={schedule.skip_first}, wait={schedule.wait}, warmup={schedule.warmup}), so .cycles is empty; "
+            "run more steps or lower wait/skip_first")
 
 
 def _type_name(module: nn.Module, path: str) -> str:

@@ -62,6 +62,22 @@ def test_plain_loop_quickstart_runs_as_written(tmp_path, monkeypatch):
     assert (tmp_path / "fxprof" / "cycle_0000" / "fx_nodes.csv").is_file()
 
 
+def test_plain_loop_quickstart_with_too_few_steps_warns_and_raises_nothing(tmp_path, monkeypatch, capsys):
+    snippet = _code_block("Without Lightning: `Profiler`", "python").replace("range(60)", "range(20)")
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(UserWarning, match=r"stopped after 20 step\(s\), before any recorded step \(the first is step 51"):
+        exec(compile(snippet, "README.md", "exec"), {})
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.slow
+def test_lightning_quickstart_with_too_few_steps_warns_and_raises_nothing(tmp_path):
+    (tmp_path / "quickstart.py").write_text(_code_block("Quickstart", "python").replace("max_steps=60", "max_steps=20"))
+    run = subprocess.run([sys.executable, "quickstart.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "FXProfilerCallback: stopped after 20 step(s), before any recorded step (the first is step 31" in run.stderr
+
+
 @pytest.mark.slow
 def test_lightning_quickstart_runs_as_written(tmp_path):
     """The README's Lightning quickstart saved as a script and run with `python quickstart.py` in an empty directory."""
