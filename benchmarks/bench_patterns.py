@@ -8,10 +8,13 @@ Each pattern is a small model trained the way its users train it (timm and torch
 language, speech and MoE models, a diffusers UNet, a torch_geometric GCN, Lightning's demo Transformer, Mask R-CNN),
 some with a change made mid-run at step ``CHANGE_STEP`` = 6 by a small callback's ``on_train_batch_start`` (a block
 put in ``eval()``, a drop-path rate raised, the head replaced and added to the optimizer, a forward hook added,
-``BackboneFinetuning`` unfreezing at its epoch). Each is trained three times from the same ``pl.seed_everything``:
+``BackboneFinetuning`` unfreezing at its epoch, ``ModelPruning`` pruning at the end of the first epoch of 6 steps),
+and a GAN generator called under ``no_grad`` and with grad in each step (manual optimisation). Each is trained three times from the same ``pl.seed_everything``:
 (a) without our callback, (b) with ``FXProfilerCallback(skip_first=0, wait=1, warmup=1, active=2, repeat=0,
 module="model", capture="dynamo", pictures=False)`` (it records steps 2-3, 6-7, 10-11), (c) the same with
-``capture="fx"`` (the torch.fx capture ladder). ``max_steps`` is 12 for the mid-run patterns, 5 otherwise. Every
+``capture="fx"`` (the torch.fx capture ladder). ``max_steps`` is 12 for the mid-run patterns and Mask R-CNN (its box
+counts change at every step: Dynamo makes each dimension dynamic at its second value, so its first steps all capture
+again), 24 for the GAN (Lightning counts each of its two optimizers' steps), 5 otherwise. Every
 model is built from a config (nothing downloaded) and kept tiny; everything runs on the CPU. ``--quick`` runs
 patterns 1, 3, 7 and 9; ``--only`` runs the patterns whose name contains the substring; ``--details`` prints every
 callback warning in full and ``capture.describe()`` under each row.
@@ -30,9 +33,10 @@ Columns, one row per pattern and capture, (b) or (c) against (a):
     ckpt: patterns with activation checkpointing: ``yes`` when the last cycle has ``recompute`` rows and the
         capture was not refused, else ``NO``; ``-`` without checkpointing.
     timed: in the last cycle, the fewest timed calls of a layer row against the calls its counted steps made
-        (``calls_per_step`` x steps): every call timed reads n/n.
+        (``calls_per_step`` x steps): every call timed reads n/n; ``-`` for a model without ``torch.nn`` layers (the
+        GCN's are PyG's, opened op by op).
     drop: recorded steps the run's cycles dropped because a capture ran in them (``CycleReport.dropped_steps``; each
-        replaced by a later idle step).
+        replaced by a later idle step; with those of a cycle that counted no step, named in its warning).
     cap s: ``sum(capture.capture_s)`` of the last cycle's capture.
     warn: warnings the callback raised in the run (texts naming ``FXProfilerCallback``; one of them is always "the
         Trainer has no logger", as ``logger=False``); those that mention
@@ -51,6 +55,7 @@ import io
 import logging
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -412,7 +417,7 @@ PATTERNS = [
     Pattern("gpt2_grad_checkpointing", gpt2_checkpointed, lambda: tokens(P), hf_loss, checkpointing=True),
     Pattern("pyg_gcn", GCN, gcn_batches, gcn_loss),
     Pattern("diffusers_unet", unet, lambda: unet_batches(P), unet_loss),
-    Pattern("maskrcnn_train", maskrcnn, lambda: maskrcnn_batches(P), maskrcnn_loss),
+    Pattern("maskrcnn_train", maskrcnn, lambda: maskrcnn_batches(M), maskrcnn_loss, steps=M),  # (see MID_RUN_STEPS)
     Pattern("wav2vec2_ctc", wav2vec2, lambda: wav2vec2_batches(P), hf_loss),
     Pattern("mixtral_router_logits", mixtral, lambda: tokens(P), hf_loss),
     Pattern("backbone_finetuning", finetune_model, lambda: images(4, 4, 32), ce, steps=M, lit=LitFinetune,
@@ -551,8 +556,9 @@ def row_for(pattern: Pattern, capture: str, ref: Run, run: Run, details: bool = 
         row.whole = max(c.whole_share for c in run.callback.cycles)
         whole = f"{row.whole:.1f}"
         layers = [n.calls for n in cycle.nodes if n.op == "call_module"]
-        timed = f"{min(layers, default=0)}/{pattern.calls_per_step * len(cycle.steps)}"
-        dropped = sum(len(c.dropped_steps) for c in run.callback.cycles)
+        timed = f"{min(layers)}/{pattern.calls_per_step * len(cycle.steps)}" if layers else "-"  # (no torch.nn layer)
+        dropped = sum(len(c.dropped_steps) for c in run.callback.cycles) + sum(  # and cycles that counted no step
+            len(re.findall(r"\d+", found)) for w in run.warnings for found in re.findall(r"counted no step: it dropped steps \[([\d, ]+)\]", w))
         cap_s = f"{sum(how.capture_s):.2f}"
         if how.method == "module_hooks" and not error:
             error = how.error

@@ -118,7 +118,7 @@ def classifier_loader(batches: int = 8):
     return DataLoader(data, batch_size=8)
 
 
-def test_pruning_at_an_epoch_end_is_captured_in_a_dropped_step(tmp_path):
+def test_pruning_at_an_epoch_end_is_captured_in_a_dropped_step(tmp_path, capsys):
     # 8 steps an epoch; ModelPruning adds forward pre-hooks at the end of epoch 0, so step 8 (recorded) captures again.
     def pruning():
         return [ModelPruning("l1_unstructured", amount=0.3, parameters_to_prune=None, verbose=0)]
@@ -137,6 +137,9 @@ def test_pruning_at_an_epoch_end_is_captured_in_a_dropped_step(tmp_path):
     summary = json.loads((first.directory / "cycle.jsonl").read_text().splitlines()[-1])
     assert list(summary["dropped_steps"]) == ["8"] and summary["capture_s"] == first.capture_s
     assert load_cycle(first.directory).dropped_steps == first.dropped_steps
+    # and `fxprof report` says it too
+    assert cli_main(["report", str(tmp_path / "fxprof")]) == 0
+    assert "Not counted in cycle 0: step 8 dropped (captured (a guard failed" in capsys.readouterr().out.replace("\n", " ")
 
 
 class TokenModel(nn.Module):
