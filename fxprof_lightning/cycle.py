@@ -134,7 +134,8 @@ class Cycle:
         if recording:
             self._step_mark = _StepMark(self.timer.mark() if self.timer is not None else None,
                                         self.timer.interruptions if self.timer is not None else 0, sequence_nr_now(),
-                                        len(self.phases), len(self.batch_sizes), len(self.backward_wall_ns))
+                                        len(self.step_ms), len(self.phases), len(self.batch_sizes),
+                                        len(self.backward_wall_ns))
             self.step_start = (time.perf_counter_ns(), time.process_time())
 
     def end_step(self, module: nn.Module, step: int, recording: bool) -> None:
@@ -148,14 +149,19 @@ class Cycle:
             self.step_start = None
         if self.timer is not None:
             self.timer.uninstall(module)
+        if recording:
+            self.count_step(step)
+
+    def count_step(self, step: int) -> None:
+        """The recorded step in progress is counted, or dropped when the timer was interrupted in it."""
         mark, self._step_mark = self._step_mark, None
-        if recording and mark is not None and self.timer is not None and self.timer.interruptions > mark.interruptions:
+        if mark is not None and self.timer is not None and self.timer.interruptions > mark.interruptions:
             self.timer.drop_since(mark.samples)
             self._dropped_sequences.append((mark.sequence_nr, sequence_nr_now()))
-            del self.step_ms[-1:], self.step_cpu_ms[-1:], self.phases[mark.phases:]
+            del self.step_ms[mark.steps:], self.step_cpu_ms[mark.steps:], self.phases[mark.phases:]
             del self.batch_sizes[mark.batch_sizes:], self.backward_wall_ns[mark.backward_walls:]
             self.dropped[step] = self.timer.interrupted_by
-        elif recording:
+        else:
             self.recorded.append(step)
 
     def step_trace(self) -> None:
@@ -229,7 +235,7 @@ class Cycle:
                              phases=_mean_phases(self.phases),
                              batch_size=round(statistics.mean(self.batch_sizes)) if self.batch_sizes else None,
                              dropped_steps=dict(self.dropped), capture_s=self.capture_s)
-        report.ranges = summarize_ranges(ranges, len(self.recorded))
+        report.ranges = summarize_ranges(ranges, len(self.recorded) + len(self.dropped))  # (the trace holds them all)
         if self.backward_wall_ns:
             report.backward_wall_ms = sum(self.backward_wall_ns) / len(self.backward_wall_ns) / 1e6
         elif "forward" in report.phases:  # a plain loop's (``loop_phases``): from the output's gradient on
@@ -264,11 +270,13 @@ class Cycle:
 @dataclass(frozen=True)
 class _StepMark:
     """Where a recorded step began: the timer's samples and interruptions, the autograd sequence number, and how
-    many phases, batch sizes and backward walls had been given (``Cycle.end_step`` drops what came after)."""
+    many step times, phases, batch sizes and backward walls had been given (``Cycle.count_step`` drops what came
+    after)."""
 
     samples: Any
     interruptions: int
     sequence_nr: int
+    steps: int
     phases: int
     batch_sizes: int
     backward_walls: int

@@ -276,7 +276,7 @@ class Engine:
         """How many steps from the next one need nothing of the profiler (a driver may skip their begin_step/end_step
         calls and count them with ``skip_idle_steps``); 0 while a cycle is open or a step is in progress."""
         state = self._stage(stage)
-        if state is None or state.open is not None or state.in_step:
+        if state is None or state.open is not None or state.in_step or state.extra:  # (extra: also where profiling failed)
             return 0
         # By the schedule alone, also when profiling failed: a cycle's last step still takes part in the gather.
         traced = self.schedule.next_traced_step(state.step)
@@ -333,7 +333,7 @@ class Engine:
         for state in (self._train, self._val):
             cycle = state.open
             if state.in_step and cycle is not None and cycle.ran_in_step and state.action(self.schedule, state.step) in RECORDING:
-                cycle.recorded.append(state.step)  # its samples are in: the step the exception stopped counts
+                cycle.count_step(state.step)  # its samples are in: the step the exception stopped counts (unless dropped)
             state.in_step = False
             if state.open is not None:
                 # Other ranks may not get here: no collective, this rank's data only.
@@ -409,7 +409,7 @@ class Engine:
                 if stage.open is not None:
                     self._safely("ending a profiled step", stage.open.end_step, self.target, step, action in RECORDING)
                 self._safely("ending a profiled step", stage.step_ended, self.schedule, step, action)
-            elif work == "close" and stage.extra and step < stage.extra[-1]:
+            elif work == "close" and edge == "end" and stage.extra and step < stage.extra[-1]:
                 continue  # the cycle goes on with the steps it records in place of dropped ones
             elif work == "close":
                 what = "writing a cycle" if edge == "end" else "writing a partial cycle"

@@ -335,3 +335,87 @@ def test_ops_outside_every_submodule_are_named_by_the_users_function_and_line(tm
     assert any(where in advice and "a Python loop over rows" in advice for advice in cycle.advice), cycle.advice
     csv_text = (cycle.directory / "fx_nodes.csv").read_text()
     assert where in csv_text and load_cycle(cycle.directory).nodes[0].source == cycle.nodes[0].source
+
+
+SCALE = [2.0]
+
+
+class BreaksSometimes(nn.Module):
+    """Two states: with ``brk`` the forward breaks its graph and the resumed frame reads ``SCALE`` (a guard that
+    only that frame has); without, one graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, brk: bool = False) -> torch.Tensor:
+        x = self.lin(x)
+        if brk:
+            torch._dynamo.graph_break()
+            x = x * SCALE[0]
+        return x.relu()
+
+
+def test_a_guard_missed_after_a_graph_break_is_captured_at_that_states_next_call(tmp_path):
+    # Each step calls the module in both states. SCALE changes at step 6: that step's brk=True call misses the
+    # resumed frame's guard (runs its end eagerly: step 6 dropped); the brk=False call after it is timed as it is;
+    # step 7's brk=True call is captured again (dropped); steps 9 and 10 are recorded in their place.
+    SCALE[0] = 2.0
+    generator = torch.Generator().manual_seed(5)
+    batches = [torch.randn(2, 4, generator=generator) for _ in range(14)]
+    models = []
+    for profiled in (False, True):
+        torch.manual_seed(0)
+        SCALE[0] = 2.0
+        model = BreaksSometimes()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        prof = Profiler(model, dirpath=tmp_path, wait=4, warmup=1, active=4, repeat=1, torch_profiler=False,
+                        pictures=False, sinks=[])
+        with prof if profiled else contextlib.nullcontext():
+            for step, x in enumerate(batches):
+                SCALE[0] = 3.0 if step >= 6 else 2.0
+                (model(x, brk=True).sum() + model(x).sum()).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if profiled:
+                    prof.step()
+        models.append((prof, model))
+    (_, plain), (prof, model) = models
+    assert all(_bitwise(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values(), strict=True))
+    (cycle,) = prof.cycles
+    assert cycle.steps == [5, 8, 9, 10] and list(cycle.dropped_steps) == [6, 7], (cycle.steps, cycle.dropped_steps)
+    assert cycle.dropped_steps[6] == "a call missed Dynamo's guards inside the forward and ran untimed"
+    rows = {n.name: n.calls for n in cycle.nodes}
+    assert rows["lin"] == rows["relu"] == 2 * 4 and rows["mul"] == 4  # every call of the counted steps timed
+
+
+def test_steps_recorded_in_place_of_dropped_ones_are_no_idle_steps(tmp_path):
+    """While a cycle records steps in place of dropped ones, no driver may skip those steps: a rank whose profiling
+    failed still takes part in the cycle's gather at its new last step."""
+    model = Switch()
+    with Profiler(model, dirpath=tmp_path, wait=3, warmup=1, active=2, repeat=1, torch_profiler=False,
+                  pictures=False, sinks=[]) as prof:
+        for step in range(6):  # warm-up 3, recorded 4 (a new activation: dropped) and 5, then 6 in place of 4
+            model.activation = "tanh" if step == 4 else "relu"
+            model(torch.randn(2, 8)).sum().backward()
+            prof.step()
+        assert prof._train.extra == [6] and prof.idle_steps_ahead() == 0
+        prof._disable()  # profiling failed on this rank: the step still counts towards the others' gather
+        assert prof.idle_steps_ahead() == 0 and prof.recording() is False
+    assert prof.cycles == []
+
+
+def test_a_loop_that_stops_in_the_steps_recorded_in_place_of_dropped_ones_gathers_the_cycle(tmp_path, monkeypatch):
+    closed = []
+    close = Profiler._close_cycle
+    monkeypatch.setattr(Profiler, "_close_cycle", lambda self, stage, gather: (closed.append(gather), close(self, stage, gather)))
+    model = Switch()
+    with Profiler(model, dirpath=tmp_path, wait=3, warmup=1, active=2, repeat=1, torch_profiler=False,
+                  pictures=False, sinks=[]) as prof:
+        for step in range(6):  # step 4 dropped; the loop stops after step 5, before step 6 recorded in its place
+            model.activation = "tanh" if step == 4 else "relu"
+            model(torch.randn(2, 8)).sum().backward()
+            prof.step()
+    assert closed == [True]  # with the ranks' gather, as a cycle cut short anywhere else
+    (cycle,) = prof.cycles
+    assert cycle.steps == [5] and list(cycle.dropped_steps) == [4] and cycle.partial

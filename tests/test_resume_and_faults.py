@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import LitClassifier, image_loader, make_trainer
+from helpers import LitClassifier, image_loader, make_trainer, notices
 
 from fxprof_lightning import FXProfilerCallback
 
@@ -98,6 +98,7 @@ class SkipsRestOfEpochAt(LitClassifier):
         return -1 if self.global_step == self.skip_at else None
 
 
+@notices("before any recorded step")
 @pytest.mark.parametrize("torch_profiler", [False, True])
 def test_a_cycle_whose_step_never_ends_is_closed_at_the_end_of_training(tmp_path, torch_profiler):
     callback = FXProfilerCallback(skip_first=1, wait=0, warmup=1, active=2, module="model", torch_profiler=torch_profiler)

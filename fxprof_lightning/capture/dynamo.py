@@ -449,24 +449,25 @@ class _EntryGuards:
         return cls(function.__code__, inspect.signature(function, follow_wrapped=False), bound, free,
                    context._isolate_recompiles_id)
 
-    def misses(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-        """How a call would miss the guards of every graph captured for the frame (its first failing guard); None
-        when one fits, or where that cannot be told."""
+    def check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int | None, str]:
+        """The state of a call: the graph captured for the frame whose guards it passes (an id), or how it would miss
+        them all (their first failing guard); (None, '') where that cannot be told."""
         from torch._dynamo.eval_frame import _get_cache_entries_for_region
 
         entries = _get_cache_entries_for_region(self.code, self.region)
         if not entries:
-            return None
+            return None, ""
         try:
             arguments = self.signature.bind(*self.bound, *args, **kwargs)
         except TypeError:
-            return None
+            return None, ""
         arguments.apply_defaults()
         frame_locals = {**arguments.arguments, **self.free}  # the frame's locals as it starts
-        if any(entry.guard_manager.check(frame_locals) for entry in entries):
-            return None
+        fits = next((entry for entry in entries if entry.guard_manager.check(frame_locals)), None)
+        if fits is not None:
+            return id(fits.guard_manager), ""
         failed = entries[0].guard_manager.check_verbose(frame_locals).verbose_code_parts
-        return re.sub(r"L\['([^']+)'\]", r"\1", str(failed[0]).strip()) if failed else "a guard failed"  # as Dynamo says it
+        return None, re.sub(r"L\['([^']+)'\]", r"\1", str(failed[0]).strip()) if failed else "a guard failed"  # as Dynamo says it
 
 
 def _separate_copy(graph_module: fx.GraphModule) -> fx.GraphModule:
@@ -505,7 +506,8 @@ class DynamoTimer(NodeTimer):
         self._row_costs: dict[int, list[int | None]] = {}  # row -> fwd FLOPs, bwd FLOPs, out bytes, bytes moved (per call)
         self.costs_error: str | None = None
         self._pending: str | None = "first call"  # capture (and verify) at the next call, for this reason
-        self._expected: set[int] = set()  # graph calls in one forward call, as verified, for each state captured
+        self._pending_for: int | None = None  # at the next call of this state only (a miss after a graph break)
+        self._expected: dict[int | None, int] = {}  # graph calls in one forward call, as verified, per state (entry)
         self._entry: _EntryGuards | None = None  # asks the guards of the forward's own frame before a call
         self._hooks_now = False
         self._names: dict[int, tuple[str, nn.Module]] = {}
@@ -598,12 +600,13 @@ class DynamoTimer(NodeTimer):
                 return own_forward(*args, **kwargs)
             if self._pending is None and _global_hooks() != self._global_hooks:  # Dynamo does not guard on these
                 self._pending = "a global module hook (torch.nn.modules.module.register_module_*_hook) added or removed"
-            if self._pending is None and self._entry is not None and (missed := self._entry.misses(args, kwargs)):
+            state, missed = self._entry.check(args, kwargs) if self._entry is not None else (None, "")
+            if missed and self._pending is None:
                 self._pending, self._streak = "a guard failed", self._streak + 1  # captured on this call, its state
                 self._guard_failures.append(missed)
-            if self._pending is not None:
+            if self._pending is not None and (missed or self._pending_for in (None, state)):  # (that state's next call)
                 return self._capture_call(module, own_forward, args, kwargs)
-            return self._timed_call(args, kwargs, after_capture=False)
+            return self._timed_call(args, kwargs, state, after_capture=False)
 
         module.forward = forward
         _TRACEABLE.enter()
@@ -626,7 +629,7 @@ class DynamoTimer(NodeTimer):
 
         The first capture that has graph breaks or is refused also tries other ways (``_explore``)."""
         started = time.perf_counter()
-        reason, self._pending = self._pending, None
+        reason, self._pending, self._pending_for = self._pending, None, None
         self.interruptions += 1
         self._names = {id(m): (name, m) for name, m in module.named_modules(remove_duplicate=False)}
         self._tensor_owners = _Owners(module)
@@ -672,23 +675,26 @@ class DynamoTimer(NodeTimer):
             self.capture_s.append(time.perf_counter() - started)
             self._refuse(attempt.difference)
             return own_forward(*args, **kwargs)
-        self._expected.add(attempt.graph_calls)
         self._global_hooks = _global_hooks()
-        if self._entry is not None and self._entry.misses(args, kwargs):
-            self._entry = None  # the guards cannot be asked before a call here (the call just captured would miss)
-        out = self._timed_call(args, kwargs)
+        state, missed = self._entry.check(args, kwargs) if self._entry is not None else (None, "")
+        if missed:
+            self._entry, state = None, None  # the guards cannot be asked before a call here (the call just captured would miss)
+        self._expected[None] = self._expected[state] = attempt.graph_calls  # (None: a call whose state is not told)
+        out = self._timed_call(args, kwargs, state)
         self.capture_s.append(time.perf_counter() - started)
         return out
 
-    def _timed_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], after_capture: bool = True) -> Any:
-        """A call through the captured graphs; where a guard fails, that code runs eagerly (untimed) and the next
-        call captures again. A call that fits every guard, and was not just captured, ends a streak of misses."""
+    def _timed_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], state: int | None,
+                    after_capture: bool = True) -> Any:
+        """A call through the captured graphs of ``state`` (``_EntryGuards.check``); where a guard fails, that code runs
+        eagerly (untimed: fewer graph calls than that state's) and the next call captures again. A call that fits
+        every guard, and was not just captured, ends a streak of misses."""
         before, start, self._gap = self.calls, time.perf_counter_ns(), None
         with torch.compiler.set_stance("eager_on_recompile"):
             out = self._compiled(*args, **kwargs)
         self._gap = None
-        if self.calls - before not in self._expected:
-            self._pending = "a guard failed"
+        if self.calls - before != self._expected.get(state):
+            self._pending, self._pending_for = "a guard failed", state  # captured again at that state's next call
             self._misses, self._streak, self.interruptions = self._misses + 1, self._streak + 1, self.interruptions + 1
             self.interrupted_by = "a call missed Dynamo's guards inside the forward and ran untimed"
         else:
@@ -811,36 +817,11 @@ class DynamoTimer(NodeTimer):
         for row, _sequence_nr, ns in self._recomputes:
             self.bwd[row].append(ns)
 
-    def _count_costs(self, captured: fx.GraphModule, example_inputs: list[Any]) -> None:
-        """FLOPs and bytes of each row of a captured graph, in a meta-device pass at capture time (never in a timed
-        step); the ops of one row add up. A graph whose pass fails leaves its rows without costs."""
-        try:
-            costs = count_costs(captured, tuple(example_inputs), self.training)
-        except Exception as error:  # the graph cannot go to the meta device: no FLOPs, timing goes on
-            self.costs_error = f"for a whole graph ({type(error).__name__}: {error})"
-            return
-        if costs.failed:
-            self.costs_error = f"for {costs.failed}"
-        row = None
-        for i, node in enumerate(n for n in captured.graph.nodes if is_timed(n)):
-            if row is None or not node.meta.get(JOINS):
-                row = self._rows.get((node.meta.get(ROW) or node_info(node)).name)
-                if row is None:
-                    continue
-                self._row_costs[row] = [0, 0, 0, 0]
-            totals = self._row_costs[row]  # a row one of whose ops was not counted has None
-            for k, (value, add) in enumerate(((costs.fwd_flops[i], True), (costs.bwd_flops[i], True),
-                                              (costs.out_bytes[i], False), (costs.fwd_bytes[i], True))):
-                if totals[k] is None or value is None:
-                    totals[k] = None
-                else:  # out bytes: the row's output, its last op's
-                    totals[k] = totals[k] + value if add else value
-
     def costs(self, training: bool | None = None) -> NodeCosts | None:
         """FLOPs and bytes per row (``NodeCosts`` over ``nodes``; None for a row no captured graph counted), counted
         for each graph at its capture's inputs (``training``: the timer's own mode, accepted for ``timers.Timer``)."""
         for captured, inputs in self._uncounted:
-            self._count_costs(captured, inputs)
+            _count_costs(self, captured, inputs)
         self._uncounted.clear()
         if not self._row_costs:
             return None
@@ -874,6 +855,32 @@ class DynamoTimer(NodeTimer):
     def drop_since(self, mark: tuple[Any, ...]) -> None:
         super().drop_since(mark[0])
         del self._recomputes[mark[1]:]
+
+
+def _count_costs(timer: DynamoTimer, captured: fx.GraphModule, example_inputs: list[Any]) -> None:
+    """FLOPs and bytes of each row of a captured graph, into ``timer``'s row costs, in a meta-device pass (never in
+    a timed step); the ops of one row add up. A graph whose pass fails leaves its rows without costs."""
+    try:
+        costs = count_costs(captured, tuple(example_inputs), timer.training)
+    except Exception as error:  # the graph cannot go to the meta device: no FLOPs, timing goes on
+        timer.costs_error = f"for a whole graph ({type(error).__name__}: {error})"
+        return
+    if costs.failed:
+        timer.costs_error = f"for {costs.failed}"
+    row = None
+    for i, node in enumerate(n for n in captured.graph.nodes if is_timed(n)):
+        if row is None or not node.meta.get(JOINS):
+            row = timer._rows.get((node.meta.get(ROW) or node_info(node)).name)
+            if row is None:
+                continue
+            timer._row_costs[row] = [0, 0, 0, 0]
+        totals = timer._row_costs[row]  # a row one of whose ops was not counted has None
+        for k, (value, add) in enumerate(((costs.fwd_flops[i], True), (costs.bwd_flops[i], True),
+                                          (costs.out_bytes[i], False), (costs.fwd_bytes[i], True))):
+            if totals[k] is None or value is None:
+                totals[k] = None
+            else:  # out bytes: the row's output, its last op's
+                totals[k] = totals[k] + value if add else value
 
 
 def _recompute_log(timer: DynamoTimer, body: fx.GraphModule) -> Callable[[int, int], None]:
