@@ -5,7 +5,8 @@
 Per model: the seconds of the first (capturing) call of ``DynamoTimer`` (Dynamo's trace, the eager and the graph
 call compared forward and backward, the call itself) against ``capture()`` of the torch.fx ladder; then, no_grad
 and with grad, what a timed call adds to the graph it runs (``guard_cost_us``: measured inside each call, at several
-Python stack depths), with the guard check and the stance alone. Models: an MLP of 100 blocks of Linear, LayerNorm
+Python stack depths), with the guard check and the stance alone, and ``DynamoTimer``'s own check of the guards before
+each timed call (``entry``, ``entry_check_us``). Models: an MLP of 100 blocks of Linear, LayerNorm
 and GELU (300 modules) and torchvision's ResNet18.
 """
 
@@ -136,6 +137,24 @@ def capture_seconds(model: nn.Module, x: torch.Tensor) -> tuple[float, float, in
     return timer.capture_s[0], time.perf_counter() - start, len(timer.nodes)
 
 
+def entry_check_us(model: nn.Module, x: torch.Tensor, grad: bool, calls: int = 400) -> float:
+    """Median us of ``DynamoTimer``'s own guard check before a timed call (``_EntryGuards.check``: which captured
+    state the call is in, so that a call in a new state is captured on that call), on a call that fits."""
+    timer = DynamoTimer(model.training, backward=False)
+    timer.install(model)
+    try:
+        with torch.set_grad_enabled(grad):
+            model(x)  # captured
+            samples = []
+            for _ in range(calls):
+                start = time.perf_counter_ns()
+                timer._entry.check((x,), {})
+                samples.append(time.perf_counter_ns() - start)
+    finally:
+        timer.uninstall(model)
+    return statistics.median(samples) / 1e3
+
+
 def main() -> None:
     args = parse_args(__doc__)
     rounds = 5 if args.quick else 50
@@ -151,12 +170,14 @@ def main() -> None:
         print(f"{name:<12} {modules:>7} {rows:>5} {dynamo_s:>17.2f} {fx_s:>13.2f}")
     print("\nPer timed call, median us: added = the call less its graph (guards, input gathering, stance); worst: at the "
           "worst stack depth; guard: the guard check alone; stance: the stance alone; graph: the graph inside the call")
-    print(f"{'model':<12} {'grad':>7} {'added':>8} {'worst':>8} {'guard':>8} {'stance':>7} {'graph':>9}")
+    print(f"{'model':<12} {'grad':>7} {'added':>8} {'worst':>8} {'guard':>8} {'stance':>7} {'graph':>9} {'entry':>7}")
     for name, model, x in models:
         for grad in (False, True):
             cost = guard_cost_us(model, x, rounds, grad)
+            torch._dynamo.reset()
+            entry = entry_check_us(model, x, grad)
             print(f"{name:<12} {'enabled' if grad else 'no_grad':>7} {cost['added']:>8.1f} {cost['worst']:>8.1f} "
-                  f"{cost['guard']:>8.1f} {cost['stance']:>7.1f} {cost['graph']:>9.1f}")
+                  f"{cost['guard']:>8.1f} {cost['stance']:>7.1f} {cost['graph']:>9.1f} {entry:>7.1f}")
 
 
 if __name__ == "__main__":
