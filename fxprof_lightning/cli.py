@@ -361,7 +361,7 @@ def run_report(path: Path, stage: str, last: int, layers: int, options: dict,
     if cycles[-1].unowned():
         lines += ["", *textwrap.wrap(f"Time no row owns in cycle {cycles[-1].index}: {_unowned(cycles[-1])}", WIDTH)]
     for cycle in (c for c in shown if c.dropped_steps or c.capture_s):
-        lines += textwrap.wrap(f"Not counted in cycle {cycle.index}: {cycle.dropped_text()}", WIDTH)
+        lines += textwrap.wrap(f"Left out of cycle {cycle.index}'s numbers: {cycle.dropped_text()}", WIDTH)
     regressions = [(c, r) for c in cycles for r in found[id(c)].regressions]
     lines.append("")
     if regressions:

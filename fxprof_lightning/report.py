@@ -489,7 +489,7 @@ class CycleReport:
         if self.phases:
             header += f". The whole step: {describe_phases(self.phases)}"
         if self.dropped_steps or self.capture_s:
-            header += f". Not counted: {self.dropped_text()}"
+            header += f". Left out of the numbers: {self.dropped_text()}"
         grand = sum(n.total_ms + n.bwd_total_ms for n in self.nodes) or 1.0
         lines = [
             header,

@@ -133,13 +133,13 @@ def test_pruning_at_an_epoch_end_is_captured_in_a_dropped_step(tmp_path, capsys)
         every_call_timed(cycle)
     # The user sees it in the console line, the Markdown and cycle.jsonl, and it reads back.
     assert "step 8 dropped (captured (a guard failed" in cycle_line(first, "FXProfilerCallback")
-    assert "Not counted: step 8 dropped" in first.to_markdown()
+    assert "Left out of the numbers: step 8 dropped" in first.to_markdown()
     summary = json.loads((first.directory / "cycle.jsonl").read_text().splitlines()[-1])
     assert list(summary["dropped_steps"]) == ["8"] and summary["capture_s"] == first.capture_s
     assert load_cycle(first.directory).dropped_steps == first.dropped_steps
     # and `fxprof report` says it too
     assert cli_main(["report", str(tmp_path / "fxprof")]) == 0
-    assert "Not counted in cycle 0: step 8 dropped (captured (a guard failed" in capsys.readouterr().out.replace("\n", " ")
+    assert "Left out of cycle 0's numbers: step 8 dropped (captured (a guard failed" in capsys.readouterr().out.replace("\n", " ")
 
 
 class TokenModel(nn.Module):
