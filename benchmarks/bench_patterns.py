@@ -37,6 +37,9 @@ Columns, one row per pattern and capture, (b) or (c) against (a):
         GCN's are PyG's, opened op by op).
     drop: recorded steps the run's cycles dropped because a capture ran in them (``CycleReport.dropped_steps``; each
         replaced by a later idle step; with those of a cycle that counted no step, named in its warning).
+    cover: in the last cycle, the node rows' forward per step (``forward_ms_per_step``) / the forward as the user
+        times it (the loss call in ``training_step``, mean over the counted steps), then the same with the named row
+        of what no row owns (``forward_wall_ms``: the timed calls whole); ``-`` for the GAN (its own training_step).
     cap s: ``sum(capture.capture_s)`` of the last cycle's capture.
     warn: warnings the callback raised in the run (texts naming ``FXProfilerCallback``; one of them is always "the
         Trainer has no logger", as ``logger=False``); those that mention
@@ -108,9 +111,13 @@ class Lit(pl.LightningModule):
         super().__init__()
         self.pattern = pattern
         self.model = pattern.build()
+        self.forward_ms: dict[int, float] = {}  # step -> ms of the loss call (the forward, as the user measures it)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self.pattern.loss(self.model, batch)
+        start = time.perf_counter_ns()
+        loss = self.pattern.loss(self.model, batch)
+        self.forward_ms[self.global_step] = (time.perf_counter_ns() - start) / 1e6
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.01, momentum=0.9)
@@ -515,7 +522,7 @@ def tensors(lit: pl.LightningModule) -> tuple[dict, dict, dict]:
 # ------------------------------------------------------------------ the table
 
 COLUMNS = [("pattern", 26), ("capture", 7), ("method", 24), ("rows", 5), ("graphs", 6), ("breaks", 6), ("recap", 5),
-           ("whole%", 6), ("timed", 7), ("drop", 4), ("W", 10), ("B", 10), ("G", 10), ("ckpt", 4), ("cap s", 6),
+           ("whole%", 6), ("timed", 7), ("drop", 4), ("cover", 9), ("W", 10), ("B", 10), ("G", 10), ("ckpt", 4), ("cap s", 6),
            ("warn", 4), ("error", 0)]
 
 
@@ -547,7 +554,7 @@ def row_for(pattern: Pattern, capture: str, ref: Run, run: Run, details: bool = 
     error = run.error or (f"run without the callback failed: {ref.error}" if ref.error else "")
     cycle = run.callback.cycles[-1] if run.callback is not None and run.callback.cycles else None
     how = cycle.capture if cycle is not None else None
-    rows = graphs = breaks = recaps = timed = dropped = "-"
+    rows = graphs = breaks = recaps = timed = dropped = coverage = "-"
     cap_s = whole = "-"
     if how is not None:
         row.method = how.method
@@ -557,6 +564,10 @@ def row_for(pattern: Pattern, capture: str, ref: Run, run: Run, details: bool = 
         whole = f"{row.whole:.1f}"
         layers = [n.calls for n in cycle.nodes if n.op == "call_module"]
         timed = f"{min(layers)}/{pattern.calls_per_step * len(cycle.steps)}" if layers else "-"  # (no torch.nn layer)
+        measured = [run.lit.forward_ms[step] for step in cycle.steps if step in getattr(run.lit, "forward_ms", {})]
+        if measured and len(measured) == len(cycle.steps):  # the loss call of the counted steps, as the user times it
+            user = sum(measured) / len(measured)
+            coverage = f"{cycle.forward_ms_per_step / user:.2f}/{(cycle.forward_wall_ms or 0) / user:.2f}"
         dropped = sum(len(c.dropped_steps) for c in run.callback.cycles) + sum(  # and cycles that counted no step
             len(re.findall(r"\d+", found)) for w in run.warnings for found in re.findall(r"counted no step: it dropped steps \[([\d, ]+)\]", w))
         cap_s = f"{sum(how.capture_s):.2f}"
@@ -574,7 +585,7 @@ def row_for(pattern: Pattern, capture: str, ref: Run, run: Run, details: bool = 
     if "hook_calls" in run.state or "hook_calls" in ref.state:
         a, b = len(ref.state.get("hook_calls", [])), len(run.state.get("hook_calls", []))
         notes.insert(0, f"hook calls: {b} with the callback, {a} without ({'same' if a == b else 'DIFFERENT'})")
-    text = line([pattern.name, capture, row.method, rows, graphs, breaks, recaps, whole, timed, dropped, row.weights,
+    text = line([pattern.name, capture, row.method, rows, graphs, breaks, recaps, whole, timed, dropped, coverage, row.weights,
                  row.buffers, row.grads, row.ckpt, cap_s, len(run.warnings), error[:120]])
     if details and how is not None:
         notes.append(f"capture: {how.describe()}")
