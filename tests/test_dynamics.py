@@ -15,7 +15,7 @@ import time
 
 import lightning.pytorch as pl
 import torch
-from helpers import make_trainer
+from helpers import make_trainer, notices
 from lightning.pytorch.callbacks import ModelPruning
 from test_sound_capture import _bitwise
 from torch import nn
@@ -419,3 +419,63 @@ def test_a_loop_that_stops_in_the_steps_recorded_in_place_of_dropped_ones_gather
     assert closed == [True]  # with the ranks' gather, as a cycle cut short anywhere else
     (cycle,) = prof.cycles
     assert cycle.steps == [5] and list(cycle.dropped_steps) == [4] and cycle.partial
+
+
+class Repeated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.repeats = nn.Linear(64, 64), 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.repeats):
+            y = self.lin(x)
+        return y
+
+
+class CountsSteps(nn.Module):
+    """Reads a step counter kept in a dict, as curricula and schedules do: a new constant for Dynamo at every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.heavy, self.head = nn.Linear(32, 64), Repeated(), nn.Linear(64, 4)
+        self.state = {"step": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.state["step"] += 1
+        scale = 1.0 + self.state["step"] * 0.0
+        return self.head(F.relu(self.heavy(self.first(x)))) * scale
+
+
+class LitCounts(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = CountsSteps()
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 30:
+            self.model.heavy.repeats = 6  # the planted slowdown: 6x the work of one layer from step 30
+        x, y = batch
+        return F.cross_entropy(self.model(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@notices("not the program eager runs")
+def test_a_step_counter_read_in_forward_leaves_the_cycles_sound_and_a_slowdown_flagged(tmp_path):
+    # Every call misses the guards and is captured again: three in a row, and the capture is given up for module
+    # hooks (the first cycle drops those three steps); no cycle holds a capture, so none looks distorted, and the
+    # layer made 6x slower from step 30 is flagged.
+    def loader():
+        generator = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(64 * 60, 32, generator=generator),
+                                        torch.randint(0, 4, (64 * 60,), generator=generator)), batch_size=64)
+
+    _, callback = fit_both(tmp_path, LitCounts, loader, steps=60, module="model", wait=4, warmup=1, active=3)
+    first = callback.cycles[0]
+    assert list(first.dropped_steps) == [5, 6, 7] and first.steps == [8, 9, 10]
+    assert all(c.capture.method == "module_hooks" for c in callback.cycles)
+    assert sum(1 for c in callback.cycles if c.distortion) <= 1, [c.distortion for c in callback.cycles]  # (load)
+    flagged = {r.node for c in callback.cycles[3:] for r in (*c.regressions, *c.unconfirmed)}
+    before = {r.node for c in callback.cycles[:3] for r in (*c.regressions, *c.unconfirmed)}
+    assert "module heavy.lin" in flagged and not before, (before, flagged)
