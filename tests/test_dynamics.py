@@ -461,7 +461,7 @@ class LitCounts(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-@notices("not the program eager runs")
+@notices("of CountsSteps (training mode) cannot be used")
 def test_a_step_counter_read_in_forward_leaves_the_cycles_sound_and_a_slowdown_flagged(tmp_path):
     # Every call misses the guards and is captured again: three in a row, and the capture is given up for module
     # hooks (the first cycle drops those three steps); no cycle holds a capture, so none looks distorted, and the
