@@ -110,11 +110,7 @@ class _Stage:
         """At the open cycle's last recorded step (``step``): record more steps in place of those it dropped
         (``Cycle.steps_wanted``), as long as the schedule leaves them idle; as many as the rank that dropped the most
         asks for, so that every rank records the same steps."""
-        wanted = self.open.steps_wanted(schedule.active) if self.open is not None else 0
-        if _distributed() and torch.distributed.get_world_size() > 1:
-            asked: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(asked, wanted)
-            wanted = max(asked)
+        wanted = max(_all_gather(self.open.steps_wanted(schedule.active) if self.open is not None else 0))
         more = []
         for later in range(step + 1, step + 1 + max(wanted, 0)):
             if schedule.action(later) is not ProfilerAction.NONE:
@@ -476,8 +472,7 @@ class Engine:
         ranges = [cycle.trace.ranges] if cycle is not None and cycle.trace is not None else []
         ranks = 1
         if gather and self.world_size > 1:
-            gathered: list[Any] = [None] * self.world_size
-            torch.distributed.all_gather_object(gathered, (nodes, ranges))
+            gathered = _all_gather((nodes, ranges))
             ranks = sum(1 for table, _ in gathered if table)
             nodes = merge_ranks([table for table, _ in gathered])
             ranges = [r for _, rank_ranges in gathered for r in rank_ranges]
@@ -759,6 +754,15 @@ def _type_name(module: nn.Module, path: str) -> str:
 
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _all_gather(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order (``[value]`` when not distributed)."""
+    if not _distributed() or torch.distributed.get_world_size() == 1:
+        return [value]
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, value)
+    return gathered
 
 
 def _broadcast(value: Any) -> Any:

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import fx
 
-__all__ = ["JOINS", "NESTS", "ROW", "TIMED_OPS", "UNTIMED", "Capture", "NodeInfo", "describe_target", "is_timed", "mark_untimed", "node_info"]
+__all__ = ["JOINS", "NESTS", "ROW", "TIMED_OPS", "UNTIMED", "Capture", "NodeInfo", "describe_target", "is_timed", "mark_untimed",
+           "module_stack", "node_info"]
 
 # Node kinds that run code worth timing; placeholders, get_attr and output only move references.
 TIMED_OPS = ("call_module", "call_function", "call_method")
@@ -54,6 +55,16 @@ class NodeInfo:
     module_path: str
     module_stack: tuple[str, ...] = ()
     source: str = ""  # an op outside every submodule: the user's function and line (``stack_rows (train.py:12)``)
+
+
+def module_stack(path: str) -> tuple[str, ...]:
+    """The module at ``path`` and those around it, outermost first (``NodeInfo.module_stack`` of a node it owns).
+
+    >>> module_stack("layer1.0.conv1")
+    ('layer1', 'layer1.0', 'layer1.0.conv1')
+    """
+    parts = path.split(".") if path else []
+    return tuple(".".join(parts[:i + 1]) for i in range(len(parts)))
 
 
 def describe_target(node: fx.Node) -> str:

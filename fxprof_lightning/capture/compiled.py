@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from fxprof_lightning.nodes import NodeInfo
+from fxprof_lightning.timing.node_timing import Uninterrupted
 
 if TYPE_CHECKING:
     from fxprof_lightning.nodes import Capture
@@ -198,7 +199,7 @@ class _Event:
 
 
 @dataclass
-class KernelTimer:
+class KernelTimer(Uninterrupted):
     """The rows and samples of a compiled module, read from a cycle's trace events (``read``).
 
     It has the interface of ``NodeTimer`` that the engine uses: ``nodes``, ``fwd``, ``bwd_ns``; nothing is
@@ -228,15 +229,6 @@ class KernelTimer:
     reads_trace_events = True  # the trace keeps its events for ``collect``
     device_times_from_trace = False
     without_events = ""
-    interruptions = 0  # nothing is captured while it times
-    interrupted_by = ""
-    capture_s: tuple[float, ...] = ()
-
-    def mark(self) -> None:
-        """(Never interrupted: nothing to drop.)"""
-
-    def drop_since(self, mark: None) -> None:
-        pass
 
     def collect(self, backward: Any, trace_events: list[tuple[str, int, int, int, int]]) -> str | None:
         """The rows and samples from the cycle's trace events (``read``); says so when no compiled graph ran."""

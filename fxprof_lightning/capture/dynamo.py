@@ -46,7 +46,17 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from fxprof_lightning.nodes import JOINS, NESTS, ROW, NodeInfo, describe_target, is_timed, mark_untimed, node_info
+from fxprof_lightning.nodes import (
+    JOINS,
+    NESTS,
+    ROW,
+    NodeInfo,
+    describe_target,
+    is_timed,
+    mark_untimed,
+    module_stack,
+    node_info,
+)
 from fxprof_lightning.timing.flops import NodeCosts, count_costs, float_grouped_mm_meta
 from fxprof_lightning.timing.node_timing import NodeTimer
 
@@ -208,8 +218,7 @@ def annotate_rows(graph_module: fx.GraphModule, names: dict[int, tuple[str, nn.M
     forward the graph's frame runs (its own ops have no ``nn_module_stack``), "" for the root.
     """
     taken: dict[str, int] = {}
-    parts = frame.split(".") if frame else []
-    outer = tuple(".".join(parts[:i + 1]) for i in range(len(parts)))  # the frame's module and those around it
+    outer = module_stack(frame)  # the frame's module and those around it
     previous_layer: str | None = None
     for node in graph_module.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module"):
@@ -224,10 +233,10 @@ def annotate_rows(graph_module: fx.GraphModule, names: dict[int, tuple[str, nn.M
             stack.append((path, call, int(ident) if ident.isdigit() else None, str(key)))
         path, call, ident, key = stack[-1] if stack else (frame, "", None, "")
         module = names[ident][1] if ident in names else None
-        module_stack = outer + tuple(p + (f"@{c}" if c else "") for p, c, _, _ in stack if p and p not in outer)
+        inside = outer + tuple(p + (f"@{c}" if c else "") for p, c, _, _ in stack if p and p not in outer)
         if module is not None and path and _is_layer(module):
             name = path.replace(".", "_") + (f"_{call}" if call else "")
-            node.meta[ROW] = NodeInfo(name, "call_module", path, path, module_stack)
+            node.meta[ROW] = NodeInfo(name, "call_module", path, path, inside)
             if previous_layer == key:
                 node.meta[JOINS] = True
             previous_layer = key
@@ -241,7 +250,7 @@ def annotate_rows(graph_module: fx.GraphModule, names: dict[int, tuple[str, nn.M
         count = taken.get(base, 0)
         taken[base] = count + 1
         name = base if count == 0 else f"{base}_{count}"
-        node.meta[ROW] = NodeInfo(name, node.op, describe_target(node), path, module_stack, source)
+        node.meta[ROW] = NodeInfo(name, node.op, describe_target(node), path, inside, source)
 
 
 def _user_line(node: fx.Node) -> tuple[str, str]:
@@ -252,8 +261,14 @@ def _user_line(node: fx.Node) -> tuple[str, str]:
         return "", ""
     file, line, _ = frames[-1]
     named = [f for _, _, f in frames if not f.startswith("<")]  # a comprehension's frame is its function's
-    function = re.sub(r"^torch_dynamo_resume_in_(.+)_at_\d+$", r"\1", named[-1] if named else frames[-1][2])
+    function = _resumed_from(named[-1] if named else frames[-1][2])
     return f"{function} ({file.rsplit('/', 1)[-1]}:{line})", "" if function in ("forward", "<module>") else function
+
+
+def _resumed_from(function: str) -> str:
+    """The user's function a Dynamo frame runs: a frame resumed after a graph break is named
+    ``torch_dynamo_resume_in_<function>_at_<line>``."""
+    return re.sub(r"^torch_dynamo_resume_in_(.+)_at_\d+$", r"\1", function)
 
 
 def _makes_tensors(node: fx.Node) -> bool:
@@ -1096,7 +1111,7 @@ def break_row(reason: Any, root: nn.Module | None) -> NodeInfo | None:
     frame = reason.user_stack[0]  # the frame whose graph broke
     modules = list(root.named_modules()) if root is not None else []
     runs = [(path, module) for path, module in modules if _runs_in(type(module).forward, frame)]
-    function = re.sub(r"^torch_dynamo_resume_in_(.+)_at_\d+$", r"\1", frame.name)
+    function = _resumed_from(frame.name)
     function = getattr(type(runs[0][1]).forward, "__qualname__", function) if runs else function
     where = f"{function} ({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})"
     code = linecache.getline(frame.filename, frame.lineno or 0).strip()
@@ -1105,8 +1120,7 @@ def break_row(reason: Any, root: nn.Module | None) -> NodeInfo | None:
         if runs := [path for path, module in modules if _runs_in(type(module).forward, inner)]:
             break
     path = runs[0] if len(runs) == 1 else ""
-    stack = tuple(".".join(path.split(".")[:i + 1]) for i in range(len(path.split(".")))) if path else ()
-    return NodeInfo(name, GRAPH_BREAK, reason.reason.splitlines()[0] if reason.reason else where, path, stack)
+    return NodeInfo(name, GRAPH_BREAK, reason.reason.splitlines()[0] if reason.reason else where, path, module_stack(path))
 
 
 def _runs_in(function: Any, frame: Any) -> bool:

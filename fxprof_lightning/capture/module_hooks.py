@@ -22,9 +22,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fxprof_lightning.nodes import NodeInfo
+from fxprof_lightning.nodes import NodeInfo, module_stack
 from fxprof_lightning.timing.autograd_walk import sequence_nr_now
-from fxprof_lightning.timing.node_timing import enter_range, exit_range
+from fxprof_lightning.timing.node_timing import Uninterrupted, enter_range, exit_range
 
 if TYPE_CHECKING:
     from fxprof_lightning.nodes import Capture
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["ModuleHookTimer"]
 
 
-class ModuleHookTimer:
+class ModuleHookTimer(Uninterrupted):
     """Self forward and backward time of every module of ``root``, measured with hooks (host time).
 
     With ``annotate``, each module call is also a ``record_function`` range named after the module.
@@ -47,22 +47,13 @@ class ModuleHookTimer:
     reads_trace_events = False
     device_times_from_trace = False  # host time per module (no node ranges for the trace's kernels)
     without_events = "are missing (module hooks take them from profiler events)"
-    interruptions = 0  # nothing is captured while it times
-    interrupted_by = ""
-    capture_s: tuple[float, ...] = ()
-
-    def mark(self) -> None:
-        """(Never interrupted: nothing to drop.)"""
-
-    def drop_since(self, mark: None) -> None:
-        pass
 
     def __init__(self, root: nn.Module, annotate: bool = False) -> None:
         self._annotate = annotate
         self.nodes: list[NodeInfo] = []
         self._index: dict[int, int] = {}
         for path, module in root.named_modules():
-            stack = tuple(".".join(path.split(".")[: i + 1]) for i in range(len(path.split(".")))) if path else ()
+            stack = module_stack(path)
             self._index[id(module)] = len(self.nodes)
             self.nodes.append(NodeInfo(path or "(root)", "module", type(module).__name__, path, stack))
         self._modules = [m for _, m in root.named_modules()]

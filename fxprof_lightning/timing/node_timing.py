@@ -58,7 +58,7 @@ from fxprof_lightning.timing.quiet import quiet_kineto
 if TYPE_CHECKING:
     from fxprof_lightning.nodes import Capture
 
-__all__ = ["ANCHOR", "BackwardEvents", "CudaClock", "NodeTimer", "enter_range", "exit_range"]
+__all__ = ["ANCHOR", "BackwardEvents", "CudaClock", "NodeTimer", "Uninterrupted", "enter_range", "exit_range"]
 
 # Name prefix of the anchor ranges ``NodeTimer(trace_ranges=True)`` opens at the start and end of each forward call;
 # numbered in threes, unique in the process (two timers' anchors may land in one trace).
@@ -158,6 +158,21 @@ def backward_durations(events: Any) -> list[tuple[int, int]]:
         if last >= 0:
             durations.append((last, duration))
     return durations
+
+
+class Uninterrupted:
+    """``timers.Timer``'s interruptions for a timer that captures nothing while it times (module hooks, a compiled
+    module's kernels): never interrupted, so a cycle never drops a step for it and there is nothing to forget."""
+
+    interruptions = 0  # nothing is captured while it times
+    interrupted_by = ""
+    capture_s: tuple[float, ...] = ()
+
+    def mark(self) -> None:
+        """(Never interrupted: nothing to drop.)"""
+
+    def drop_since(self, mark: None) -> None:
+        pass
 
 
 class _Samples:
