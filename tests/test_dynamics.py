@@ -245,19 +245,22 @@ def helper(x: torch.Tensor) -> torch.Tensor:
     return x + 1
 
 
-class WithHelper(nn.Module):
-    def __init__(self) -> None:
+class Around(nn.Module):
+    """A plain function of the user's between two layers: ``second(function(first(x)))``."""
+
+    def __init__(self, function, width: int) -> None:
         super().__init__()
-        self.first, self.second = nn.Linear(16, 32), nn.Linear(32, 4)
+        self.function = function
+        self.first, self.second = nn.Linear(16, width), nn.Linear(width, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.second(helper(self.first(x)))
+        return self.second(self.function(self.first(x)))
 
 
-class LitHelper(Classifier):
-    def __init__(self) -> None:
+class LitAround(Classifier):
+    def __init__(self, function, width: int) -> None:
         super().__init__()
-        self.model = WithHelper()
+        self.model = Around(function, width)
 
 
 class SlowFrom(pl.Callback):
@@ -278,7 +281,7 @@ def test_code_between_graphs_is_a_row_whose_slowdown_is_flagged_by_function_and_
     def slow_from_step_20():
         return [SlowFrom(20, 0.01)]
 
-    _, callback = fit_both(tmp_path, LitHelper, lambda: classifier_loader(36), steps=36, callbacks=slow_from_step_20,
+    _, callback = fit_both(tmp_path, lambda: LitAround(helper, 32), lambda: classifier_loader(36), steps=36, callbacks=slow_from_step_20,
                            module="model", wait=2, warmup=1, active=3, dirpath=tmp_path / "slow")
     assert len(callback.cycles) == 6
     for cycle in callback.cycles:
@@ -294,7 +297,7 @@ def test_code_between_graphs_is_a_row_whose_slowdown_is_flagged_by_function_and_
     for name, step in (("normal", 10**6), ("always_slow", 0)):
         pl.seed_everything(5, verbose=False)
         run = FXProfilerCallback(pictures=False, module="model", wait=2, warmup=1, active=3, dirpath=tmp_path / name)
-        make_trainer(tmp_path / f"{name}_logs", [run, SlowFrom(step, 0.01)], max_steps=12).fit(LitHelper(), classifier_loader(12))
+        make_trainer(tmp_path / f"{name}_logs", [run, SlowFrom(step, 0.01)], max_steps=12).fit(LitAround(helper, 32), classifier_loader(12))
     capsys.readouterr()
     status = cli_main(["compare", str(tmp_path / "normal"), str(tmp_path / "always_slow")])
     out = capsys.readouterr().out
@@ -306,19 +309,6 @@ def stack_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([r * 2 + 1 for r in x])  # a Python loop over rows: one op per row
 
 
-class RowLoop(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.second(stack_rows(self.first(x)))
-
-
-class LitRowLoop(Classifier):
-    def __init__(self) -> None:
-        super().__init__()
-        self.model = RowLoop()
 
 
 def test_ops_outside_every_submodule_are_named_by_the_users_function_and_line(tmp_path):
@@ -327,7 +317,7 @@ def test_ops_outside_every_submodule_are_named_by_the_users_function_and_line(tm
         return DataLoader(TensorDataset(torch.randn(64 * 8, 16, generator=generator),
                                         torch.randint(0, 4, (64 * 8,), generator=generator)), batch_size=64)
 
-    _, callback = fit_both(tmp_path, LitRowLoop, loader, steps=6, module="model", wait=1, warmup=1, active=3, repeat=1)
+    _, callback = fit_both(tmp_path, lambda: LitAround(stack_rows, 16), loader, steps=6, module="model", wait=1, warmup=1, active=3, repeat=1)
     (cycle,) = callback.cycles
     where = f"stack_rows (test_dynamics.py:{stack_rows.__code__.co_firstlineno + 1})"
     loop = [n for n in cycle.nodes if n.source == where]
