@@ -33,6 +33,7 @@ import copy
 import functools
 import inspect
 import linecache
+import os
 import random
 import re
 import sys
@@ -46,6 +47,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from fxprof_lightning.capture import side_effects
 from fxprof_lightning.nodes import (
     JOINS,
     NESTS,
@@ -82,7 +84,13 @@ GUARD_SETTINGS = {"skip_nnmodule_hook_guards": False,
                   # (Dynamo's default draws them from torch's: wav2vec2's SpecAugment masks would differ).
                   "use_numpy_random_stream": True,
                   # Dynamo skips a frame that runs an nn.RNN/LSTM/GRU by default; allowed, the RNN is one op of the graph.
-                  "allow_rnn": True}
+                  "allow_rnn": True,
+                  # A Python number the forward reads that changes between calls (a step counter in a module
+                  # attribute or a dict, a float annealed every step) becomes an input of the graph at its second
+                  # value, as torch.compile's automatic dynamic shapes do, instead of a constant guarded on (a capture
+                  # at every call). Dynamo's defaults keep nn.Module ints and all floats constants.
+                  "allow_unspec_int_on_nn_module": True,
+                  "specialize_float": False}
 
 
 # Python functions of torch that Dynamo puts into its graphs as one call, though they run many ops (the trace rule
@@ -658,8 +666,9 @@ class DynamoTimer(NodeTimer):
         hooks_now_eager = False
         if (attempt.breaks or attempt.difference) and not self._explored:
             attempt = self._explore(module, eager, state, args, kwargs, attempt)
-        if (attempt.difference is None and self._streak >= RECAPTURES_IN_A_ROW and not self._way.eager_hooks
-                and not self._way.follow and _hook_functions(module)):  # a hook may change what Dynamo guards on
+        hooks = _hook_functions(module) if not self._way.eager_hooks and not self._way.follow else ()
+        in_a_row, in_hooks = self._streak >= RECAPTURES_IN_A_ROW, _guarded_in(hooks, self._guard_failures)
+        if attempt.difference is None and hooks and (in_a_row or in_hooks):  # a hook changes what Dynamo guards on
             self._drop(attempt)
             self._way = replace(self._way, eager_hooks=True)
             self._streak = 0
@@ -676,8 +685,9 @@ class DynamoTimer(NodeTimer):
             reason = f"{reason}: {'; '.join(dict.fromkeys(firsts))}"
         self._guard_failures.clear()
         if hooks_now_eager:
-            reason += (f" ({RECAPTURES_IN_A_ROW} calls in a row, each right after a capture): from now on the model's "
-                       "forward hooks run eagerly, between graphs")
+            why = (f"{RECAPTURES_IN_A_ROW} calls in a row, each right after a capture" if in_a_row else
+                   "a guard on what a hook's code read")
+            reason += f" ({why}): from now on the model's forward hooks run eagerly, between graphs"
         if reason != "first call":
             self.recaptures.append(reason)
         self.interrupted_by = f"captured ({reason})"
@@ -1139,6 +1149,14 @@ OUTSIDE_GRAPHS = ("their parameters were given to no graph: a graph break inside
                   "that calls them eagerly")
 
 
+def _guarded_in(functions: tuple[Callable[..., Any], ...], failures: list[str]) -> bool:
+    """Whether a guard that failed was on a value read in one of ``functions`` (the model's hooks): Dynamo ends each
+    failure's lines with ``# file:line in function``."""
+    places = {(os.path.basename(f.__code__.co_filename), f.__code__.co_name) for f in functions}
+    return any((os.path.basename(path), name) in places
+               for failure in failures for path, name in re.findall(r"# (\S+):\d+ in (\w+)", failure))
+
+
 def _hooks_refusal(untimed: list[str]) -> str:
     shown = untimed[:5] + [f"{len(untimed) - 5} more"] * (len(untimed) > 5)
     return (f"with the model's forward hooks run eagerly, between graphs, {', '.join(shown)} ran outside Dynamo's "
@@ -1312,14 +1330,17 @@ def _same_state(a: Any, b: Any) -> bool:
 
 
 class _State:
-    """The module's buffers (the tensors and their values) and the random states, to put back after a checking call."""
+    """The module's buffers (the tensors and their values), the random states and the Python state its forward and
+    hooks can change (``side_effects``), to put back after a checking call."""
 
     def __init__(self, module: nn.Module) -> None:
         self.buffers = [(owner, name, tensor, tensor.detach().clone()) for owner in module.modules()
                         for name, tensor in owner._buffers.items() if tensor is not None]
         self.random_states = _random_states()
+        self.python = side_effects.kept(module)
 
     def restore(self) -> None:
+        self.python()
         with torch.no_grad():
             for owner, name, tensor, value in self.buffers:
                 owner._buffers[name] = tensor

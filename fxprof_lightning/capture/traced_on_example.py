@@ -54,6 +54,7 @@ from torch.fx._symbolic_trace import _assert_is_none
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
+from fxprof_lightning.capture import side_effects
 from fxprof_lightning.capture.leaves import (
     HOST_RANDOM,
     FunctionApply,
@@ -582,6 +583,7 @@ def _difference_on_example(module: nn.Module, graph_module: fx.GraphModule, exam
     outputs = []
     for run in (module.forward, graph_module):
         call = Example.copy_of(example.args, example.kwargs)
+        put_back = side_effects.kept(module)  # what the forward and its hooks change in Python: as before, after
         try:
             with _state_restored(module), torch.enable_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -589,6 +591,8 @@ def _difference_on_example(module: nn.Module, graph_module: fx.GraphModule, exam
                 outputs.append(tree_flatten(_opened(tree_map(_detached, output))))
         except Exception as error:
             return f"{'the graph' if outputs else 'the module'} failed on it: {short_error(error)}"
+        finally:
+            put_back()
     (expected, expected_spec), (got, got_spec) = outputs
     if expected_spec != got_spec:
         return f"the output's structure differs: {got_spec} instead of {expected_spec}"
