@@ -8,7 +8,8 @@ callback waits the whole run (wait longer than the fit: every step is idle). The
 forwards every hook to the callback as Lightning calls it (``getattr`` on the instance, so the idle stand-ins the
 callback puts on itself between cycles are what runs) and sums the ns spent in each per-step hook, less the cost of
 one timed forwarding measured on an empty callback the same way. Caches are as the model's step leaves them (the
-issue's 41 us/step came from there, not from a warm loop of hook calls). Goal: 10 us per idle step in all.
+issue's 41 us/step came from there, not from a warm loop of hook calls). Goal: 10 us per idle step in all. A third
+fit with ``watch_step_time=False`` gives what the step-time watch adds (``follow``).
 """
 
 from __future__ import annotations
@@ -121,6 +122,11 @@ def main() -> int:
         added_total += a - b
         print(f"  {name:28s} {a:14.2f} {b:15.2f} {a - b:8.2f}")
     print(f"  {'all hooks, added':28s} {added_total:39.2f} us/step (goal <= 10)")
+    # What following the job costs (issue 29): the step-time watch and the look for requests, in on_train_batch_end.
+    unwatched = fit(FXProfilerCallback(wait=10 * steps, warmup=1, active=1, pictures=False, watch_step_time=False), steps)
+    watch, bare = (max(result["on_train_batch_end"] / steps - overhead, 0.0) / 1e3 for result in (ours, unwatched))
+    print(f"  on_train_batch_end with the step-time watch / without (requests looked for in both): {watch:.2f} / "
+          f"{bare:.2f} us, the watch adds {watch - bare:.2f} us/step")
     return 0
 
 

@@ -42,7 +42,7 @@ IDLE_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward")
 # The engine's settings, checked when the callback is made: read them on ``callback.profiler``, never set afterwards.
 ENGINE_SETTINGS = frozenset({"schedule", "torch_profiler", "fx_timing", "profiler_kwargs", "top_k", "use_gzip", "keep_cycles",
                              "profile_validation", "module_depth", "backward_timing", "node_ranges", "ranks", "peaks",
-                             "pictures", "verbose", "capture"})
+                             "pictures", "verbose", "capture", "watch_step_time", "overhead_budget"})
 
 
 class FXProfilerCallback(Callback):
@@ -62,7 +62,7 @@ class FXProfilerCallback(Callback):
             ``val_cycle_NNNN`` directories, ``fxprof_val/...`` tags and ``val_cycles`` reports.
         skip_first, wait, warmup, active, repeat, torch_profiler, fx_timing, profiler_kwargs, top_k,
             use_gzip, keep_cycles, module_depth, backward_timing, node_ranges, ranks, peaks, pictures,
-            verbose, capture: as for
+            verbose, capture, watch_step_time, overhead_budget: as for
             ``Profiler`` (see the options table in docs/usage.md).
 
     Example:
@@ -97,6 +97,8 @@ class FXProfilerCallback(Callback):
         pictures: bool = True,
         verbose: bool = False,
         capture: str = "dynamo",
+        watch_step_time: bool = True,
+        overhead_budget: float | None = None,
     ) -> None:
         if module is not None and (not isinstance(module, str) or not module):
             raise ValueError(f"module must be a dotted attribute path such as 'model.backbone' or None, got {module!r}")
@@ -107,7 +109,8 @@ class FXProfilerCallback(Callback):
             torch_profiler=torch_profiler, fx_timing=fx_timing, profiler_kwargs=profiler_kwargs, dirpath=dirpath,
             top_k=top_k, use_gzip=use_gzip, keep_cycles=keep_cycles, profile_validation=profile_validation,
             module_depth=module_depth, backward_timing=backward_timing, node_ranges=node_ranges, ranks=ranks, peaks=peaks,
-            pictures=pictures, verbose=verbose, sinks=[], capture=capture,
+            pictures=pictures, verbose=verbose, sinks=[], capture=capture, watch_step_time=watch_step_time,
+            overhead_budget=overhead_budget,
         )
         self.profiler.name = type(self).__name__
         self._pl_module: pl.LightningModule | None = None
@@ -202,7 +205,8 @@ class FXProfilerCallback(Callback):
 
     # Idle steps: between cycles the schedule needs nothing but the count of steps. Lightning calls a callback's hooks
     # through the instance, so for those steps the per-step hooks are replaced on the instance by ``pl.Callback``'s
-    # empty ones and ``on_train_batch_end`` only counts; the first traced step gets the class's hooks back.
+    # empty ones and ``on_train_batch_end`` only counts and gives the step's end to the engine's watch (``follow``);
+    # the first traced step gets the class's hooks back.
 
     def _go_idle(self) -> None:
         # The last idle step runs the class's hooks: its on_train_batch_end starts the clock of the recorded step.
@@ -217,8 +221,12 @@ class FXProfilerCallback(Callback):
     def _count_idle_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         idle = self._idle  # (a plain object: setting its counter skips the callback's own __setattr__)
         idle.done += 1
-        if idle.done >= idle.left:  # the next step runs the class's hooks (the one after it is traced)
-            self._wake()
+        follow = self.profiler.follow  # (the step time and requests: at every idle step, so called directly)
+        trigger = follow.tick(self.profiler.step_num + idle.done - 1) if follow is not None else None
+        if trigger is not None:  # the cycle it plans begins with the next step
+            self.profiler.plan(trigger, self.profiler.step_num + idle.done - 1)
+        if trigger is not None or idle.done >= idle.left:  # the next step runs the class's hooks (the one after it
+            self._wake()  # is traced)
 
     def _catch_up(self) -> None:
         """Give the engine the idle steps that ended so far (it counts them as if their hooks had run)."""
@@ -287,7 +295,7 @@ class FXProfilerCallback(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._wake()
         self._close_clock()
-        self.profiler.stop_observing()  # a mode whose first call never came
+        self.profiler.timers.stop()  # the hooks waiting for a mode's first call that never came
 
     @override
     def state_dict(self) -> dict[str, Any]:

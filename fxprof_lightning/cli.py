@@ -3,6 +3,7 @@
     fxprof compare RUN_A RUN_B       # per-layer forward/backward deltas of B against A, beyond-noise marks
     fxprof report RUN                # cycles, trend of the slowest layers, regressions, advice
     fxprof report RUN --html [OUT]   # ... and the same as one self-contained page (default RUN/fxprof_report.html)
+    fxprof trigger DIR               # ask the running job writing DIR for a cycle now (``follow``)
     python -m fxprof_lightning ...   # the same
 
 A RUN is a cycle directory (it holds ``fx_nodes.csv``) or a directory holding cycle directories,
@@ -43,6 +44,7 @@ from fxprof_lightning.analysis.regressions import (
     shared_factor,
 )
 from fxprof_lightning.analysis.trust import step_spread
+from fxprof_lightning.follow import INDEX_FILE, read_lines, request_cycle
 from fxprof_lightning.layout import HTML_FILE
 from fxprof_lightning.outputs.formats import (
     BASELINE_CYCLES,
@@ -88,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fxprof", description="Per-layer timings that fxprof_lightning wrote: compare two runs, summarize one.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", metavar="{compare,report}")
+    commands = parser.add_subparsers(dest="command", metavar="{compare,report,trigger}")
     commands.required = True
 
     cmp = commands.add_parser(
@@ -119,6 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--html", nargs="?", const="", metavar="OUT.html",
                      help=f"also write the report as one self-contained HTML page (no network; default: RUN/{HTML_NAME})")
     _common(rep)
+
+    trig = commands.add_parser(
+        "trigger", help="ask a running job for a cycle now",
+        description=textwrap.fill("Ask the running job whose output directory is DIR (its dirpath: the directory "
+                                  "that holds its cycle_NNNN directories) for a cycle now, and print which cycle "
+                                  "answers. The job starts its warm-up within 2 steps of seeing the request; it looks "
+                                  "between training steps, every second at most. Exit status: 0 answered, 1 the job "
+                                  "ended or did not answer in time, 2 no profiled job ever ran with that DIR.", 80))
+    trig.add_argument("dir", metavar="DIR", help="the running job's dirpath")
+    trig.add_argument("--active", type=int, metavar="N", help="recorded steps (default: the job's schedule's)")
+    trig.add_argument("--reason", default="", metavar="TEXT", help="why, as the cycle's reports will say")
+    trig.add_argument("--timeout", type=float, default=60.0, metavar="S", help="seconds to wait for the answer (60)")
     return parser
 
 
@@ -138,6 +152,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # --help (0) or a usage error (2), already printed by argparse
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    if args.command == "trigger":
+        if args.active is not None and args.active < 1:
+            print(f"fxprof: error: --active must be at least 1, got {args.active}", file=sys.stderr)
+            return EXIT_USAGE
+        text, status = request_cycle(Path(args.dir), args.active, args.reason or "from the command line", args.timeout)
+        print(text, file=sys.stdout if status == 0 else sys.stderr)
+        return status
     try:
         for name in ("top", "last", "layers"):
             if getattr(args, name, 1) < 1:
@@ -361,7 +382,8 @@ def run_report(path: Path, stage: str, last: int, layers: int, options: dict,
     if cycles[-1].unowned():
         lines += ["", *textwrap.wrap(f"Time no row owns in cycle {cycles[-1].index}: {_unowned(cycles[-1])}", WIDTH)]
     for cycle in (c for c in shown if c.dropped_steps or c.capture_s):
-        lines += textwrap.wrap(f"Left out of cycle {cycle.index}'s numbers: {cycle.dropped_text()}", WIDTH)
+        lines += textwrap.wrap(f"Left out of cycle {cycle.label}'s numbers: {cycle.dropped_text()}", WIDTH)
+    lines += textwrap.wrap(_costs(cycles), WIDTH)
     regressions = [(c, r) for c in cycles for r in found[id(c)].regressions]
     lines.append("")
     if regressions:
@@ -434,8 +456,29 @@ def cycle_table(cycles: list[CycleReport], found: dict[int, Verdict]) -> list[st
         lines.append(
             f"{index:>7}  {steps:<13}  {forward:>11}  {backward:>11}  {ms_text(step) if step is not None else '':>9}  "
             f"{f'{100 * spread:.0f}%' if spread is not None else '':>6}  "
-            f"{len(regressions) if why is None else '-':>11}  {why or ''}".rstrip())
+            f"{len(regressions) if why is None else '-':>11}  {_note(why, c)}".rstrip())
     return lines
+
+
+def _costs(cycles: list[CycleReport]) -> str:
+    """What the run's training cycles cost, from its index of cycles (``follow.INDEX_FILE``; '' where none)."""
+    directory = cycles[-1].directory
+    costs = {line.get("cycle"): line for line in read_lines(directory.parent / INDEX_FILE)} if directory else {}
+    known = [costs[c.directory.name] for c in cycles if c.directory is not None and c.directory.name in costs]
+    if not known:
+        return ""
+    total = sum(float(line.get("cost_s") or 0.0) for line in known)
+    notes = [str(line["note"]) for line in read_lines(directory.parent / INDEX_FILE) if "note" in line]
+    cost = (f"What profiling cost: {total:.2f} s for {len(known)} cycle(s) (the last {float(known[-1]['cost_s']):.2f} s), "
+            f"{100 * float(known[-1].get('run_share') or 0.0):.2f}% of the run's wall time by its last cycle "
+            "(each cycle's wall time from its first step to its files written, less as many idle steps).")
+    return "".join(f"Step time: {note}. " for note in notes) + cost
+
+
+def _note(why: str | None, cycle: CycleReport) -> str:
+    """Why a cycle is left out of the comparisons, and why it ran when not by the schedule."""
+    trigger = shorten(cycle.trigger, 60) if cycle.trigger != "schedule" else ""
+    return "; ".join(part for part in (why, trigger) if part)
 
 
 def trend_table(cycles: list[CycleReport], layers: int) -> list[str]:

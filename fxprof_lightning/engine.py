@@ -36,6 +36,7 @@ from fxprof_lightning.analysis.roofline import Peaks, device_peaks
 from fxprof_lightning.capture.compiled import is_compiled
 from fxprof_lightning.capture.timers import CAPTURES, Timers
 from fxprof_lightning.cycle import Cycle
+from fxprof_lightning.follow import Follow, Trigger
 from fxprof_lightning.history import StageHistory
 from fxprof_lightning.layout import CYCLE_PREFIXES, DEFAULT_DIRPATH
 from fxprof_lightning.loop_phases import LoopClock
@@ -77,16 +78,21 @@ class _Stage:
     in_step: bool = False  # begin_step was called and end_step not yet
     cycles: list[CycleReport] = field(default_factory=list)
     directories: list[Path] = field(default_factory=list)  # written in this run, oldest first
-    last_index: int | None = None  # the cycle opened last, to name the pieces of a cut cycle
+    last_index: tuple[int, int] | None = None  # the cycle opened last (index, triggered), to name a cut cycle's pieces
     piece: int = 0
     history: StageHistory = field(default_factory=StageHistory)  # what the analysis remembers across cycles
     extra: list[int] = field(default_factory=list)  # steps the open cycle records in place of dropped ones (``_extend``)
+    planned: dict[int, ProfilerAction] = field(default_factory=dict)  # a cycle out of the schedule (``plan``)
+    trigger: Trigger | None = None  # why the planned (or next scheduled) cycle runs, when not the schedule alone
+    triggered: int = 0  # cycles out of the schedule so far (``-tN`` in their directories' names)
+    skipped: set[int | None] = field(default_factory=set)  # scheduled cycles the budget left out (``within``)
 
     def directory_for(self, dirpath: Path, index: int, taken: set[str]) -> Path:
         """The directory of the cycle ``index`` opening now (a new piece of a cycle cut earlier gets its own)."""
-        self.piece = self.piece + 1 if index == self.last_index else 0
-        self.last_index = index
-        directory = dirpath / cycle_name(CYCLE_PREFIXES[self.name], index, self.piece, taken)
+        triggered = self.triggered if self.planned else 0
+        self.piece = self.piece + 1 if (index, triggered) == self.last_index else 0
+        self.last_index = (index, triggered)
+        directory = dirpath / cycle_name(CYCLE_PREFIXES[self.name], index, self.piece, taken, triggered)
         directory.mkdir(parents=True, exist_ok=True)
         if not self.directories or self.directories[-1] != directory:
             self.directories.append(directory)
@@ -97,7 +103,78 @@ class _Stage:
         recorded steps it dropped (``extend``)."""
         if self.extra and self.extra[0] - 1 <= step <= self.extra[-1]:
             return ProfilerAction.RECORD_AND_SAVE if step == self.extra[-1] else ProfilerAction.RECORD
-        return schedule.action(step)
+        planned = self.planned.get(step)
+        if planned is not None:
+            return planned
+        return ProfilerAction.NONE if self.skipped and schedule.cycle_of(step) in self.skipped else schedule.action(step)
+
+    def plan(self, schedule: Schedule, trigger: Trigger, first: int) -> None:
+        """A cycle out of the schedule from step ``first``: the schedule's warm-up (at least one step: a capture
+        happens there) and ``trigger.active`` recorded steps (or the schedule's). Where the schedule traces one of
+        those steps, its cycle answers the trigger instead."""
+        warmup = max(schedule.warmup, 1)
+        steps = list(range(first, first + warmup + (trigger.active or schedule.active)))
+        if self.trigger is None:
+            self.trigger = trigger
+        if self.open is not None or self.planned or any(schedule.action(s) is not ProfilerAction.NONE for s in steps):
+            return
+        self.planned = {s: ProfilerAction.WARMUP if i < warmup else ProfilerAction.RECORD for i, s in enumerate(steps)}
+        self.planned[steps[-1]] = ProfilerAction.RECORD_AND_SAVE
+        self.triggered += 1
+
+    def watched(self, schedule: Schedule, follow: Follow, step: int) -> bool:
+        """``Engine.step_watched`` for the training stage: its idle steps are watched, and a trigger plans a cycle."""
+        if self.open is not None or self.planned or self.extra:
+            follow.skip()
+            return False
+        trigger = follow.tick(step)
+        if trigger is not None:
+            self.plan(schedule, trigger, step + 1)
+        return trigger is not None
+
+    def index_at(self, schedule: Schedule, step: int) -> int:
+        """The index of the cycle opening at ``step``: the schedule's; a planned cycle takes that of the scheduled
+        cycle it comes before (``cycle_0003-t1`` runs before ``cycle_0003``'s traced steps)."""
+        index = schedule.cycle_of(step)
+        if index is None:  # before skip_first, or after the last of ``repeat`` cycles
+            index = schedule.repeat if schedule.repeat and step >= schedule.skip_first else 0
+        return index
+
+    def traced(self, schedule: Schedule, index: int) -> dict[int, ProfilerAction]:
+        """The open cycle's warm-up and recorded steps, with their actions."""
+        if self.planned:
+            return dict(self.planned)
+        return {s: schedule.action(s) for s in schedule.traced_steps(index)}
+
+    def recorded(self, schedule: Schedule, index: int) -> list[int]:
+        return [s for s, action in self.traced(schedule, index).items() if action in RECORDING]
+
+    def opened(self, follow: Follow | None, schedule: Schedule, index: int, directory: Path) -> None:
+        """A cycle opens: the request it answers, if any, learns which (the ``trigger`` command waits for that); a
+        training cycle's cost is measured from now."""
+        if follow is not None and self.trigger is not None:
+            follow.answered(self.trigger, directory.name, self.recorded(schedule, index))
+        if follow is not None and self.name == "train":
+            follow.open(self.step)
+
+    def within(self, follow: Follow | None, schedule: Schedule, step: int) -> bool:
+        """At the first step of a scheduled training cycle (every rank): whether the budget lets it run; if not, its
+        steps are idle (the wait stretched by a cycle)."""
+        if (self.name != "train" or follow is None or follow.budget is None or self.open is not None or self.planned
+                or step != schedule.first_traced_step(schedule.cycle_of(step))):
+            return True
+        if follow.allows():
+            return True
+        self.skipped.add(schedule.cycle_of(step))
+        return False
+
+    def next_traced(self, schedule: Schedule) -> int | None:
+        """The first step from the next one that is traced (planned or scheduled)."""
+        scheduled = schedule.next_traced_step(self.step)
+        while scheduled is not None and schedule.cycle_of(scheduled) in self.skipped:  # (left out by the budget)
+            scheduled = schedule.next_traced_step(schedule.first_traced_step(schedule.cycle_of(scheduled) + 1))
+        planned = min((s for s in self.planned if s >= self.step), default=None)
+        return min((s for s in (scheduled, planned) if s is not None), default=None)
 
     def step_ended(self, schedule: Schedule, step: int, action: ProfilerAction) -> None:
         """After the open cycle's ``end_step``: at its last recorded step, ``extend`` it; then end the step in its trace."""
@@ -179,6 +256,8 @@ class Engine:
         verbose: bool = False,
         sinks: Sequence[Sink] | None = None,
         capture: str = "dynamo",
+        watch_step_time: bool = True,
+        overhead_budget: float | None = None,
     ) -> None:
         self.schedule = Schedule(skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat)
         _check_settings(module, torch_profiler, fx_timing, top_k, keep_cycles, module_depth, ranks, capture, peaks)
@@ -211,6 +290,8 @@ class Engine:
         self._backward_start: int | None = None
         self._clock: LoopClock | None = None  # the plain loop's phases (``Profiler``; the callback has its own)
         self._taken: set[str] = set()  # directory names in dirpath from earlier runs
+        self.watch_step_time, self.overhead_budget = watch_step_time, _check_budget(overhead_budget)
+        self.follow: Follow | None = None  # cycles out of the schedule: on request, on a jump of the step time
 
     @property
     def cycles(self) -> list[CycleReport]:
@@ -249,6 +330,8 @@ class Engine:
         self.timers.start(self.capture, self.backward_timing, self.torch_profiler and self.node_ranges, compiled)
         taken = sorted(p.name for p in self.dirpath.glob("*cycle_*")) if self.rank == 0 and self.dirpath.is_dir() else []
         self._taken = set(_broadcast(taken))
+        self.follow = Follow(self.watch_step_time, self.rank, self.world_size, self.overhead_budget)
+        self.follow.start(self.dirpath)
 
     def prepare(self, stage: str = "train") -> None:
         """Capture the module in its current mode before the stage's first timed step (or start recording a call)."""
@@ -275,7 +358,7 @@ class Engine:
         if state is None or state.open is not None or state.in_step or state.extra:  # (extra: also where profiling failed)
             return 0
         # By the schedule alone, also when profiling failed: a cycle's last step still takes part in the gather.
-        traced = self.schedule.next_traced_step(state.step)
+        traced = state.next_traced(self.schedule)
         return IDLE_FOREVER if traced is None else traced - state.step
 
     def skip_idle_steps(self, count: int, stage: str = "train") -> None:
@@ -309,6 +392,18 @@ class Engine:
         state.in_step = False
         step, state.step = state.step, state.step + 1
         self._lifecycle(state, "end", step)
+        if state is self._train:
+            self.step_watched(step)
+
+    def step_watched(self, step: int) -> bool:
+        """The end of training step ``step`` for ``follow.Follow``; True when it planned a cycle out of the schedule.
+        (A driver that skips idle steps' ``end_step`` calls gives each to ``follow.tick`` and its trigger to ``plan``.)"""
+        return self.follow is not None and self._enabled and self._train.watched(self.schedule, self.follow, step)
+
+    def plan(self, trigger: Trigger, step: int) -> None:
+        """A cycle out of the schedule from the step after ``step`` (``follow.Follow.tick``'s trigger)."""
+        if self._enabled:
+            self._train.plan(self.schedule, trigger, step + 1)
 
     def end_stage(self, stage: str = "train") -> None:
         """The loop of ``stage`` stopped (or paused): write a cycle it left before its last recorded step."""
@@ -340,8 +435,11 @@ class Engine:
         self.timers.stop()
         if self.rank == 0 and not self._train.cycles and (why := _nothing_recorded(self.schedule, self._train.step)):
             self.warn(why)
+        if self.follow is not None:
+            self.follow.end(self.dirpath)
         if self.rank == 0:
-            run = RunSummary(self._train.cycles, self.dirpath, self.display())
+            cost = (self.follow.cost_s, self.follow.share()) if self.follow is not None else None
+            run = RunSummary(self._train.cycles, self.dirpath, self.display(), cost)
             for sink in self.sinks:
                 self._safely("closing a sink", sink.close, run)
 
@@ -398,6 +496,8 @@ class Engine:
     def _lifecycle(self, stage: _Stage, edge: str, step: int) -> None:
         """Do what ``LIFECYCLE`` says for this edge of ``step``, each part under the failure policy."""
         action = stage.action(self.schedule, step)
+        if edge == "begin" and action is not ProfilerAction.NONE and not stage.within(self.follow, self.schedule, step):
+            action = ProfilerAction.NONE
         for work in LIFECYCLE.get((edge, action), ()):
             if work == "collect" and self._enabled:
                 self._safely("starting a profiled step", self._start_collecting, stage, action)
@@ -422,7 +522,7 @@ class Engine:
         cycle.begin_step(self.target, recording, stage is self._train and recording, self.warn)
 
     def _open_cycle(self, stage: _Stage) -> Cycle:
-        index = self.schedule.cycle_of(stage.step)
+        index = stage.index_at(self.schedule, stage.step)
         directory = stage.directory_for(self.dirpath, index, self._taken)
         # Capture first: tracing on a recorded call runs the module, which no trace should record.
         timer, how = self.timers.for_module(self.target) if self._fx_on else (None, None)
@@ -432,7 +532,8 @@ class Engine:
                       f"(the module is in {'training' if self.target.training else 'eval'} mode for both): its nodes are "
                       "not timed. Switch the module to eval mode before entering validation().")
             timer, how = None, None
-        trace = self._trace_for(stage, other, index, directory, timer)
+        trace = _trace_for(self, stage, other, index, directory, timer)
+        stage.opened(self.follow, self.schedule, index, directory)
         if how is not None and self.timers.waiting_for_first_call(self.target.training):
             self.warn(f"torch.fx could not trace {type(self.target).__name__} whole, so it is timed by "
                       f"{how.describe()} in this cycle, which starts at its first call; later cycles are traced on "
@@ -442,28 +543,11 @@ class Engine:
             trace.node_ranges = cycle.node_ranges
         return cycle
 
-    def _trace_for(self, stage: _Stage, other: _Stage, index: int, directory: Path, timer: Any) -> CycleTrace | None:
-        """The cycle's torch.profiler session, when this rank traces and no other profiler runs."""
-        if not self.torch_profiler or (self.ranks is not None and self.rank not in self.ranks):
-            return None
-        if other.open is not None and (other.open.trace is not None or other.open.backward_events is not None):
-            self.warn(f"a {other.name} cycle's profiler is still running, so {stage.name} steps {stage.step}+ get "
-                      "node timing only (one profiler runs at a time)")
-            return None
-        if torch._C._autograd._profiler_enabled():
-            self.warn("another profiler is running, so this cycle writes no trace (starting one would cancel it); "
-                      "node timing goes on")
-            return None
-        # The cycle opens at whichever of its traced steps comes first (normally its first).
-        steps = [s for s in self.schedule.traced_steps(index) if s >= stage.step]
-        actions = {s: self.schedule.action(s) for s in steps}
-        from_trace = timer is not None and timer.reads_trace_events  # rows from all the events, not autograd nodes
-        return CycleTrace(actions, directory, f"rank{self.rank}", self.use_gzip, self.profiler_kwargs,
-                          backward_events=self._fx_on and not from_trace, keep_events=from_trace)
-
     def _close_cycle(self, stage: _Stage, gather: bool) -> None:
         cycle, stage.open = stage.open, None
         extra, stage.extra = stage.extra, []
+        recorded = len(stage.recorded(self.schedule, cycle.index)) if cycle is not None else 0
+        trigger, stage.trigger, stage.planned = stage.trigger, None, {}
         nodes = None
         if cycle is not None:
             cycle.stop_trace(self.warn)
@@ -485,14 +569,17 @@ class Engine:
             stage.drop(cycle)
             return
         report = cycle.report(stage.name, nodes or [], ranges, max(ranks, 1),
-                              partial=cycle.cut_short(len(self.schedule.recorded_steps(cycle.index)) + len(extra)),
+                              partial=cycle.cut_short(recorded + len(extra)),
                               type_name=functools.partial(_type_name, self.target))
+        report.trigger = trigger.text() if trigger is not None else "schedule"
         if report.nodes and self.rank == 0:
             self._safely("analysing a cycle", self._analyse, stage, report)
             display = self.display()
             for sink in self.sinks:
                 sink.write_cycle(report, display)
             report.pictures.clear()  # written: a long run keeps no image bytes
+        if stage is self._train and self.follow is not None:
+            self.follow.closed(stage.step - 1, report)
         stage.cycles.append(report)
         stage.forget_old_cycles(self.keep_cycles, self.rank)
 
@@ -500,27 +587,8 @@ class Engine:
         """What the report says beyond its tables: tracked nodes (validation's: training's, once known), roofline,
         trust, regressions, advice (rank 0). A raised peak: a measured one a node beat was too low."""
         tracked = self._train.history.tracked if stage is self._val else None
-        self.peaks = stage.history.analyse(report, self._device_peaks(), self.top_k, tracked) or self.peaks
-
-    def _device_peaks(self) -> Peaks | None:
-        """The given peaks, or the target's device's, measured once (and cached across runs). A known GPU
-        starts from its spec sheet's peaks (no micro-benchmark before the first cycle's report); the next
-        cycle measures them."""
-        spec_sheet = self.peaks is not None and self.peaks is not False and self.peaks.source == "spec sheet"
-        if self.peaks is None or spec_sheet:
-            parameter = next(self.target.parameters(), None) if self.target is not None else None
-            device = parameter.device if parameter is not None and parameter.device.type != "meta" else torch.device("cpu")
-            try:
-                self.peaks = device_peaks(device, calibrate=spec_sheet)
-            except Exception as error:  # no roofline, the rest goes on
-                self.warn(f"could not measure the device's peaks for the roofline ({type(error).__name__}: {error}); "
-                          "give them as peaks=Peaks(gflops_per_s=..., gbytes_per_s=...)")
-                self.peaks = False
-        return self.peaks or None
-
-    def stop_observing(self) -> None:
-        """Remove the hooks waiting for a mode's first call (a mode whose first call never came)."""
-        self.timers.stop()
+        self.peaks = _device_peaks(self.target, self.peaks, self.warn)
+        self.peaks = stage.history.analyse(report, self.peaks or None, self.top_k, tracked) or self.peaks
 
     # ------------------------------------------------------------ failures
 
@@ -578,6 +646,13 @@ class Profiler(Engine):
         pictures: draw the slowest layers, the module tree and the trend (needs matplotlib).
         verbose: the console sink prints every cycle's full tables, not one line.
         sinks: where cycle reports go (default ``[CsvSink(), PictureSink(), ConsoleSink()]``); see ``sinks``.
+        overhead_budget: the share of the run's wall time profiling may cost (0.01: 1%; None, the default: the
+            schedule as given). A scheduled cycle whose first step comes while the cycles so far cost more is left
+            out (its steps idle), and so is a cycle the step time would start. ``CycleReport.cost_s`` and
+            ``fxprof_cycles.jsonl`` say what each cost.
+        watch_step_time: start a cycle out of the schedule when the step time jumps (``follow.StepWatch``: several
+            steps in a row beyond the noise of the last few hundred; never a single slow step). A request from
+            another shell (``python -m fxprof_lightning trigger DIR``) starts one whatever this says.
         capture: how the module's forward becomes a timed graph: ``"dynamo"`` (the default: Dynamo captures it,
             each capture verified against eager forward and backward, recaptured when a guard fails;
             ``dynamo_capture``) or ``"fx"`` (the torch.fx capture ladder, ``capture``; FSDP2-sharded models
@@ -693,7 +768,7 @@ class Profiler(Engine):
         self._val.step = int(state_dict.get("val_step", 0))
 
 
-def cycle_name(prefix: str, index: int, piece: int, taken: set[str]) -> str:
+def cycle_name(prefix: str, index: int, piece: int, taken: set[str], triggered: int = 0) -> str:
     """``cycle_0003`` (``-p1`` for the second piece of a cut cycle), with ``-r1``, ``-r2``... only when an
     earlier run in the same directory took that name.
 
@@ -701,7 +776,7 @@ def cycle_name(prefix: str, index: int, piece: int, taken: set[str]) -> str:
         >>> cycle_name("cycle_", 3, 0, {"cycle_0003"}), cycle_name("cycle_", 4, 0, {"cycle_0003"})
         ('cycle_0003-r1', 'cycle_0004')
     """
-    name = f"{prefix}{index:04d}" + (f"-p{piece}" if piece else "")
+    name = f"{prefix}{index:04d}" + (f"-t{triggered}" if triggered else "") + (f"-p{piece}" if piece else "")
     run = 0
     while (f"{name}-r{run}" if run else name) in taken:
         run += 1
@@ -729,6 +804,13 @@ def _check_settings(module: Any, torch_profiler: bool, fx_timing: bool, top_k: A
                          f"None (measure them), got {peaks!r}")
 
 
+def _check_budget(budget: Any) -> float | None:
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 < budget < 1):
+        raise ValueError(f"overhead_budget must be a share of the run's wall time between 0 and 1 (0.01: 1%) or None "
+                         f"(no budget: the schedule as given), got {budget!r}")
+    return budget
+
+
 def _check_int(name: str, value: Any, minimum: int, alternative: str = "") -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}{' ' + alternative if alternative else ''}, got {value!r}")
@@ -743,6 +825,42 @@ def _nothing_recorded(schedule: Schedule, steps: int) -> str | None:
     return (f"stopped after {steps} step(s), before any recorded step (the first is step {first[0] if first else '?'}: "
             f"skip_first={schedule.skip_first}, wait={schedule.wait}, warmup={schedule.warmup}), so .cycles is empty; "
             "run more steps or lower wait/skip_first")
+
+
+def _trace_for(engine: Engine, stage: _Stage, other: _Stage, index: int, directory: Path, timer: Any) -> CycleTrace | None:
+    """The cycle's torch.profiler session, when this rank traces and no other profiler runs (``Engine._open_cycle``)."""
+    if not engine.torch_profiler or (engine.ranks is not None and engine.rank not in engine.ranks):
+        return None
+    if other.open is not None and (other.open.trace is not None or other.open.backward_events is not None):
+        engine.warn(f"a {other.name} cycle's profiler is still running, so {stage.name} steps {stage.step}+ get "
+                    "node timing only (one profiler runs at a time)")
+        return None
+    if torch._C._autograd._profiler_enabled():
+        engine.warn("another profiler is running, so this cycle writes no trace (starting one would cancel it); "
+                    "node timing goes on")
+        return None
+    # The cycle opens at whichever of its traced steps comes first (normally its first).
+    actions = {s: action for s, action in stage.traced(engine.schedule, index).items() if s >= stage.step}
+    from_trace = timer is not None and timer.reads_trace_events  # rows from all the events, not autograd nodes
+    return CycleTrace(actions, directory, f"rank{engine.rank}", engine.use_gzip, engine.profiler_kwargs,
+                      backward_events=engine._fx_on and not from_trace, keep_events=from_trace)
+
+
+def _device_peaks(target: nn.Module | None, peaks: Peaks | None | bool, warn: Callable[[str], None]) -> Peaks | bool | None:
+    """The given peaks, or the target's device's, measured once (and cached across runs; False: could not be). A
+    known GPU starts from its spec sheet's peaks (no micro-benchmark before the first cycle's report); the next
+    cycle measures them."""
+    spec_sheet = peaks is not None and peaks is not False and peaks.source == "spec sheet"
+    if peaks is None or spec_sheet:
+        parameter = next(target.parameters(), None) if target is not None else None
+        device = parameter.device if parameter is not None and parameter.device.type != "meta" else torch.device("cpu")
+        try:
+            return device_peaks(device, calibrate=spec_sheet)
+        except Exception as error:  # no roofline, the rest goes on
+            warn(f"could not measure the device's peaks for the roofline ({type(error).__name__}: {error}); "
+                 "give them as peaks=Peaks(gflops_per_s=..., gbytes_per_s=...)")
+            return False
+    return peaks
 
 
 def _type_name(module: nn.Module, path: str) -> str:

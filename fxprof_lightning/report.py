@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 import statistics
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -343,6 +344,13 @@ class CycleReport:
             ``active`` steps in all (``steps`` lists the steps it counts).
         capture_s: seconds spent capturing the module (and checking each capture against eager) in the cycle's
             warm-up and dropped steps: the cost of the capture, in no step, phase or node time.
+        trigger: why the cycle ran: ``schedule``; ``request: <reason>`` (``python -m fxprof_lightning trigger``); or
+            ``anomaly: <figures>`` (the step time jumped between cycles; ``follow``). A cycle out of the schedule is
+            ``label`` ``3-t1`` (the first before scheduled cycle 3), in ``cycle_0003-t1``.
+        cost_s: what the cycle cost the run, in seconds: the wall time from its first step to its report written
+            (capture, timing, trace export, analysis, pictures, files), less as many idle steps (their median);
+            None until the sinks have written the cycle (it is in the run's ``fxprof_cycles.jsonl``, not in
+            ``cycle.jsonl``).
         pictures: PNG images by tag (``fxprof/slowest_layers``...), rendered once for every sink that wants them
             and emptied when the sinks are done (the PNG files stay in ``directory``).
     """
@@ -375,6 +383,18 @@ class CycleReport:
     batch_size: int | None = None
     dropped_steps: dict[int, str] = field(default_factory=dict)
     capture_s: float = 0.0
+    trigger: str = "schedule"
+    cost_s: float | None = None
+
+    @property
+    def label(self) -> str:
+        """The cycle's name in text: its index, with ``-tN`` for a cycle out of the schedule (its directory's).
+
+        >>> CycleReport(3, [5], directory=Path("fxprof/cycle_0003-t1")).label
+        '3-t1'
+        """
+        found = re.search(r"-t(\d+)", self.directory.name) if self.directory is not None else None
+        return f"{self.index}-t{found[1]}" if found else str(self.index)
 
     @property
     def forward_ms_per_step(self) -> float:
@@ -414,7 +434,7 @@ class CycleReport:
             "distortion": self.distortion, "tracked": self.tracked,
             "trace_files": [p.name for p in self.trace_paths], "device": self.device, "peaks": self.peaks, "phases": self.phases,
             "batch_size": self.batch_size, "dropped_steps": {str(step): why for step, why in self.dropped_steps.items()},
-            "capture_s": self.capture_s,
+            "capture_s": self.capture_s, "trigger": self.trigger,
         }
 
     def dropped_text(self) -> str:
@@ -468,7 +488,9 @@ class CycleReport:
         stage = "Validation cycle" if self.stage == "val" else "Cycle"
         over_ranks = f", mean over {self.ranks} ranks" if self.ranks > 1 else ""
         straggler = self.ranks > 1
-        header = f"{stage} {self.index}{' (partial)' if self.partial else ''}, {step_range}: forward {self.forward_ms_per_step:.3f} ms"
+        header = f"{stage} {self.label}{' (partial)' if self.partial else ''}, {step_range}"
+        header += f" ({self.trigger})" if self.trigger != "schedule" else ""
+        header += f": forward {self.forward_ms_per_step:.3f} ms"
         if self.backward_ms_per_step:
             header += f", backward {self.backward_ms_per_step:.3f} ms"
             if self.backward_wall_ms:

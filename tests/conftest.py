@@ -21,7 +21,7 @@ def _seed():
 
 # The slow tier: files whose tests run whole trainings of thousands of steps, subprocesses or process groups.
 # `pytest -m "not slow"` is the quick edit-test loop; CI runs everything.
-SLOW_FILES = {"test_long_runs.py", "test_model_zoo.py", "test_benchmarks.py", "test_distributed.py", "test_fsdp2.py",
+SLOW_FILES = {"test_long_runs.py", "test_follow.py", "test_model_zoo.py", "test_benchmarks.py", "test_distributed.py", "test_fsdp2.py",
               "test_quiet.py", "test_browser.py", "test_compiled.py", "test_tensorboard_plugin.py"}
 
 

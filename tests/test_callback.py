@@ -82,7 +82,7 @@ def test_module_runs_its_own_forward_outside_traced_steps(profiled_run):
 def test_cycle_directories_hold_one_trace_and_the_csv(profiled_run):
     root, _, callback, _ = profiled_run
     fxprof = root / "logs" / "version_0" / "fxprof"
-    assert sorted(p.name for p in fxprof.iterdir()) == ["cycle_0000", "cycle_0001"]
+    assert sorted(p.name for p in fxprof.iterdir()) == ["cycle_0000", "cycle_0001", "fxprof_cycles.jsonl", "fxprof_job.json"]  # and the run's own files
     assert (fxprof / "cycle_0001" / "trend.png").read_bytes().startswith(b"\x89PNG")  # the last cycle's, at the end
     for cycle in callback.cycles:
         assert cycle.directory == fxprof / f"cycle_{cycle.index:04d}"

@@ -179,7 +179,7 @@ def test_every_rank_records_the_same_steps_and_the_gathered_table(ddp_run):
 def test_each_cycle_directory_holds_one_trace_per_rank(ddp_run):
     root, reports = ddp_run
     fxprof = root / "logs" / "version_0" / "fxprof"  # rank 0's log_dir, broadcast to rank 1
-    assert sorted(p.name for p in fxprof.iterdir()) == ["cycle_0000", "cycle_0001"]
+    assert sorted(p.name for p in fxprof.iterdir()) == ["cycle_0000", "cycle_0001", "fxprof_cycles.jsonl", "fxprof_job.json"]
     for cycle in reports[0]["cycles"]:
         directory = fxprof / f"cycle_{cycle['index']:04d}"
         assert cycle["directory"] == str(directory)

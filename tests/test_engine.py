@@ -143,7 +143,7 @@ def test_validation_without_profile_validation_is_only_paused_training(tmp_path)
         prof.step()
     assert [c.steps for c in prof.cycles] == [[1]] and prof.val_cycles == []
     assert all(n.calls == 1 for n in prof.cycles[0].nodes)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cycle_0000"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cycle_0000", "fxprof_cycles.jsonl", "fxprof_job.json"]
 
 
 def test_a_call_in_the_other_mode_runs_the_modules_own_forward(tmp_path):

@@ -53,8 +53,8 @@ def test_validation_batches_get_their_own_schedule_and_directories(tmp_path):
         assert len(cycle.trace_paths) == 1 and (cycle.directory / "fx_nodes.csv").exists()
     fxprof = tmp_path / "logs" / "version_0" / "fxprof"
     assert sorted(p.name for p in fxprof.iterdir()) == [
-        "cycle_0000", "cycle_0001", "cycle_0002", "cycle_0003", "val_cycle_0000", "val_cycle_0001-p1",
-        "val_cycle_0002",
+        "cycle_0000", "cycle_0001", "cycle_0002", "cycle_0003", "fxprof_cycles.jsonl", "fxprof_job.json", "val_cycle_0000",
+        "val_cycle_0001-p1", "val_cycle_0002",
     ]
     log_dir = tmp_path / "logs" / "version_0"
     assert scalar_steps(log_dir, "fxprof_val/forward_ms_per_step") == [3, 7, 11]

@@ -87,8 +87,8 @@ def test_lightning_quickstart_runs_as_written(tmp_path):
     # What the README says it gives: two cycles of 3 recorded steps, each with its files, and the last one's table.
     assert "FXProfilerCallback: cycle 1, steps 55-57" in run.stdout + run.stderr
     fxprof = tmp_path / "lightning_logs" / "version_0" / "fxprof"
-    assert sorted(p.name for p in fxprof.iterdir()) == ["cycle_0000", "cycle_0001"]
-    for cycle in fxprof.iterdir():
+    assert sorted(p.name for p in fxprof.iterdir()) == ["cycle_0000", "cycle_0001", "fxprof_cycles.jsonl", "fxprof_job.json"]
+    for cycle in fxprof.glob("cycle_*"):
         assert (cycle / "fx_nodes.csv").is_file() and list(cycle.glob("rank0.*.pt.trace.json.gz"))
     rows = [line for line in run.stdout.splitlines() if line.startswith("| `")]
     assert {row.split("|")[1].strip() for row in rows} == {"`0`", "`1`", "`2`"}  # Linear, ReLU, Linear

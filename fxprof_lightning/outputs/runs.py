@@ -38,6 +38,7 @@ SUMMARY_FIELDS = {  # taken from the summary as they are, when present: name -> 
     "forward_wall_ms": (int, float, type(None)), "step_ms": (list,), "step_cpu_ms": (list,), "advice": (list,),
     "distortion": (str, type(None)), "tracked": (list,), "phases": (dict,), "peaks": (str, type(None)),
     "batch_size": (int, type(None)), "dropped_steps": (dict,), "capture_s": (int, float),
+    "trigger": (str,),
 }
 
 

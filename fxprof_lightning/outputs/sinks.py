@@ -84,6 +84,7 @@ class RunSummary:
     cycles: list[CycleReport]
     dirpath: Path
     display: Display = field(default_factory=Display)
+    cost: tuple[float, float] | None = None  # what the cycles cost: seconds, share of the run's wall time
 
 
 class Sink(Protocol):
@@ -315,15 +316,16 @@ class ConsoleSink:
 
     def close(self, run: RunSummary) -> None:
         if run.cycles:
-            print(summary(run.cycles, run.display.name, run.dirpath, self.logdir or run.dirpath))
+            print(summary(run.cycles, run.display.name, run.dirpath, self.logdir or run.dirpath, run.cost))
 
 
 def cycle_line(report: CycleReport, name: str) -> str:
     """One line about a cycle: steps, ms per step, the slowest node, regressions, distortion."""
     stage = "validation cycle" if report.stage == "val" else "cycle"
     partial = " (partial)" if report.partial else ""
-    line = (f"{name}: {stage} {report.index}{partial}, steps {report.steps[0]}-{report.steps[-1]}: "
-            f"forward {report.forward_ms_per_step:.2f} ms")
+    line = f"{name}: {stage} {report.label}{partial}, steps {report.steps[0]}-{report.steps[-1]}"
+    line += f" ({report.trigger})" if report.trigger != "schedule" else ""
+    line += f": forward {report.forward_ms_per_step:.2f} ms"
     if report.backward_ms_per_step:
         line += f", backward {report.backward_ms_per_step:.2f} ms"
     line += " per step"
@@ -346,10 +348,13 @@ def cycle_line(report: CycleReport, name: str) -> str:
     return line
 
 
-def summary(cycles: list[CycleReport], name: str, out_dir: Path, logdir: str | os.PathLike) -> str:
-    """The end-of-run text: how many cycles, the slowest nodes of the last one, where the traces are."""
+def summary(cycles: list[CycleReport], name: str, out_dir: Path, logdir: str | os.PathLike,
+            cost: tuple[float, float] | None = None) -> str:
+    """The end-of-run text: how many cycles, what they cost, the slowest nodes of the last one, where the traces are."""
     last = cycles[-1]
     lines = [f"{name}: {len(cycles)} cycle(s) recorded; output in {out_dir}"]
+    if cost is not None:
+        lines[0] += f"; they cost {cost[0]:.2f} s, {100 * cost[1]:.2f}% of the run's wall time"
     if last.nodes:
         partial = ", partial" if last.partial else ""
         lines.append(

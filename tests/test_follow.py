@@ -1,0 +1,183 @@
+"""Cycles that follow a long job (issue 29): one on request from another shell, one when the step time jumps.
+
+The jobs run in subprocesses (``tests/follow_job.py``), with a ``wait`` longer than the run: only a request sent by
+the real command line (``python -m fxprof_lightning trigger DIR``) or a jump of the step time starts a cycle.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import notices
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from fxprof_lightning import FXProfilerCallback, Profiler
+from fxprof_lightning.follow import JOB_FILE, StepWatch
+from fxprof_lightning.outputs.runs import load_cycle
+
+JOB = Path(__file__).with_name("follow_job.py")
+
+
+def start_job(out: Path, mode: str, *extra: str) -> subprocess.Popen:
+    job = subprocess.Popen([sys.executable, str(JOB), str(out), mode, *extra], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "fxprof" / JOB_FILE).is_file():  # written when the run begins
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0][-3000:]
+        time.sleep(0.1)
+    return job
+
+
+def trigger(out: Path, *options: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fxprof_lightning", "trigger", str(out / "fxprof"), *options],
+                          capture_output=True, text=True, timeout=120)
+
+
+def results(out: Path, job: subprocess.Popen, ranks: int = 1) -> list[dict]:
+    log = job.communicate(timeout=180)[0]
+    assert job.returncode == 0, log[-3000:]
+    return [json.loads((out / f"result{rank}.json").read_text()) for rank in range(ranks)]
+
+
+@pytest.mark.parametrize("mode", ["plain", "trainer"])
+def test_a_request_from_the_command_line_starts_a_cycle_of_the_running_job(tmp_path, mode):
+    job = start_job(tmp_path, mode)
+    time.sleep(1.0)  # some idle steps first
+    asked = trigger(tmp_path, "--active", "2", "--reason", "the loss went flat")
+    assert asked.returncode == 0, asked.stdout + asked.stderr
+    (result,) = results(tmp_path, job)
+    (cycle,) = result["cycles"]
+    assert cycle["trigger"] == "request: the loss went flat" and len(cycle["steps"]) == 2
+    assert cycle["directory"].endswith("-t1")
+    # The command printed which cycle answers it, and the cycle's files say why it ran.
+    assert asked.stdout.startswith(f"{cycle['directory']} answers the request: it records steps "
+                                   f"{cycle['steps'][0]}-{cycle['steps'][-1]}"), asked.stdout
+    report = load_cycle(tmp_path / "fxprof" / cycle["directory"])
+    assert report.trigger == "request: the loss went flat" and report.label == cycle["label"]
+    summary = subprocess.run([sys.executable, "-m", "fxprof_lightning", "report", str(tmp_path / "fxprof")],
+                             capture_output=True, text=True, timeout=120)
+    assert "request: the loss went flat" in summary.stdout, summary.stdout
+    # The job has ended: a request now says so and fails.
+    late = trigger(tmp_path)
+    assert late.returncode == 1 and "ended" in late.stderr
+
+
+def test_two_ranks_triggered_once_record_the_same_steps(tmp_path):
+    # Only rank 0's dirpath is where the request lands (rank 1 writes elsewhere): rank 0 tells rank 1 at a step
+    # both reach.
+    job = start_job(tmp_path, "ddp")
+    time.sleep(1.0)
+    asked = trigger(tmp_path, "--active", "3")
+    assert asked.returncode == 0, asked.stdout + asked.stderr
+    first, second = results(tmp_path, job, ranks=2)
+    assert first["steps_run"] == second["steps_run"]
+    (a,), (b,) = first["cycles"], second["cycles"]
+    assert a["steps"] == b["steps"] and len(a["steps"]) == 3 and a["trigger"] == b["trigger"] == "request: from the command line"
+
+
+def test_a_request_for_a_job_that_never_ran_says_so(tmp_path):
+    asked = trigger(tmp_path)
+    assert asked.returncode == 2 and "no profiled job ever ran" in asked.stderr
+
+
+def test_a_slowdown_starts_an_anomaly_cycle_that_records_slow_steps(tmp_path):
+    job = start_job(tmp_path, "plain", "--slow-from", "150")
+    (result,) = results(tmp_path, job)
+    (cycle,) = result["cycles"]
+    assert cycle["trigger"].startswith("anomaly: step time") and "since step 150" in cycle["trigger"], cycle
+    assert 150 < cycle["steps"][0] <= 170  # within 20 steps of the slowdown
+    report = load_cycle(tmp_path / "fxprof" / cycle["directory"])
+    assert min(report.step_ms) > 2.5 * 1e3 * 0.004  # the slow steps (each sleeps 12 ms)
+
+
+class Lit(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.model(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        time.sleep(0.05)  # a validation run several steps long
+        self.log("val_loss", F.cross_entropy(self.model(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@notices("before any recorded step", "the Trainer has no logger")
+def test_a_steady_run_with_checkpoints_and_validation_starts_no_cycle_in_2000_steps(tmp_path):
+    data = TensorDataset(torch.randn(2000 * 4, 16), torch.randint(0, 4, (2000 * 4,)))
+    callback = FXProfilerCallback(module="model", wait=10**6, torch_profiler=False, pictures=False)
+    saves = ModelCheckpoint(dirpath=tmp_path / "checkpoints", every_n_train_steps=100, save_top_k=-1)
+    trainer = pl.Trainer(default_root_dir=tmp_path, callbacks=[callback, saves], max_steps=2000, logger=False,
+                         accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
+                         val_check_interval=100, limit_val_batches=4, num_sanity_val_steps=0)
+    trainer.fit(Lit(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
+    assert len(list((tmp_path / "checkpoints").glob("*.ckpt"))) == 20
+    watch = callback.profiler.follow.watch
+    assert callback.cycles == [] and watch.count >= 1990  # every step's time watched (in batches of 8); no cycle
+    assert watch.level is not None and watch.level < 0.05
+
+
+def test_a_single_slow_step_is_no_jump_and_eight_in_a_row_are():
+    watch = StepWatch()
+    for step in range(300):
+        slow = step % 100 == 50  # a checkpoint save every 100 steps
+        assert watch.add(step, 0.05 if slow else 0.01) is None
+    reasons = [watch.add(300 + i, 0.03) for i in range(8)]
+    assert reasons[:7] == [None] * 7 and reasons[7].startswith("step time 3.0x its median")
+    assert all(watch.add(308 + i, 0.09) is None for i in range(100))  # cooling down: no second start
+
+
+def loop(steps: int, profiler: Profiler | None, step_s: float = 0.004) -> float:
+    """Seconds a plain loop of ``steps`` steps of about ``step_s`` takes (with ``profiler`` stepping in it)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    started = time.perf_counter()
+    if profiler is not None:
+        profiler.module = net
+        profiler.start()
+    for _ in range(steps):
+        net(torch.randn(8, 16)).sum().backward()
+        time.sleep(step_s)
+        if profiler is not None:
+            profiler.step()
+    if profiler is not None:
+        profiler.stop()
+    return time.perf_counter() - started
+
+
+def test_a_budget_keeps_what_profiling_costs_within_it(tmp_path):
+    # wait=1: a cycle every 5 steps unless the budget holds them back; 5% of the run's wall time allowed. (The wall
+    # time against the same loop without profiling is benchmarks/bench_budget.py's: timings are no test's.)
+    profiler = Profiler(nn.Linear(1, 1), dirpath=tmp_path, wait=1, warmup=1, active=3, pictures=False,
+                        overhead_budget=0.05)
+    seconds = loop(1200, profiler, step_s=0.01)
+    assert 2 <= len(profiler.cycles) < 1200 // 5 / 4  # some cycles ran, most were left out
+    costs = [c.cost_s for c in profiler.cycles]
+    assert all(cost is not None and cost >= 0 for cost in costs) and costs[0] > 0.05  # the first holds the capture
+    # The second cycle waited until the first's cost and as much again were within the budget: ~2 x 0.25 s / 5%.
+    assert profiler.cycles[1].steps[0] > 100, [c.steps for c in profiler.cycles]
+    assert profiler.follow.share() <= 0.05 + costs[-1] / seconds
+    index = [json.loads(line) for line in (tmp_path / "fxprof_cycles.jsonl").read_text().splitlines()]
+    assert [line["cycle"] for line in index] == [c.directory.name for c in profiler.cycles]
+    assert sum(line["cost_s"] for line in index) == pytest.approx(profiler.follow.cost_s, abs=1e-3 * len(index))
+
+
+def test_a_budget_must_be_a_share():
+    with pytest.raises(ValueError, match="overhead_budget must be a share of the run's wall time"):
+        Profiler(nn.Linear(1, 1), overhead_budget=2)
