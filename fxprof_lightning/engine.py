@@ -116,15 +116,17 @@ class _Stage:
         steps = list(range(first, first + warmup + (trigger.active or schedule.active)))
         if self.trigger is None:
             self.trigger = trigger
-        if self.open is not None or self.planned or any(schedule.action(s) is not ProfilerAction.NONE for s in steps):
+        if self.planned or self.extra or any(schedule.action(s) is not ProfilerAction.NONE for s in steps):
             return
         self.planned = {s: ProfilerAction.WARMUP if i < warmup else ProfilerAction.RECORD for i, s in enumerate(steps)}
         self.planned[steps[-1]] = ProfilerAction.RECORD_AND_SAVE
         self.triggered += 1
 
     def watched(self, schedule: Schedule, follow: Follow, step: int) -> bool:
-        """``Engine.step_watched`` for the training stage: its idle steps are watched, and a trigger plans a cycle."""
-        if self.open is not None or self.planned or self.extra:
+        """``Engine.step_watched`` for the training stage: its idle steps are watched, and a trigger plans a cycle.
+        Decided by the schedule and the plans alone, as every rank has them (a rank whose profiling failed too): the
+        ranks' agreements in ``Follow.tick`` are collectives."""
+        if self.action(schedule, step) is not ProfilerAction.NONE or self.planned or self.extra:
             follow.skip()
             return False
         trigger = follow.tick(step)
@@ -160,12 +162,14 @@ class _Stage:
     def within(self, follow: Follow | None, schedule: Schedule, step: int) -> bool:
         """At the first step of a scheduled training cycle (every rank): whether the budget lets it run; if not, its
         steps are idle (the wait stretched by a cycle)."""
-        if (self.name != "train" or follow is None or follow.budget is None or self.open is not None or self.planned
+        if (self.name != "train" or follow is None or follow.budget is None or self.planned
                 or step != schedule.first_traced_step(schedule.cycle_of(step))):
             return True
-        if follow.allows():
-            return True
+        if (self.trigger is not None and self.trigger.kind == "request") or follow.allows():
+            return True  # (a request always runs)
         self.skipped.add(schedule.cycle_of(step))
+        if self.trigger is not None and self.trigger.kind == "anomaly":  # answered by no later cycle
+            self.trigger = None
         return False
 
     def next_traced(self, schedule: Schedule) -> int | None:
@@ -398,12 +402,12 @@ class Engine:
     def step_watched(self, step: int) -> bool:
         """The end of training step ``step`` for ``follow.Follow``; True when it planned a cycle out of the schedule.
         (A driver that skips idle steps' ``end_step`` calls gives each to ``follow.tick`` and its trigger to ``plan``.)"""
-        return self.follow is not None and self._enabled and self._train.watched(self.schedule, self.follow, step)
+        return self.follow is not None and self._train.watched(self.schedule, self.follow, step)
 
     def plan(self, trigger: Trigger, step: int) -> None:
-        """A cycle out of the schedule from the step after ``step`` (``follow.Follow.tick``'s trigger)."""
-        if self._enabled:
-            self._train.plan(self.schedule, trigger, step + 1)
+        """A cycle out of the schedule from the step after ``step`` (``follow.Follow.tick``'s trigger; also where
+        profiling failed: the cycle's last step is a gather every rank takes part in)."""
+        self._train.plan(self.schedule, trigger, step + 1)
 
     def end_stage(self, stage: str = "train") -> None:
         """The loop of ``stage`` stopped (or paused): write a cycle it left before its last recorded step."""

@@ -332,7 +332,9 @@ def cycle_line(report: CycleReport, name: str) -> str:
     if report.nodes:
         top = report.nodes[0]
         grand = sum(n.total_ms + n.bwd_total_ms for n in report.nodes) or 1.0
-        line += f"; slowest {top.name} ({100 * (top.total_ms + top.bwd_total_ms) / grand:.0f}%)"
+        types = {m.path: m.type_name for m in report.modules}
+        shown = f"{top.module_path} ({types[top.module_path]})" if top.op == "call_module" and top.module_path in types else top.name
+        line += f"; slowest {shown}: {100 * (top.total_ms + top.bwd_total_ms) / grand:.0f}%"
     if report.phases:
         total = sum(report.phases.values()) or 1.0
         biggest = sorted(report.phases.items(), key=lambda item: -item[1])[:2]
