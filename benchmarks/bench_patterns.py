@@ -1,4 +1,4 @@
-"""Whether the capture survives the ways people really train: nineteen patterns, each trained through a real
+"""Whether the capture survives the ways people really train: twenty patterns, each trained through a real
 Lightning ``Trainer`` without the callback, with it (``capture="dynamo"``) and with it (``capture="fx"``), compared
 bitwise.
 
@@ -9,7 +9,8 @@ language, speech and MoE models, a diffusers UNet, a torch_geometric GCN, Lightn
 some with a change made mid-run at step ``CHANGE_STEP`` = 6 by a small callback's ``on_train_batch_start`` (a block
 put in ``eval()``, a drop-path rate raised, the head replaced and added to the optimizer, a forward hook added,
 ``BackboneFinetuning`` unfreezing at its epoch, ``ModelPruning`` pruning at the end of the first epoch of 6 steps),
-and a GAN generator called under ``no_grad`` and with grad in each step (manual optimisation). Each is trained three times from the same ``pl.seed_everything``:
+a GAN generator called under ``no_grad`` and with grad in each step (manual optimisation), and a forward that
+reads a step counter it keeps (``self.calls += 1``). Each is trained three times from the same ``pl.seed_everything``:
 (a) without our callback, (b) with ``FXProfilerCallback(skip_first=0, wait=1, warmup=1, active=2, repeat=0,
 module="model", capture="dynamo", pictures=False)`` (it records steps 2-3, 6-7, 10-11), (c) the same with
 ``capture="fx"`` (the torch.fx capture ladder). ``max_steps`` is 12 for the mid-run patterns and Mask R-CNN (its box
@@ -230,6 +231,19 @@ def resnet18() -> nn.Module:
     return torchvision.models.resnet18(weights=None, num_classes=10)
 
 
+class StepCounted(nn.Module):
+    """A ResNet18 whose forward reads a step counter it keeps (as curricula and schedules do): a new Python number
+    at every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.calls = resnet18(), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.net(x) * (1.0 + 0.0 * self.calls)
+
+
 def llama() -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -433,6 +447,7 @@ PATTERNS = [
     Pattern("gan_no_grad_and_grad", lambda: nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16)),
             lambda: [torch.randn(16, 16, generator=gen(i)) for i in range(M)], ce, steps=2 * M, lit=LitGAN,
             calls_per_step=2),
+    Pattern("step_counter", StepCounted, lambda: images(M, 4, 32), ce, steps=M),
     Pattern("pruning_epoch_end", resnet18, lambda: images(CHANGE_STEP, 4, 32), ce, steps=M,
             callbacks=lambda: [__import__("lightning.pytorch.callbacks", fromlist=["ModelPruning"]).ModelPruning(
                 "l1_unstructured", amount=0.5)]),
@@ -441,7 +456,8 @@ QUICK = ("vit_eval_flip", "head_swap", "vit_grad_checkpointing", "lightning_demo
 PACKAGES = {"vit": "timm", "drop_path": "timm", "efficientnet": "timm", "llama": "transformers", "gpt2": "transformers",
             "wav2vec2": "transformers", "mixtral": "transformers", "dynamic_padding": "transformers",
             "pyg": "torch_geometric", "diffusers": "diffusers", "tv_": "torchvision", "head_swap": "torchvision",
-            "hook_added": "torchvision", "maskrcnn": "torchvision", "pruning": "torchvision"}
+            "hook_added": "torchvision", "maskrcnn": "torchvision", "pruning": "torchvision",
+            "step_counter": "torchvision"}
 
 
 # ------------------------------------------------------------------ one run
