@@ -850,7 +850,7 @@ def _trace_for(engine: Engine, stage: _Stage, other: _Stage, index: int, directo
                       backward_events=engine._fx_on and not from_trace, keep_events=from_trace)
 
 
-def _device_peaks(target: nn.Module | None, peaks: Peaks | None | bool, warn: Callable[[str], None]) -> Peaks | bool | None:
+def _device_peaks(target: nn.Module | None, peaks: Peaks | bool | None, warn: Callable[[str], None]) -> Peaks | bool | None:
     """The given peaks, or the target's device's, measured once (and cached across runs; False: could not be). A
     known GPU starts from its spec sheet's peaks (no micro-benchmark before the first cycle's report); the next
     cycle measures them."""

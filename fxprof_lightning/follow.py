@@ -15,6 +15,7 @@ starts the same cycle at the same step and nothing hangs, whatever file system t
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import socket
@@ -232,7 +233,7 @@ class Follow:
         ends, self.ends = self.ends, self.ends[-1:]
         if self.rank != 0 or self.pending is not None:
             return
-        reason = self.watch.add_all(step - len(ends) + 2, [(b - a) / 1e9 for a, b in zip(ends, ends[1:])])
+        reason = self.watch.add_all(step - len(ends) + 2, [(b - a) / 1e9 for a, b in itertools.pairwise(ends)])
         if reason is not None:
             self.pending = Trigger("anomaly", reason)
         while self.watch.notes:  # (a return to the level before a jump)

@@ -17,7 +17,7 @@ import time
 
 import lightning.pytorch as pl
 import torch
-from helpers import make_trainer, notices
+from helpers import make_trainer
 from lightning.pytorch.callbacks import ModelPruning
 from test_sound_capture import _bitwise
 from torch import nn

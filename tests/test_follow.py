@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import notices
 from lightning.pytorch.callbacks import ModelCheckpoint
+from test_dynamics import Classifier
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -100,22 +101,11 @@ def test_a_slowdown_starts_an_anomaly_cycle_that_records_slow_steps(tmp_path):
     assert min(report.step_ms) > 2.5 * 1e3 * 0.004  # the slow steps (each sleeps 12 ms)
 
 
-class Lit(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self.model(x), y)
-
+class Lit(Classifier):
     def validation_step(self, batch, batch_idx):
         x, y = batch
         time.sleep(0.05)  # a validation run several steps long
         self.log("val_loss", F.cross_entropy(self.model(x), y))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
 @notices("before any recorded step", "the Trainer has no logger")
