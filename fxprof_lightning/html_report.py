@@ -132,7 +132,8 @@ def _phases(cycle: CycleReport) -> str:
 
 
 def _cycles(shown: list[CycleReport], found: dict[int, Verdict], total: int) -> str:
-    """The cycles table of ``fxprof report``; distorted cycles shaded, with the reason."""
+    """The cycles table of ``fxprof report``; distorted cycles shaded, with the reason; why a cycle out of the
+    schedule ran (``CycleReport.trigger``)."""
     rows, classes = [], []
     for c in shown:
         verdict = found[id(c)]
@@ -141,7 +142,9 @@ def _cycles(shown: list[CycleReport], found: dict[int, Verdict], total: int) -> 
         note = verdict.skipped or ""
         if verdict.distortion:
             note = f"distorted: {verdict.distortion}"
-        rows.append([str(c.index), _e(steps_text(c)), ms_text(totals[0]) if totals else "?",
+        if c.trigger != "schedule":
+            note = f"{note}; {c.trigger}" if note else c.trigger
+        rows.append([c.label, _e(steps_text(c)), ms_text(totals[0]) if totals else "?",
                      ms_text(totals[1]) if totals else "?", ms_text(step) if step is not None else "",
                      f"{100 * spread:.0f}%" if spread is not None else "",
                      str(len(verdict.regressions)) if verdict.skipped is None else "-", _e(note)])

@@ -65,9 +65,10 @@ def test_a_request_from_the_command_line_starts_a_cycle_of_the_running_job(tmp_p
                                    f"{cycle['steps'][0]}-{cycle['steps'][-1]}"), asked.stdout
     report = load_cycle(tmp_path / "fxprof" / cycle["directory"])
     assert report.trigger == "request: the loss went flat" and report.label == cycle["label"]
-    summary = subprocess.run([sys.executable, "-m", "fxprof_lightning", "report", str(tmp_path / "fxprof")],
+    summary = subprocess.run([sys.executable, "-m", "fxprof_lightning", "report", str(tmp_path / "fxprof"), "--html"],
                              capture_output=True, text=True, timeout=120)
-    assert "request: the loss went flat" in summary.stdout, summary.stdout
+    assert "request: the loss went flat" in summary.stdout and "What profiling cost" in summary.stdout, summary.stdout
+    assert "request: the loss went flat" in (tmp_path / "fxprof" / "fxprof_report.html").read_text()
     # The job has ended: a request now says so and fails.
     late = trigger(tmp_path)
     assert late.returncode == 1 and "ended" in late.stderr
