@@ -763,13 +763,21 @@ class Profiler(Engine):
                 train.open.resume(self.target)
 
     def state_dict(self) -> dict[str, Any]:
-        """The schedule position, to resume with ``load_state_dict``."""
-        return {"step": self._train.step, "val_step": self._val.step}
+        """The schedule position and a cycle planned out of the schedule (a request taken is neither lost nor
+        doubled by a restart), to resume with ``load_state_dict``."""
+        train = self._train
+        trigger = vars(train.trigger) if train.trigger is not None else None
+        return {"step": train.step, "val_step": self._val.step, "triggered": train.triggered, "trigger": trigger,
+                "planned": {str(step): action.name for step, action in train.planned.items()}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue the schedule where ``state_dict`` left it (call before ``start()``)."""
         self._train.step = int(state_dict.get("step", 0))
         self._val.step = int(state_dict.get("val_step", 0))
+        self._train.triggered = int(state_dict.get("triggered", 0))
+        trigger = state_dict.get("trigger")
+        self._train.trigger = Trigger(**trigger) if isinstance(trigger, dict) else None
+        self._train.planned = {int(step): ProfilerAction[name] for step, name in state_dict.get("planned", {}).items()}
 
 
 def cycle_name(prefix: str, index: int, piece: int, taken: set[str], triggered: int = 0) -> str:

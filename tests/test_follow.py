@@ -185,3 +185,32 @@ def test_the_console_line_names_the_slowest_layer_by_path_and_type(tmp_path, cap
             prof.step()
     line = next(text for text in capsys.readouterr().out.splitlines() if text.startswith("Profiler: cycle 0"))
     assert "; slowest 0 (Linear): " in line or "; slowest 2 (Linear): " in line, line
+
+
+def test_a_request_taken_before_a_checkpoint_is_answered_after_the_restart(tmp_path):
+    # The request is taken at step 8 (the steps' times go to the watch, and a request is looked for, every 8 steps)
+    # and its cycle planned from step 9; the job stops there and resumes from the state saved after step 8.
+    from fxprof_lightning.follow import write_request
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    options = {"dirpath": tmp_path, "wait": 10**6, "warmup": 1, "active": 2, "torch_profiler": False, "pictures": False}
+    tmp_path.mkdir(exist_ok=True)
+    write_request(tmp_path, {"id": "one", "active": 2, "reason": "before the checkpoint"})
+    first = Profiler(net, **options)
+    first.start()
+    for _ in range(9):
+        net(torch.randn(8, 16)).sum().backward()
+        first.step()
+        saved = first.state_dict()  # (as a checkpoint at the end of the step: ModelCheckpoint's hooks come last)
+    first._disable()  # the job dies in step 9
+    assert saved["planned"] and saved["trigger"]["reason"] == "before the checkpoint"
+    resumed = Profiler(net, **options)
+    resumed.load_state_dict(saved)
+    with resumed:
+        for _ in range(9, 16):
+            net(torch.randn(8, 16)).sum().backward()
+            resumed.step()
+    (cycle,) = resumed.cycles
+    assert cycle.trigger == "request: before the checkpoint" and cycle.steps == [10, 11]
+    assert not (tmp_path / "fxprof_request.json").exists()  # taken once: no second cycle for it
