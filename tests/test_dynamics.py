@@ -569,3 +569,25 @@ def test_user_hooks_and_forward_side_effects_run_exactly_as_often_as_training_ca
     assert globals_seen[1] == HOOK_CALLS == 12  # the plain run's count, then the profiled run's
     assert callback.cycles and any(c.capture.recaptures for c in callback.cycles)  # it did capture again mid-run
     every_call_timed(callback.cycles[-1])
+
+
+class Frozen(dict):
+    """A mapping that refuses changes after it is made, as diffusers' ``FrozenDict`` config does."""
+
+    def _refuse(self, *args, **kwargs):
+        raise Exception(f"You cannot change a {type(self).__name__}")
+
+    clear = update = pop = setdefault = __setitem__ = __delitem__ = _refuse
+
+
+class Configured(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model.config = Frozen(scale=1.0)  # a module attribute the checking calls' restore must leave alone
+
+
+def test_state_that_refuses_changes_is_left_alone_and_training_goes_on(tmp_path):
+    # diffusers' UNet2DConditionModel keeps its config in a FrozenDict: putting it back after a checking call
+    # raised ("You cannot use ``update`` on a FrozenDict instance") inside the user's training step.
+    lit, callback = fit_both(tmp_path, Configured, classifier_loader, 8, module="model", wait=1, warmup=1, active=2)
+    assert lit.model.config == {"scale": 1.0} and callback.cycles and callback.cycles[0].capture.method == "dynamo"

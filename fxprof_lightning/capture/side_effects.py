@@ -17,6 +17,8 @@ What is out of that reach (a file written, a tensor three containers down) is no
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 import types
 from collections.abc import Callable
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 Restore = Callable[[], None]
+PLAIN_DICTS = (dict, collections.OrderedDict, collections.defaultdict, collections.Counter)
 DEPTH = 2  # containers inside containers followed
 
 
@@ -40,7 +43,8 @@ def kept(root: nn.Module) -> Restore:
 
     def restore() -> None:
         for undo in restores:
-            undo()
+            with contextlib.suppress(Exception):  # something that refuses to be changed back: left as it is
+                undo()
 
     return restore
 
@@ -130,38 +134,41 @@ def _value(value: Any, model_tensors: set[int], depth: int) -> Restore:
         copy = value.detach().clone()
 
         def restore_tensor() -> None:
-            with torch.no_grad():
-                if value.shape == copy.shape:
+            if value.shape == copy.shape and not torch.equal(value, copy):
+                with torch.no_grad():
                     value.copy_(copy)
 
         return restore_tensor
-    if isinstance(value, list):
+    if type(value) is list:
         items = list(value)
         inner = [_value(v, model_tensors, depth - 1) for v in items]
 
         def restore_list() -> None:
-            value[:] = items
+            if len(value) != len(items) or any(a is not b for a, b in zip(value, items, strict=True)):
+                value[:] = items
             for undo in inner:
                 undo()
 
         return restore_list
-    if isinstance(value, dict):
+    if type(value) in PLAIN_DICTS:  # (not a subclass that refuses changes: diffusers' FrozenDict)
         entries = dict(value)
         inner = [_value(v, model_tensors, depth - 1) for v in entries.values()]
 
         def restore_dict() -> None:
-            value.clear()
-            value.update(entries)
+            if len(value) != len(entries) or any(value.get(k, _MISSING) is not v for k, v in entries.items()):
+                value.clear()
+                value.update(entries)
             for undo in inner:
                 undo()
 
         return restore_dict
-    if isinstance(value, set):
+    if type(value) is set:
         members = set(value)
 
         def restore_set() -> None:
-            value.clear()
-            value.update(members)
+            if value != members:
+                value.clear()
+                value.update(members)
 
         return restore_set
     if _has_attributes(value):
