@@ -42,6 +42,7 @@ from fxprof_lightning.analysis.regressions import (
     beyond_doubt,
     compare,
     shared_factor,
+    step_rows,
 )
 from fxprof_lightning.analysis.trust import step_spread
 from fxprof_lightning.follow import INDEX_FILE, read_lines, request_cycle
@@ -56,7 +57,7 @@ from fxprof_lightning.outputs.formats import (
     steps_text,
 )
 from fxprof_lightning.outputs.runs import RunError, find_cycles, load_cycle
-from fxprof_lightning.report import CycleReport, describe_phases, shorten
+from fxprof_lightning.report import CycleReport, NodeStats, describe_phases, shorten
 
 __all__ = ["main"]
 
@@ -244,12 +245,12 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
         now = matching[-1]
     else:
         now = next((c for c in reversed(b_cycles) if not c.partial), b_cycles[-1])
-    deltas = compare([c.nodes for c in baseline], now.nodes, **options)
+    tables = [_rows(c) for c in baseline]  # the node rows and the step's time outside them (``step_rows``)
+    deltas = compare(tables, _rows(now), **options)
     factor = shared_factor([c.nodes for c in baseline], now.nodes)
     earlier = [c for c in b_cycles if not c.partial and c.index < now.index][-1:] if not b_single else []
-    also_before = {(d.node, d.direction) for c in earlier for d in compare([c.nodes for c in baseline], c.nodes, **options)
-                   if d.slower}
-    by_name = {n.name: n for n in now.nodes}
+    also_before = {(d.node, d.direction) for c in earlier for d in compare(tables, _rows(c), **options) if d.slower}
+    by_name = {n.name: n for n in _rows(now)}
     confirmed = {(d.node, d.direction) for d in deltas
                  if d.slower and ((d.node, d.direction) in also_before or beyond_doubt(by_name[d.node], d))}
     lines = [f"A: {a}",
@@ -272,6 +273,10 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
         lines.append(_wrap(f"{unconfirmed} more slower in B's cycle {now.index} only (marked slower?): not confirmed by "
                            "B's cycle before it nor large enough to rule out noise (every call 3x slower); no regression."))
     return "\n".join(lines), EXIT_REGRESSION if confirmed else EXIT_OK
+
+
+def _rows(cycle: CycleReport) -> list[NodeStats]:
+    return [*cycle.nodes, *step_rows(cycle)]
 
 
 def delta_table(deltas: list[Delta], top: int | None, confirmed: set[tuple[str, str]] = frozenset()) -> list[str]:
@@ -437,8 +442,8 @@ def check_cycles(cycles: list[CycleReport], options: dict) -> dict[int, Verdict]
     (once there are 3); a flag counts once confirmed (in the next sound cycle too, or beyond what noise explains).
     """
     watch = RegressionWatch(BASELINE_CYCLES, **options)
-    return {id(cycle): watch.check(cycle.nodes, cycle.step_ms, cycle.step_cpu_ms, cycle.partial, cycle.modules)
-            for cycle in cycles}
+    return {id(cycle): watch.check(cycle.nodes, cycle.step_ms, cycle.step_cpu_ms, cycle.partial, cycle.modules,
+                                   step_rows(cycle)) for cycle in cycles}
 
 
 def cycle_table(cycles: list[CycleReport], found: dict[int, Verdict]) -> list[str]:

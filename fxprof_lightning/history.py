@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fxprof_lightning.analysis.advice import advise
-from fxprof_lightning.analysis.regressions import RegressionWatch
+from fxprof_lightning.analysis.regressions import RegressionWatch, step_rows
 from fxprof_lightning.analysis.roofline import Peaks, describe_peaks, raised_to, with_roofline
 from fxprof_lightning.report import CycleReport, NodeStats
 
@@ -37,7 +37,8 @@ class StageHistory:
                 peaks = raised_to(peaks, report.nodes)
                 report.nodes = with_roofline(report.nodes, peaks)
             report.peaks = describe_peaks(peaks)
-        verdict = self.watch.check(report.nodes, report.step_ms, report.step_cpu_ms, report.partial, report.modules)
+        verdict = self.watch.check(report.nodes, report.step_ms, report.step_cpu_ms, report.partial, report.modules,
+                                   step_rows(report))
         report.distortion, report.regressions, report.unconfirmed = verdict.distortion, verdict.regressions, verdict.unconfirmed
         self.tables = [*self.tables, report.nodes][-HISTORY:]
         report.advice = advise(report.nodes, self.tables, report.regressions, report.ranks, phases=report.phases,

@@ -45,10 +45,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fxprof_lightning.analysis.trust import cpu_per_wall, distortion, step_spread
-from fxprof_lightning.report import ModuleStats, NodeStats
+from fxprof_lightning.report import CycleReport, ModuleStats, NodeStats
 
 __all__ = ["DEFAULT_K", "DEFAULT_MIN_MS", "DEFAULT_MIN_RELATIVE", "DEFAULT_MIN_SHARE", "MIN_BASELINE", "Delta",
-           "Regression", "RegressionWatch", "Verdict", "beyond_doubt", "compare", "find_regressions", "module_rows", "shared_factor"]
+           "Regression", "RegressionWatch", "Verdict", "beyond_doubt", "compare", "find_regressions", "module_rows", "shared_factor",
+           "step_rows"]
 
 MAD_TO_SIGMA = 1.4826  # MAD x this estimates the standard deviation of normal samples
 DEFAULT_K = 4.0
@@ -247,6 +248,29 @@ def module_rows(modules: Sequence[ModuleStats]) -> list[NodeStats]:
             for m in modules if m.depth >= 1]
 
 
+# The step's phases that no node row covers (``step_phases.PHASES``; forward and backward are the rows' own, and the
+# profiler's own phase is not the user's): each a row of its own, as is the time no row owns.
+WATCHED_PHASES = ("data", "zero_grad", "optimizer", "callbacks", "other")
+
+
+def step_rows(report: CycleReport) -> list[NodeStats]:
+    """The time of the step outside the node rows as rows ``compare`` can watch, ms per recorded step as one call:
+    each of ``WATCHED_PHASES`` (``"step: data"``...), ``training_step`` outside the timed forward (the user's code
+    around the model: the loss, metrics), and what no row owns inside the forward and backward
+    (``CycleReport.unowned``), so that a slowdown anywhere in the step is some row's."""
+    phases = report.phases
+    values = {f"step: {name}": ("step", ms, 0.0) for name, ms in phases.items() if name in WATCHED_PHASES}
+    if "training_step" in phases and report.forward_wall_ms is not None:
+        outside = max(phases["training_step"] - report.forward_wall_ms, 0.0)
+        values["step: training_step outside the forward"] = ("step", outside, 0.0)
+    for name, (forward, backward) in report.unowned().items():
+        values[name] = ("unowned", forward or 0.0, backward or 0.0)
+    return [NodeStats(name=name, op=op, target=name, module_path="", calls=1 if fwd > 0 else 0, mean_ms=fwd,
+                      median_ms=fwd, min_ms=fwd, max_ms=fwd, total_ms=fwd, pct=0.0, bwd_calls=1 if bwd > 0 else 0,
+                      bwd_mean_ms=bwd, bwd_median_ms=bwd, bwd_min_ms=bwd, bwd_max_ms=bwd, bwd_total_ms=bwd)
+            for name, (op, fwd, bwd) in values.items()]
+
+
 def find_regressions(
     history: Sequence[Sequence[NodeStats]],
     now: Sequence[NodeStats],
@@ -274,6 +298,23 @@ def find_regressions(
                      min_share=min_share, check_fastest=check_fastest, discount_shared=discount_shared,
                      levels=history)
     return sorted((d.regression() for d in deltas if d.slower), key=lambda r: r.ratio, reverse=True)
+
+
+def _added_per_step(stats: NodeStats, change: Regression, steps: int) -> float:
+    """ms per step a slower row added (a step row's one value is per step already)."""
+    per_call = change.now_ms - change.baseline_ms
+    return per_call if stats.op in ("step", "unowned") else per_call * _calls(stats, change.direction) / steps
+
+
+def _outside_explained(flagged: list[Regression], by_name: dict[str, NodeStats], steps: int) -> list[Regression]:
+    """Leave out a row outside the nodes (``step_rows``) that added less per step than a node flagged with it, or
+    less than half what another such row added: the time between rows and the step's other phases move with a
+    slower part's work (its autograd nodes, the cache misses after it), and that part says it better."""
+    added = {r.node: _added_per_step(by_name[r.node], r, steps) for r in flagged}
+    outside = [r for r in flagged if by_name[r.node].op in ("step", "unowned")]
+    nodes = max((added[r.node] for r in flagged if by_name[r.node].op not in ("module", "step", "unowned")), default=0.0)
+    most = max((added[r.node] for r in outside), default=0.0)
+    return [r for r in flagged if r not in outside or (added[r.node] > nodes and added[r.node] >= most / 2)]
 
 
 # Watching a run --------------------------------------------------------------------------------------------------------
@@ -342,9 +383,10 @@ class RegressionWatch:
         self._held: tuple[Sequence[NodeStats], float, float | None] | None = None  # that cycle, if only flags in question
 
     def check(self, nodes: Sequence[NodeStats], step_ms: list[float], step_cpu_ms: list[float] = (),
-              partial: bool = False, modules: Sequence[ModuleStats] = ()) -> Verdict:
+              partial: bool = False, modules: Sequence[ModuleStats] = (), steps: Sequence[NodeStats] = ()) -> Verdict:
         """``modules``: the cycle's module tree; a module slower per step that has nodes the last baseline cycle
-        did not (a loop run more times, a branch taken) is flagged as ``"module <path>"`` (see ``module_rows``)."""
+        did not (a loop run more times, a branch taken) is flagged as ``"module <path>"`` (see ``module_rows``).
+        ``steps``: the step's time outside the node rows as rows (``step_rows``), watched as the nodes are."""
         if partial:
             return Verdict(skipped="partial")
         recent = self.baseline[-self.baseline_cycles:]
@@ -354,22 +396,26 @@ class RegressionWatch:
         if load is not None:
             return Verdict(skipped="distorted", distortion=load)
         verdict = Verdict()
-        rows = [*nodes, *module_rows(modules)]
+        rows = [*nodes, *module_rows(modules), *steps]
         short = len(self.baseline) < MIN_BASELINE  # the cycle-to-cycle noise is not known yet: only the clear count
         if self.baseline:
             flagged = find_regressions(self.baseline, rows, self.baseline_cycles, min_baseline=1, **self.options)
-            before = {s.name for s in self.baseline[-1] if s.op != "module"}
+            before = {s.name for s in self.baseline[-1] if s.op not in ("module", "step", "unowned")}
             new_in = {s.module_path for s in nodes if s.name not in before}  # modules with nodes the baseline lacks
             flagged = [r for r in flagged if not r.node.startswith("module ") or any(
                 p == r.node[7:] or p.startswith(r.node[7:] + ".") for p in new_in)]  # else its nodes tell it better
-            steps = max(len(step_ms), 1)
-            step_rise = statistics.median(step_ms) - statistics.median(self.medians) if step_ms and self.medians else 0.0
             by_name = {s.name: s for s in rows}
+            steps = max(len(step_ms), 1)
+            flagged = _outside_explained(flagged, by_name, steps)
+            step_rise = statistics.median(step_ms) - statistics.median(self.medians) if step_ms and self.medians else 0.0
             regular = (step_spread(step_ms) or 0.0) <= CONFIRM_SPREAD
             for r in flagged:
                 stats = by_name[r.node]
-                added_per_step = (r.now_ms - r.baseline_ms) * _calls(stats, r.direction) / steps
-                clear = beyond_doubt(stats, r) and regular and step_rise >= added_per_step / 2
+                added_per_step = _added_per_step(stats, r, steps)
+                # (a row outside the nodes, one value per cycle, is confirmed by the next sound cycle only: it
+                # moves with the nodes' work, and noise cannot be told from one cycle)
+                clear = (stats.op not in ("step", "unowned") and beyond_doubt(stats, r) and regular
+                         and step_rise >= added_per_step / 2)
                 if (r.node, r.direction) in self._flagged or (clear and not short):
                     verdict.regressions.append(r)
                 elif clear or not short:  # (on a short baseline, only a change beyond doubt is flagged at all)
