@@ -69,8 +69,8 @@ def main() -> None:
     )
     trainer.fit(LitResNet(), DataLoader(data, batch_size=args.batch_size, num_workers=0))
     print(f"\nPer-cycle traces, tables and pictures: {logger.log_dir}/fxprof/cycle_*/")
-    print(f"Summary of the run:     python -m fxprof_lightning report {logger.log_dir}/fxprof")
-    print(f"Open TensorBoard with:  tensorboard --logdir {logger.root_dir}")
+    print(f"Look first (one offline page): python -m fxprof_lightning report {logger.log_dir}/fxprof --html")
+    print(f"Then TensorBoard:              tensorboard --logdir {logger.root_dir}")
 
 
 if __name__ == "__main__":

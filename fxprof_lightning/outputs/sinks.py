@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from fxprof_lightning import FxprofWarning
 from fxprof_lightning.analysis.trust import cpu_per_wall, step_spread
 from fxprof_lightning.layout import (
+    HTML_FILE,
     MODULES_FILE,
     NODES_FILE,
     PICTURE_FILES,
@@ -376,9 +377,12 @@ def summary(cycles: list[CycleReport], name: str, out_dir: Path, logdir: str | o
         lines.append(f"Distorted by other load: cycle(s) {', '.join(map(str, distorted))}")
     if last.advice:
         lines.append(f"What to try (cycle {last.index}): {last.advice[0]}")
+    lines.append(f"Look first: python -m fxprof_lightning report {out_dir} --html  (one offline page, written to "
+                 f"{out_dir / HTML_FILE}: the step split, the slowest layers, the trend, regressions, advice)")
+    lines.append(f"TensorBoard: tensorboard --logdir {logdir}  (scalars, tables, pictures; its PyTorch Profiler tab "
+                 "needs internet access)")
     if any(c.trace_paths for c in cycles):
-        lines.append(f"Traces: {last.directory} (open them in https://ui.perfetto.dev, or: tensorboard --logdir {logdir})")
-    lines.append(f"Run summary: python -m fxprof_lightning report {out_dir}")
+        lines.append(f"Traces: {last.directory} (drag a file into https://ui.perfetto.dev)")
     return "\n".join(lines)
 
 
