@@ -35,6 +35,7 @@ from fxprof_lightning.analysis.regressions import (
     DEFAULT_MIN_MS,
     DEFAULT_MIN_RELATIVE,
     DEFAULT_MIN_SHARE,
+    STEP_SHARE,
     Delta,
     Regression,
     RegressionWatch,
@@ -251,8 +252,12 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
     earlier = [c for c in b_cycles if not c.partial and c.index < now.index][-1:] if not b_single else []
     also_before = {(d.node, d.direction) for c in earlier for d in compare(tables, _rows(c), **options) if d.slower}
     by_name = {n.name: n for n in _rows(now)}
-    confirmed = {(d.node, d.direction) for d in deltas
-                 if d.slower and ((d.node, d.direction) in also_before or beyond_doubt(by_name[d.node], d))}
+    outside = {n.name for n in _rows(now) if n.op in ("step", "unowned")}
+    step = median_step_ms(now) or 0.0
+    confirmed = {(d.node, d.direction) for d in deltas  # (a row outside the nodes: by the cycle before only, and
+                 if d.slower and ((d.node, d.direction) in also_before  # at least STEP_SHARE of the step)
+                                  or (d.node not in outside and beyond_doubt(by_name[d.node], d)))
+                 and (d.node not in outside or d.delta_ms >= STEP_SHARE * step)}
     lines = [f"A: {a}",
              "   " + (describe(baseline[0]) if len(baseline) == 1 else
                       f"{len(baseline)} {_stage_name(baseline[0].stage)} cycles "

@@ -251,6 +251,7 @@ def module_rows(modules: Sequence[ModuleStats]) -> list[NodeStats]:
 # The step's phases that no node row covers (``step_phases.PHASES``; forward and backward are the rows' own, and the
 # profiler's own phase is not the user's): each a row of its own, as is the time no row owns.
 WATCHED_PHASES = ("data", "zero_grad", "optimizer", "callbacks", "other")
+STEP_SHARE = 0.05  # the least share of the step a row outside the nodes must add to be flagged
 
 
 def step_rows(report: CycleReport) -> list[NodeStats]:
@@ -306,15 +307,18 @@ def _added_per_step(stats: NodeStats, change: Regression, steps: int) -> float:
     return per_call if stats.op in ("step", "unowned") else per_call * _calls(stats, change.direction) / steps
 
 
-def _outside_explained(flagged: list[Regression], by_name: dict[str, NodeStats], steps: int) -> list[Regression]:
-    """Leave out a row outside the nodes (``step_rows``) that added less per step than a node flagged with it, or
-    less than half what another such row added: the time between rows and the step's other phases move with a
-    slower part's work (its autograd nodes, the cache misses after it), and that part says it better."""
+def _outside_explained(flagged: list[Regression], by_name: dict[str, NodeStats], steps: int,
+                       step_ms: float) -> list[Regression]:
+    """Leave out a row outside the nodes (``step_rows``) that added less than ``STEP_SHARE`` of the step
+    (``step_ms``, the median), less per step than a node flagged with it, or less than half what another such row
+    added: such rows drift by tens of microseconds in a steady run, and the time between rows and the step's other
+    phases move with a slower part's work (its autograd nodes, the cache misses after it): that part says it better."""
     added = {r.node: _added_per_step(by_name[r.node], r, steps) for r in flagged}
     outside = [r for r in flagged if by_name[r.node].op in ("step", "unowned")]
     nodes = max((added[r.node] for r in flagged if by_name[r.node].op not in ("module", "step", "unowned")), default=0.0)
     most = max((added[r.node] for r in outside), default=0.0)
-    return [r for r in flagged if r not in outside or (added[r.node] > nodes and added[r.node] >= most / 2)]
+    return [r for r in flagged if r not in outside
+            or (added[r.node] > nodes and added[r.node] >= most / 2 and added[r.node] >= STEP_SHARE * step_ms)]
 
 
 # Watching a run --------------------------------------------------------------------------------------------------------
@@ -406,7 +410,7 @@ class RegressionWatch:
                 p == r.node[7:] or p.startswith(r.node[7:] + ".") for p in new_in)]  # else its nodes tell it better
             by_name = {s.name: s for s in rows}
             steps = max(len(step_ms), 1)
-            flagged = _outside_explained(flagged, by_name, steps)
+            flagged = _outside_explained(flagged, by_name, steps, statistics.median(step_ms) if step_ms else 0.0)
             step_rise = statistics.median(step_ms) - statistics.median(self.medians) if step_ms and self.medians else 0.0
             regular = (step_spread(step_ms) or 0.0) <= CONFIRM_SPREAD
             for r in flagged:
