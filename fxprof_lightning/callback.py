@@ -222,9 +222,10 @@ class FXProfilerCallback(Callback):
         idle = self._idle  # (a plain object: setting its counter skips the callback's own __setattr__)
         idle.done += 1
         follow = self.profiler.follow  # (the step time and requests: at every idle step, so called directly)
-        trigger = follow.tick(self.profiler.step_num + idle.done - 1) if follow is not None else None
+        step = self.profiler.step_num + idle.done - 1  # (the engine is given the idle steps' count later)
+        trigger = follow.tick(step) if follow is not None else None
         if trigger is not None:  # the cycle it plans begins with the next step
-            self.profiler.plan(trigger, self.profiler.step_num + idle.done - 1)
+            self.profiler.plan(trigger, step)
         if trigger is not None or idle.done >= idle.left:  # the next step runs the class's hooks (the one after it
             self._wake()  # is traced)
 

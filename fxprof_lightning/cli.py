@@ -473,12 +473,13 @@ def cycle_table(cycles: list[CycleReport], found: dict[int, Verdict]) -> list[st
 def _costs(cycles: list[CycleReport]) -> str:
     """What the run's training cycles cost, from its index of cycles (``follow.INDEX_FILE``; '' where none)."""
     directory = cycles[-1].directory
-    costs = {line.get("cycle"): line for line in read_lines(directory.parent / INDEX_FILE)} if directory else {}
+    index = read_lines(directory.parent / INDEX_FILE) if directory else []
+    costs = {line.get("cycle"): line for line in index}
     known = [costs[c.directory.name] for c in cycles if c.directory is not None and c.directory.name in costs]
     if not known:
         return ""
     total = sum(float(line.get("cost_s") or 0.0) for line in known)
-    notes = [str(line["note"]) for line in read_lines(directory.parent / INDEX_FILE) if "note" in line]
+    notes = [str(line["note"]) for line in index if "note" in line]
     cost = (f"What profiling cost: {total:.2f} s for {len(known)} cycle(s) (the last {float(known[-1]['cost_s']):.2f} s), "
             f"{100 * float(known[-1].get('run_share') or 0.0):.2f}% of the run's wall time by its last cycle "
             "(each cycle's wall time from its first step to its files written, less as many idle steps).")

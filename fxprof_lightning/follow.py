@@ -65,7 +65,7 @@ class StepWatch:
     the last ``sustain`` steps all lie beyond it (``fires``: whether that starts a cycle)."""
 
     def __init__(self, window: int = WINDOW, sustain: int = SUSTAIN, cooldown: int = COOLDOWN, fires: bool = True) -> None:
-        self.window, self.sustain, self.cooldown, self.fires = window, sustain, cooldown, fires
+        self.sustain, self.cooldown, self.fires = sustain, cooldown, fires
         self.times: deque[float] = deque(maxlen=window)
         self.level: float | None = None  # median step time (s) of the window, refreshed every ``REFRESH`` steps
         self.count = 0  # idle steps added
@@ -167,9 +167,8 @@ class RequestBox:
                        active if isinstance(active, int) and active >= 1 else None, str(request.get("id", "")))
 
     def answer(self, trigger: Trigger, cycle: str, steps: list[int]) -> None:
-        line = {"id": trigger.request_id, "cycle": cycle, "steps": steps, "reason": trigger.reason}
-        with contextlib.suppress(OSError), answer_file(self.dirpath).open("a") as out:
-            out.write(json.dumps(line) + "\n")
+        _append(answer_file(self.dirpath), {"id": trigger.request_id, "cycle": cycle, "steps": steps,
+                                            "reason": trigger.reason})
 
 
 def answer_file(dirpath: Path) -> Path:
@@ -263,8 +262,7 @@ class Follow:
     def _index(self, line: dict[str, Any]) -> None:
         """A line of the run's index of cycles and notes (rank 0)."""
         if self.box is not None:
-            with contextlib.suppress(OSError), (self.box.dirpath / INDEX_FILE).open("a") as out:
-                out.write(json.dumps(line) + "\n")
+            _append(self.box.dirpath / INDEX_FILE, line)
 
     def share(self) -> float:
         """The cost of the cycles so far, as a share of the wall time since the run began."""
@@ -314,8 +312,18 @@ class Follow:
 def _write(path: Path, value: dict[str, Any]) -> None:
     """Write JSON so that a reader never sees half of it."""
     partial = path.with_name(path.name + f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps(value))
-    os.replace(partial, path)
+    try:
+        partial.write_text(json.dumps(value))
+        os.replace(partial, path)
+    except OSError:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def _append(path: Path, line: dict[str, Any]) -> None:
+    """One JSON line at the end of ``path`` (the job's files beside its cycles: never an error in training)."""
+    with contextlib.suppress(OSError), path.open("a") as out:
+        out.write(json.dumps(line) + "\n")
 
 
 def write_request(dirpath: Path, request: dict[str, Any]) -> None:
@@ -325,7 +333,7 @@ def write_request(dirpath: Path, request: dict[str, Any]) -> None:
 def request_cycle(dirpath: Path, active: int | None, reason: str, timeout_s: float) -> tuple[str, int]:
     """``python -m fxprof_lightning trigger DIR``: ask the job writing ``dirpath`` for a cycle and wait until it says
     which cycle answers. Returns the text to print and the exit status (0 answered, 1 no job or no answer, 2 no
-    profiled job ever ran there)."""
+    profiled job ever ran there, or the request could not be written)."""
     job_path = dirpath / JOB_FILE
     try:
         job = json.loads(job_path.read_text())
@@ -336,7 +344,10 @@ def request_cycle(dirpath: Path, active: int | None, reason: str, timeout_s: flo
     if gone:
         return gone, 1
     asked = f"{os.getpid()}-{time.time_ns()}"
-    write_request(dirpath, {"id": asked, "active": active, "reason": reason, "asked": time.time()})
+    try:
+        write_request(dirpath, {"id": asked, "active": active, "reason": reason, "asked": time.time()})
+    except OSError as error:
+        return f"could not write the request into {dirpath}: {error}", 2
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for line in read_lines(answer_file(dirpath)):

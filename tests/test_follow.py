@@ -7,6 +7,8 @@ the real command line (``python -m fxprof_lightning trigger DIR``) or a jump of 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 import time
@@ -90,6 +92,15 @@ def test_two_ranks_triggered_once_record_the_same_steps(tmp_path):
 def test_a_request_for_a_job_that_never_ran_says_so(tmp_path):
     asked = trigger(tmp_path)
     assert asked.returncode == 2 and "no profiled job ever ran" in asked.stderr
+
+
+def test_a_request_that_cannot_be_written_says_so(tmp_path):
+    fxprof = tmp_path / "fxprof"
+    (fxprof / "fxprof_request.json").mkdir(parents=True)  # what os.replace cannot put a file in place of
+    (fxprof / JOB_FILE).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "ended": None}))
+    asked = trigger(tmp_path)
+    assert asked.returncode == 2 and asked.stderr.startswith(f"could not write the request into {fxprof}: ")
+    assert sorted(p.name for p in fxprof.iterdir()) == [JOB_FILE, "fxprof_request.json"]  # no partial file left
 
 
 def test_a_slowdown_starts_an_anomaly_cycle_that_records_slow_steps(tmp_path):
