@@ -466,24 +466,29 @@ def test_lightning_demo_transformer_is_timed_layer_by_layer(tmp_path):
     assert whole < 0.2 * sum(typical.values())
 
 
-def checkpointed_llama():
+def checkpointed_llama(reentrant: bool | None = None):
     from test_transformers import tiny_llama
 
     model = tiny_llama()
-    model.gradient_checkpointing_enable()  # every decoder layer through torch.utils.checkpoint (HF's default kwargs)
+    # every decoder layer through torch.utils.checkpoint: HF's default kwargs (use_reentrant=False since
+    # transformers 5; True before), or reentrant as asked
+    model.gradient_checkpointing_enable(None if reentrant is None else {"use_reentrant": reentrant})
     return model
 
 
-def test_hf_gradient_checkpointing_is_kept_and_opened(tmp_path):
+@pytest.mark.parametrize("reentrant", [None, True])
+def test_hf_gradient_checkpointing_is_kept_and_opened(tmp_path, reentrant):
     from test_transformers import LitHF, lm_loader
 
-    _, callback = train_both(tmp_path, lambda: LitHF(checkpointed_llama), steps=4, loader_fn=lm_loader)
+    _, callback = train_both(tmp_path, lambda: LitHF(lambda: checkpointed_llama(reentrant)), steps=4, loader_fn=lm_loader)
     cycle = callback.cycles[0]
     assert cycle.capture.method == "dynamo" and "refused" not in cycle.capture.error
     rows = names(cycle)
     assert {"model_layers_0_self_attn_q_proj", "model_layers_1_mlp_down_proj", "lm_head"} <= rows
     assert {n.name for n in cycle.nodes if n.op == "recompute"} == {"model_layers_0_recompute", "model_layers_1_recompute"}
     assert cycle.whole_share == 0
+    projection = next(n for n in cycle.nodes if n.name == "model_layers_1_mlp_down_proj")
+    assert projection.calls == projection.bwd_calls == 2 and projection.bwd_mean_ms > 0  # its backward is its own
 
 
 def test_llama_in_bf16_with_a_padding_mask(tmp_path):
@@ -700,8 +705,9 @@ def test_buffer_updates_in_the_model_code_happen_at_every_step(tmp_path):
 
 
 class Checkpointed(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, reentrant: bool = False) -> None:
         super().__init__()
+        self.reentrant = reentrant
         self.blocks = nn.ModuleList([Block(8), Block(8)])
         self.stem = nn.Conv2d(3, 8, 3, padding=1)
         self.head = nn.Linear(8, 4)
@@ -709,13 +715,14 @@ class Checkpointed(nn.Module):
     def forward(self, x):
         x = self.stem(x)
         for block in self.blocks:
-            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
         return self.head(x.mean(dim=(2, 3)))
 
 
-def test_checkpointed_regions_are_kept_and_opened(tmp_path):
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_regions_are_kept_and_opened(tmp_path, reentrant):
     # Dropout inside the checkpointed blocks: its recompute must draw the same mask (preserve_rng_state, as eager).
-    _, callback = train_both(tmp_path, lambda: Lit(Checkpointed()), steps=4)
+    _, callback = train_both(tmp_path, lambda: Lit(Checkpointed(reentrant)), steps=4)
     cycle = callback.cycles[0]
     # verified against eager: the same tensors saved for backward (count and bytes), so checkpointing is kept
     assert cycle.capture.method == "dynamo" and "refused" not in cycle.capture.error
@@ -727,12 +734,17 @@ def test_checkpointed_regions_are_kept_and_opened(tmp_path):
                for n in recompute.values())
     conv = next(n for n in cycle.nodes if n.name == "blocks_1_conv")  # FLOPs counted inside the regions too
     assert conv.fwd_flops == 2 * 4 * 8 * 8 * 8 * 8 * 9
+    # Each op's backward is its own row's, also in a reentrant region (whose autograd graph its recompute builds),
+    # and a recompute is no forward call.
+    assert conv.calls == conv.bwd_calls == 2 and conv.bwd_mean_ms > 0
+    assert cycle.backward_outside_ms < sum(n.bwd_total_ms for n in recompute.values()) / len(cycle.steps)
 
 
-def test_checkpointed_regions_through_the_plain_loop_keep_their_saved_tensors(tmp_path):
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_regions_through_the_plain_loop_keep_their_saved_tensors(tmp_path, reentrant):
     """The saved tensors of a step through the timed graph are those of eager: count and bytes."""
     torch.manual_seed(0)
-    model = Checkpointed()
+    model = Checkpointed(reentrant)
     x = torch.randn(4, 3, 8, 8)
 
     def saved_by_one_step() -> tuple[int, int]:

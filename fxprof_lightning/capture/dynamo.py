@@ -28,10 +28,12 @@ function Dynamo saw and the module that called it (``layer1_0_iadd``, ``self_att
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import copy
 import functools
 import inspect
+import itertools
 import linecache
 import os
 import random
@@ -60,6 +62,7 @@ from fxprof_lightning.nodes import (
     node_info,
 )
 from fxprof_lightning.timing.flops import NodeCosts, count_costs, float_grouped_mm_meta
+from fxprof_lightning.timing.autograd_walk import sequence_nr_now
 from fxprof_lightning.timing.node_timing import NodeTimer
 
 if TYPE_CHECKING:
@@ -808,7 +811,7 @@ class DynamoTimer(NodeTimer):
         """``NodeTimer``'s instrumented graph, with each checkpointed region opened: its ops are rows of their own
         (``open_checkpoints``)."""
         opened = open_checkpoints(traced, lambda body: self._instrument(body, annotate, hooked),
-                                  None if hooked else functools.partial(_recompute_log, self))
+                                  functools.partial(_recompute_log, self, hooked))
         return super()._instrument(opened, annotate, hooked)
 
     def reset(self) -> None:
@@ -828,18 +831,31 @@ class DynamoTimer(NodeTimer):
 
     def add_backward(self, events: list[tuple[int, int]]) -> None:
         """``NodeTimer.add_backward``, with each checkpointed region's recompute moved out of the backward time of
-        the autograd node that ran it (matched by sequence number) into the region's ``_recompute`` row."""
+        the autograd node that ran it (matched by sequence number) into the region's ``_recompute`` row.
+
+        A reentrant region's asking node is ``checkpoint``'s own (``CheckpointBackward``): its region's backward
+        runs inside it, timed as the rows whose recomputed ops created those autograd nodes, and the rest of it (the
+        recompute, putting random states back, starting that inner backward) is the ``_recompute`` row's."""
         if not self._recomputes:
             return super().add_backward(events)
+        numbers = sorted(events)
+        sums = list(itertools.accumulate((duration for _, duration in numbers), initial=0))
         inside: dict[int, int] = {}
-        for _row, sequence_nr, ns in self._recomputes:
-            inside[sequence_nr] = inside.get(sequence_nr, 0) + ns
-        adjusted = []
+        whole: dict[int, int] = {}  # asking node of a reentrant region -> its recompute's index
+        for i, (_row, sequence_nr, ns, first, end) in enumerate(self._recomputes):
+            if first == end:
+                inside[sequence_nr] = inside.get(sequence_nr, 0) + ns
+            else:
+                nested = (sums[bisect.bisect_left(numbers, (end,))] - sums[bisect.bisect_left(numbers, (first,))])
+                inside[sequence_nr], whole[sequence_nr] = nested, i
+        adjusted, own = [], [ns for _, _, ns, _, _ in self._recomputes]
         for sequence_nr, duration in events:
             taken = min(duration, inside.pop(sequence_nr, 0))
+            if sequence_nr in whole:
+                own[whole.pop(sequence_nr)], taken = duration - taken, duration
             adjusted.append((sequence_nr, duration - taken))
         super().add_backward(adjusted)
-        for row, _sequence_nr, ns in self._recomputes:
+        for (row, *_), ns in zip(self._recomputes, own, strict=True):
             self.bwd[row].append(ns)
 
     def costs(self, training: bool | None = None) -> NodeCosts | None:
@@ -908,19 +924,42 @@ def _count_costs(timer: DynamoTimer, captured: fx.GraphModule, example_inputs: l
                 totals[k] = totals[k] + value if add else value
 
 
-def _recompute_log(timer: DynamoTimer, body: fx.GraphModule) -> Callable[[int, int], None]:
+@dataclass
+class _RecomputeLog:
     """What a checkpointed region's recompute reports to (``open_checkpoints``): the row ``<region>_recompute`` of
-    ``timer``, whose backward time it is, taken out of the backward time of the autograd node that asked for it."""
+    ``timer``, whose backward time it is, taken out of the backward time of the autograd node that asked for it.
+    ``row`` None: backward timed by hooks, where a recompute is in the time of the node whose hook ran before it."""
+
+    timer: DynamoTimer
+    row: int | None
+
+    def add(self, sequence_nr: int, ns: int, autograd: tuple[int, int]) -> None:
+        """A recompute for the autograd node ``sequence_nr`` took ``ns``; ``autograd``: the sequence numbers
+        ``[first, end)`` of the autograd nodes it created (a reentrant region's own backward; else empty)."""
+        if self.row is not None:
+            self.timer._recomputes.append((self.row, sequence_nr, ns, *autograd))
+
+    def run_timed(self, timed: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a region's timed graph for a reentrant recompute: the autograd nodes it creates are timed as the
+        rows that created them; the forward samples it logs are forgotten."""
+        mark = NodeTimer.mark(self.timer)
+        try:
+            return timed(*args, **kwargs)
+        finally:
+            self.timer.drop_forward_since(mark)
+
+
+def _recompute_log(timer: DynamoTimer, hooked: bool, body: fx.GraphModule) -> _RecomputeLog:
+    """The ``_RecomputeLog`` of a checkpointed region's graph: its row is named after the modules all its ops are in
+    (none where backward is timed by hooks)."""
+    if hooked:
+        return _RecomputeLog(timer, None)
     stacks = [info.module_stack for node in body.graph.nodes if (info := node.meta.get(ROW)) is not None]
     common = [parts[0] for parts in zip(*stacks) if len(set(parts)) == 1] if stacks else []
     path = common[-1].partition("@")[0] if common else ""
     name = f"{path.replace('.', '_')}_recompute" if path else "checkpoint_recompute"
     row = timer._row_of(NodeInfo(name, "recompute", "torch.utils.checkpoint (recompute in backward)", path, tuple(common)))
-
-    def recomputed(sequence_nr: int, ns: int) -> None:
-        timer._recomputes.append((row, sequence_nr, ns))
-
-    return recomputed
+    return _RecomputeLog(timer, row)
 
 
 def _meta_input(value: Any) -> Any:
@@ -954,13 +993,12 @@ def _checkpointed_bodies(graph_module: fx.GraphModule) -> list[fx.GraphModule]:
 
 
 def open_checkpoints(graph_module: fx.GraphModule, instrumented: Callable[[fx.GraphModule], fx.GraphModule],
-                     recompute_log: Callable[[fx.GraphModule], Callable[[int, int], None]] | None = None) -> fx.GraphModule:
+                     recompute_log: Callable[[fx.GraphModule], _RecomputeLog] | None = None) -> fx.GraphModule:
     """A copy of ``graph_module`` in which each checkpointed region (Dynamo's ``tag_activation_checkpoint``) runs as
     eager runs it, ``torch.utils.checkpoint.checkpoint`` with the caller's arguments (``use_reentrant``,
     ``preserve_rng_state``, ``context_fn``...), over the region's graph ``instrumented`` (its ops timed, as rows of
-    their own) in forward, and over the graph as captured when backward recomputes it. ``recompute_log(body)``
-    gives the function each recompute reports to: the sequence number of the autograd node that asked for it (whose
-    backward time holds it) and its nanoseconds.
+    their own) in forward, and over the graph as captured when backward recomputes it (a reentrant region: over the
+    timed graph, see ``_checkpoint``). ``recompute_log(body)`` gives the log each recompute reports to.
 
     Dynamo's own eager implementation of that op is not the eager program: it checkpoints with
     ``preserve_rng_state=False`` and a selective-checkpointing policy, so dropout inside a region draws other
@@ -1022,10 +1060,16 @@ def _is_module_state(operand: Any) -> bool:
 
 
 def _checkpoint(timed: fx.GraphModule, captured: fx.GraphModule, kwargs: dict[str, Any], state: list[int],
-                recomputed: Callable[[int, int], None] | None) -> Callable[..., Any]:
+                recomputes: _RecomputeLog | None) -> Callable[..., Any]:
     """The call that replaces a checkpointed region (``open_checkpoints``). ``state``: the positions of the region's
     operands that are module parameters or buffers; they reach the region from outside ``checkpoint``'s arguments,
-    as in eager, so that ``checkpoint`` saves the same inputs."""
+    as in eager, so that ``checkpoint`` saves the same inputs.
+
+    A reentrant region (``use_reentrant=True``, or not given) runs forward without autograd and builds its graph in
+    backward, when it recomputes: that recompute runs the timed graph, so that the autograd nodes it creates are
+    timed as the rows that created them; the forward times it logs are dropped (they are the ``_recompute`` row's).
+    """
+    reentrant = kwargs.get("use_reentrant") is not False
 
     def checkpoint(*operands: Any, **body_kwargs: Any) -> Any:
         held = {i: operands[i] for i in state}
@@ -1038,13 +1082,17 @@ def _checkpoint(timed: fx.GraphModule, captured: fx.GraphModule, kwargs: dict[st
                 return timed(*args, **passed_kwargs)
             # Run by the autograd engine: backward recomputes the region for the node it is running (and may stop
             # it early with an exception once the saved tensors it needs are back).
-            start = time.perf_counter_ns()
+            opened = reentrant and recomputes is not None
+            first, start = sequence_nr_now(), time.perf_counter_ns()
             try:
+                if opened:
+                    return recomputes.run_timed(timed, *args, **passed_kwargs)
                 return captured(*args, **passed_kwargs)
             finally:
+                ns = time.perf_counter_ns() - start
                 asking = torch._C._current_autograd_node()
-                if recomputed is not None and asking is not None:
-                    recomputed(asking._sequence_nr(), time.perf_counter_ns() - start)
+                if recomputes is not None and asking is not None:
+                    recomputes.add(asking._sequence_nr(), ns, (first, sequence_nr_now() if opened else first))
 
         return torch.utils.checkpoint.checkpoint(region, *inputs, **kwargs, **body_kwargs)
 
@@ -1201,7 +1249,8 @@ def _run(forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], 
     # own. Following torch's frames, that failed on ``sys._getframe`` (``nn.LSTM`` before ``allow_rnn``); and after
     # the demo transformer's capture (which follows them), the host-sync test's model, captured in the same
     # process, timed no node.
-    with torch.autograd.graph.saved_tensors_hooks(torch._dynamo.disable(pack), torch._dynamo.disable(_unpack)):
+    with (torch.autograd.graph.saved_tensors_hooks(torch._dynamo.disable(pack), torch._dynamo.disable(_unpack)),
+          _reentrant_checked_as_not()):
         out = forward(*args, **kwargs)
     outputs = _tensors(out)
     gradients: list[tuple[str, torch.Tensor | None]] = []
@@ -1220,6 +1269,28 @@ def _run(forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+@contextlib.contextmanager
+def _reentrant_checked_as_not() -> Iterator[None]:
+    """Inside, ``checkpoint(..., use_reentrant=True)`` checkpoints as ``use_reentrant=False`` does, eager and
+    captured alike: the reentrant variant refuses ``torch.autograd.grad``, which the checking calls use so that
+    ``.grad`` is never touched. Both run the region's ops once forward and again in backward, so the comparison
+    checks the ops; timed calls (outside this block) checkpoint as the caller asked."""
+    function = torch.utils.checkpoint.CheckpointFunction
+    had = "apply" in vars(function)
+
+    def apply(run: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
+        return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+
+    function.apply = apply
+    try:
+        yield
+    finally:
+        if had:  # (not so in any torch we know: ``apply`` is ``autograd.Function``'s)
+            function.apply = vars(function).get("apply")
+        else:
+            del function.apply
 
 
 _SAVE_INPUTS = getattr(getattr(torch.utils.checkpoint, "_CheckpointFrame", None), "save_inputs", None)

@@ -185,12 +185,12 @@ class _Samples:
         per_row = [(len(a), len(b), len(c), len(d), len(e)) for a, b, c, d, e in
                    zip(self._fwd, self._starts, self._spans, self.mem_delta, self.mem_peak, strict=True)]
         return (per_row, len(self._firsts), len(self.anchors), len(self._marks), len(self.forward_walls_ns),
-                self.forward_inputs)
+                self.forward_inputs, self._folded_calls)
 
     def drop_since(self, mark: tuple[Any, ...]) -> None:
         """Forget the samples logged since ``mark`` (``mark``)."""
         self._fold()
-        per_row, calls, anchors, marks, walls, inputs = mark
+        per_row, calls, anchors, marks, walls, inputs, _ = mark
         for row, lists in enumerate(zip(self._fwd, self._starts, self._spans, self.mem_delta, self.mem_peak, strict=True)):
             for values, length in zip(lists, per_row[row] if row < len(per_row) else (0,) * 5, strict=True):
                 del values[length:]
@@ -198,6 +198,18 @@ class _Samples:
             del entries[calls:]
         del self.anchors[anchors:], self._marks[marks:], self.forward_walls_ns[walls:]
         self.forward_inputs = inputs
+
+    def drop_forward_since(self, mark: tuple[Any, ...]) -> None:
+        """Forget the forward samples logged since ``mark`` and the calls that logged them, but not which autograd
+        nodes those calls created: their backward is still to be timed (a reentrant checkpointed region recomputed
+        in backward, whose forward time is its ``_recompute`` row's)."""
+        self._fold()
+        per_row, calls = mark[0], mark[-1]
+        for row, lists in enumerate(zip(self._fwd, self._starts, self.mem_delta, self.mem_peak, strict=True)):
+            lengths = per_row[row] if row < len(per_row) else (0,) * 5
+            for values, length in zip(lists, (lengths[0], lengths[1], lengths[3], lengths[4]), strict=True):
+                del values[length:]
+        self._folded_calls = calls
 
 
 class NodeTimer(_Samples):
