@@ -1,4 +1,4 @@
-"""Whether the capture survives the ways people really train: twenty patterns, each trained through a real
+"""Whether the capture survives the ways people really train: twenty-four patterns, each trained through a real
 Lightning ``Trainer`` without the callback, with it (``capture="dynamo"``) and with it (``capture="fx"``), compared
 bitwise.
 
@@ -9,8 +9,11 @@ language, speech and MoE models, a diffusers UNet, a torch_geometric GCN, Lightn
 some with a change made mid-run at step ``CHANGE_STEP`` = 6 by a small callback's ``on_train_batch_start`` (a block
 put in ``eval()``, a drop-path rate raised, the head replaced and added to the optimizer, a forward hook added,
 ``BackboneFinetuning`` unfreezing at its epoch, ``ModelPruning`` pruning at the end of the first epoch of 6 steps),
-a GAN generator called under ``no_grad`` and with grad in each step (manual optimisation), and a forward that
-reads a step counter it keeps (``self.calls += 1``). Each is trained three times from the same ``pl.seed_everything``:
+a GAN generator called under ``no_grad`` and with grad in each step (manual optimisation), a forward that
+reads a step counter it keeps (``self.calls += 1``), GPT-2 checkpointed with ``use_reentrant=True``,
+``StochasticWeightAveraging`` on a ResNet18 (``max_epochs=2`` of 6 steps: SWA from epoch 1, then its BatchNorm
+epoch with ``momentum=None``), a plain function of the user's with a graph break (a call Dynamo skips) that takes
+5 ms more from ``CHANGE_STEP``, and a Python loop over a batch's rows in a plain function. Each is trained three times from the same ``pl.seed_everything``:
 (a) without our callback, (b) with ``FXProfilerCallback(skip_first=0, wait=1, warmup=1, active=2, repeat=0,
 module="model", capture="dynamo", pictures=False)`` (it records steps 2-3, 6-7, 10-11), (c) the same with
 ``capture="fx"`` (the torch.fx capture ladder). ``max_steps`` is 12 for the mid-run patterns and Mask R-CNN (its box
@@ -105,6 +108,7 @@ class Pattern:
     callbacks: Callable[[], list[pl.Callback]] = field(default=lambda: [])
     note: str = ""
     calls_per_step: int = 1                               # forward calls of ``model`` per training step
+    epochs: int | None = None                             # max_epochs instead of max_steps (epoch-based callbacks)
 
 
 class Lit(pl.LightningModule):
@@ -282,12 +286,66 @@ def demo_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return F.nll_loss(model(x, y), y.view(-1))
 
 
-def gpt2_checkpointed() -> nn.Module:
+def gpt2_checkpointed(reentrant: bool | None = None) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=128, n_positions=64))
-    model.gradient_checkpointing_enable()
+    model.gradient_checkpointing_enable(None if reentrant is None else {"use_reentrant": reentrant})
     return model
+
+
+def swa() -> list[pl.Callback]:
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    return [StochasticWeightAveraging(swa_lrs=0.005, swa_epoch_start=1)]  # and its BatchNorm epoch after epoch 2
+
+
+SLOW_S = [0.0]  # the busy wait in ``busy``, from CHANGE_STEP on (``slow_helper``)
+
+
+@torch.compiler.disable
+def busy() -> None:
+    """Work Dynamo does not trace (a call it skips): it runs eagerly, between two graphs."""
+    end = time.perf_counter() + SLOW_S[0]
+    while time.perf_counter() < end:
+        pass
+
+
+def helper(x: torch.Tensor) -> torch.Tensor:
+    x = x * 2
+    busy()
+    return x + 1
+
+
+class WithHelper(nn.Module):
+    """A ResNet18 whose logits go through a plain function of the user's with a graph break in it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = resnet18()
+        SLOW_S[0] = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return helper(self.net(x))
+
+
+def slow_helper(trainer: pl.Trainer, lit: pl.LightningModule, state: dict) -> None:
+    SLOW_S[0] = 0.005
+
+
+def rowwise(x: torch.Tensor) -> torch.Tensor:
+    return torch.stack([r * 2 + 1 for r in x])  # a Python loop over rows, in a plain function
+
+
+class RowLoop(nn.Module):
+    """A small MLP with a Python loop over the batch's rows in a plain function between its layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(3 * 32 * 32, 64), nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(rowwise(self.first(x.flatten(1))))
 
 
 class GCN(nn.Module):
@@ -436,6 +494,8 @@ PATTERNS = [
     Pattern("tv_vit_b16_tiny", tv_vit, lambda: images(P, 4, 32), ce),
     Pattern("lightning_demo_transformer", demo_transformer, lambda: demo_batches(P), demo_loss),
     Pattern("gpt2_grad_checkpointing", gpt2_checkpointed, lambda: tokens(P), hf_loss, checkpointing=True),
+    Pattern("gpt2_reentrant_checkpointing", lambda: gpt2_checkpointed(True), lambda: tokens(P), hf_loss,
+            checkpointing=True),
     Pattern("pyg_gcn", GCN, gcn_batches, gcn_loss),
     Pattern("diffusers_unet", unet, lambda: unet_batches(P), unet_loss),
     Pattern("maskrcnn_train", maskrcnn, lambda: maskrcnn_batches(M), maskrcnn_loss, steps=M),  # (see MID_RUN_STEPS)
@@ -451,13 +511,16 @@ PATTERNS = [
     Pattern("pruning_epoch_end", resnet18, lambda: images(CHANGE_STEP, 4, 32), ce, steps=M,
             callbacks=lambda: [__import__("lightning.pytorch.callbacks", fromlist=["ModelPruning"]).ModelPruning(
                 "l1_unstructured", amount=0.5)]),
+    Pattern("swa_batchnorm", resnet18, lambda: images(CHANGE_STEP, 4, 32), ce, epochs=2, callbacks=swa),
+    Pattern("helper_graph_break_slows", WithHelper, lambda: images(M, 4, 32), ce, change=slow_helper, steps=M),
+    Pattern("loop_in_plain_function", RowLoop, lambda: images(P, 16, 32), ce),
 ]
 QUICK = ("vit_eval_flip", "head_swap", "vit_grad_checkpointing", "lightning_demo_transformer")
 PACKAGES = {"vit": "timm", "drop_path": "timm", "efficientnet": "timm", "llama": "transformers", "gpt2": "transformers",
             "wav2vec2": "transformers", "mixtral": "transformers", "dynamic_padding": "transformers",
             "pyg": "torch_geometric", "diffusers": "diffusers", "tv_": "torchvision", "head_swap": "torchvision",
             "hook_added": "torchvision", "maskrcnn": "torchvision", "pruning": "torchvision",
-            "step_counter": "torchvision"}
+            "step_counter": "torchvision", "swa": "torchvision", "helper": "torchvision"}
 
 
 # ------------------------------------------------------------------ one run
@@ -501,7 +564,8 @@ def train(pattern: Pattern, capture: str | None) -> Run:
                                                   capture=capture, pictures=False, dirpath=tmp)
                 callbacks.append(run.callback)
             kwargs = {"precision": pattern.precision} if pattern.precision else {}
-            trainer = pl.Trainer(accelerator="cpu", max_steps=pattern.steps, logger=False, enable_checkpointing=False,
+            kwargs.update({"max_epochs": pattern.epochs} if pattern.epochs else {"max_steps": pattern.steps})
+            trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False,
                                  enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **kwargs)
             with quiet_stderr(), contextlib.redirect_stdout(io.StringIO()):  # the console sink's lines
                 trainer.fit(run.lit, loader)

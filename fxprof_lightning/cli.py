@@ -453,7 +453,7 @@ def check_cycles(cycles: list[CycleReport], options: dict) -> dict[int, Verdict]
 
 def cycle_table(cycles: list[CycleReport], found: dict[int, Verdict]) -> list[str]:
     lines = [f"{'cycle':>7}  {'steps':<13}  {'fwd ms/step':>11}  {'bwd ms/step':>11}  {'step ms':>9}  {'spread':>6}  "
-             f"{'regressions':>11}  note"]
+             f"{'regressions':>11}  note", "(fwd, bwd: the node rows summed, mean per step; step: the measured step, median)"]
     for c in cycles:
         totals = per_step(c)
         steps = steps_text(c)

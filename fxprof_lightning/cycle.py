@@ -20,7 +20,14 @@ from torch import nn
 
 from fxprof_lightning.capture.timers import Timer
 from fxprof_lightning.nodes import Capture
-from fxprof_lightning.report import CycleReport, NodeStats, summarize_modules, summarize_nodes, summarize_ranges
+from fxprof_lightning.report import (
+    CycleReport,
+    NodeStats,
+    layer_label,
+    summarize_modules,
+    summarize_nodes,
+    summarize_ranges,
+)
 from fxprof_lightning.timing.autograd_walk import sequence_nr_now
 from fxprof_lightning.timing.gpu_trace import node_device_times
 from fxprof_lightning.timing.gpu_trace import summary as device_summary
@@ -246,6 +253,7 @@ class Cycle:
             report.forward_wall_ms = sum(self.forward_walls_ns) / len(self.recorded) / 1e6
         if report.nodes and self.timer is not None:
             report.modules = summarize_modules(self.timer.nodes, report.nodes, len(self.recorded), type_name)
+        report.nodes = [replace(n, layer=layer_label(n, type_name)) for n in report.nodes]
         return report
 
     def described_capture(self) -> Capture | None:

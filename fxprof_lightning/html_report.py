@@ -164,11 +164,11 @@ def _slowest(cycle: CycleReport) -> str:
     rows = []
     for rank, n in enumerate(cycle.nodes[:SLOWEST_ROWS], start=1):
         share = 100 * (n.total_ms + n.bwd_total_ms) / grand
-        rows.append([str(rank), f"<code>{_e(n.name)}</code>", _e(n.op.removeprefix("call_")),
-                     f"<code>{_e(n.module_path or '(root)')}</code>", ms_text(n.median_ms),
+        rows.append([str(rank), f"<code>{_e(n.layer or n.name)}</code>", f"<code>{_e(n.name)}</code>",
+                     _e(n.op.removeprefix("call_")), ms_text(n.median_ms),
                      ms_text(n.bwd_median_ms), ms_text((n.total_ms + n.bwd_total_ms) / steps), f"{share:.1f}%",
                      f'<span class="share" style="width:{1.6 * share:.1f}px;background:{PALETTE[0]}"></span>'])
-    head = ["#", "node", "op", "module", "fwd ms/call", "bwd ms/call", "fwd+bwd ms/step", "share", ""]
+    head = ["#", "layer", "node", "op", "fwd ms/call", "bwd ms/call", "fwd+bwd ms/step", "share", ""]
     more = len(cycle.nodes) - SLOWEST_ROWS
     tail = (f'<p class="note">{more} faster node(s) not shown (fx_nodes.csv in the cycle directory has every one).'
             "</p>" if more > 0 else "")
@@ -242,7 +242,7 @@ def _trend(shown: list[CycleReport], found: dict[int, Verdict], layers: int) -> 
             for j, label in enumerate(labels)]
     numbers = _table(["cycle", *[f"[{i + 1}]" for i in range(len(top))]], rows, "trend-numbers",
                      numeric=range(len(top) + 1))
-    names = "".join(f"<li>[{i + 1}] <code>{_e(n.name)}</code></li>" for i, n in enumerate(top))
+    names = "".join(f"<li>[{i + 1}] <code>{_e(n.layer or n.name)}</code></li>" for i, n in enumerate(top))
     return (f"<h3>ms per step, cycles {labels[0]}-{labels[-1]}</h3>\n{_line_chart(labels, steps, distorted, 'ms')}\n"
             f"{_legend(steps)}\n<h3>ms per call of the {len(top)} slowest layers of cycle {labels[-1]} "
             f"(forward + backward medians)</h3>\n{_line_chart(labels, calls, distorted, 'ms')}\n{_legend(calls)}\n"

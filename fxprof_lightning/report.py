@@ -6,13 +6,14 @@ import csv
 import io
 import re
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from fxprof_lightning.nodes import NodeInfo
 
-__all__ = ["CycleReport", "ModuleStats", "NodeStats", "RangeStats", "cpu_per_wall", "merge_ranks", "step_spread",
+__all__ = ["CycleReport", "ModuleStats", "NodeStats", "RangeStats", "cpu_per_wall", "layer_label", "merge_ranks", "step_spread",
            "summarize_modules", "summarize_nodes", "summarize_ranges"]
 
 NS_PER_MS = 1e6
@@ -26,12 +27,12 @@ def describe_phases(phases: dict[str, float]) -> str:
     """The step's phases in one line, largest first, with their shares.
 
     >>> describe_phases({"data": 30.0, "training_step": 50.0, "backward": 20.0, "other": 0.0})
-    '100.0 ms per step: training_step 50.0 ms (50%), data 30.0 ms (30%), backward 20.0 ms (20%)'
+    '100.0 ms per step (measured, mean): training_step 50.0 ms (50%), data 30.0 ms (30%), backward 20.0 ms (20%)'
     """
     total = sum(phases.values()) or 1.0
     parts = [f"{name} {ms:.1f} ms ({100 * ms / total:.0f}%)" for name, ms in sorted(phases.items(), key=lambda p: -p[1])
              if ms >= 0.0005 * total]
-    return f"{total:.1f} ms per step: " + ", ".join(parts)
+    return f"{total:.1f} ms per step (measured, mean): " + ", ".join(parts)
 
 
 def shorten(text: str, width: int, ellipsis: str = "...") -> str:
@@ -111,6 +112,42 @@ class NodeStats:
     device_span_ms: float | None = None
     device_idle_ms: float | None = None
     source: str = ""
+    layer: str = ""  # the row as the user's code names it (``layer_label``)
+
+
+# Python's operators as the user writes them (the rows of ``x + y`` name ``operator.add``).
+OPERATORS = {"operator.add": "x + y", "operator.iadd": "x += y", "operator.sub": "x - y", "operator.isub": "x -= y",
+             "operator.mul": "x * y", "operator.imul": "x *= y", "operator.truediv": "x / y", "operator.itruediv": "x /= y",
+             "operator.floordiv": "x // y", "operator.matmul": "x @ y", "operator.pow": "x ** y", "operator.neg": "-x",
+             "operator.getitem": "x[i]", "operator.setitem": "x[i] = y", "operator.and_": "x & y",
+             "operator.or_": "x | y", "operator.eq": "x == y", "operator.lt": "x < y", "operator.gt": "x > y"}
+
+
+def layer_label(node: NodeStats, type_name: Callable[[str], str]) -> str:
+    """A row as the user's code names it: a layer by its path and type, an op by its function and where it runs
+    (the layer around it, or the user's function and line outside every submodule).
+
+    >>> types = {"": "Net", "0": "Linear", "block": "Block"}.get
+    >>> row = NodeStats("model_0", "call_module", "0", "0", 1, *[0.0] * 6)
+    >>> layer_label(row, types), layer_label(replace(row, op="call_function", target="torch.nn.functional.relu",
+    ...                                                   module_path="block"), types)
+    ('0 (Linear)', 'F.relu in block (Block)')
+    >>> layer_label(replace(row, op="call_function", target="operator.add", module_path="", source="f (train.py:3)"), types)
+    'x + y in f (train.py:3)'
+    """
+    kind = type_name(node.module_path) if node.op not in ("step", "unowned") else ""
+    where = f"{node.module_path or '(root)'} ({kind})" if kind else node.module_path
+    if node.op in ("call_module", "module"):
+        return where or node.name
+    if node.op == "recompute":
+        return f"{where}: recompute in backward" if where else node.name
+    if node.op not in ("call_function", "call_method"):  # a row between graphs, of the step, of unowned time
+        return node.name
+    function = OPERATORS.get(node.target) or node.target.replace("torch.nn.functional.", "F.")
+    function = f"x.{function}()" if node.op == "call_method" else function
+    if node.source:
+        return f"{function} in {node.source}"
+    return f"{function} in {where}" if node.module_path else function
 
 
 @dataclass(frozen=True)
@@ -490,12 +527,12 @@ class CycleReport:
         straggler = self.ranks > 1
         header = f"{stage} {self.label}{' (partial)' if self.partial else ''}, {step_range}"
         header += f" ({self.trigger})" if self.trigger != "schedule" else ""
-        header += f": forward {self.forward_ms_per_step:.3f} ms"
+        header += f": node rows summed, forward {self.forward_ms_per_step:.3f} ms"
         if self.backward_ms_per_step:
             header += f", backward {self.backward_ms_per_step:.3f} ms"
             if self.backward_wall_ms:
                 header += f" ({self.backward_account()})"
-        header += f" per step over {len(self.nodes)} nodes{over_ranks}"
+        header += f" per step (mean) over {len(self.nodes)} nodes{over_ranks}"
         if self.capture is not None and self.capture.method != "symbolic_trace":
             header += f"; captured by {self.capture.describe()}"
             if self.capture.leaves or self.capture.method == "module_hooks":
@@ -516,13 +553,13 @@ class CycleReport:
         lines = [
             header,
             "",
-            "| node | op | fwd ms/call | bwd ms/call | fwd+bwd ms/step | % of fwd+bwd | calls/step "
+            "| layer | node | op | fwd ms/call | bwd ms/call | fwd+bwd ms/step | % of fwd+bwd | calls/step "
             "| fwd GFLOP/s | % of peak | bound |" + (" slowest rank fwd ms/call | slowest rank |" if straggler else ""),
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|" + ("---:|---:|" if straggler else ""),
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|" + ("---:|---:|" if straggler else ""),
         ]
         for n in shown:
             row = (
-                f"| {_md(n.name)} | {n.op.removeprefix('call_')} | {n.mean_ms:.3f} | {n.bwd_mean_ms:.3f} "
+                f"| {_md(n.layer or n.name)} | {_md(n.name)} | {n.op.removeprefix('call_')} | {n.mean_ms:.3f} | {n.bwd_mean_ms:.3f} "
                 f"| {(n.total_ms + n.bwd_total_ms) / steps:.3f} | {100 * (n.total_ms + n.bwd_total_ms) / grand:.1f} "
                 f"| {n.calls / steps:g} | {_num(n.fwd_gflops_per_s, '.1f')} | {_num(n.pct_of_peak, '.0f')} | {n.bound} |"
             )

@@ -372,11 +372,11 @@ def test_text_tab_renders_the_node_table_and_the_module_tree(served: Served, pag
 
     shown = [(table["header"], table["rows"]) for table in nodes["tables"]]
     assert sorted(shown) == sorted(expected_tables)  # every cycle's tables, cell for cell (newest first on the page)
-    for header, rows in [table for table in shown if table[0][0] == "node"]:
-        assert {"node", "fwd ms/call", "bwd ms/call"} <= set(header), header
-        names = [row[0] for row in rows]
+    for header, rows in [table for table in shown if table[0][0] == "layer"]:
+        assert {"layer", "node", "fwd ms/call", "bwd ms/call"} <= set(header), header
+        names = [row[1] for row in rows]
         assert set(names) == {n.name for n in served.cycles[0].nodes}, names  # one row per shown node
-    assert "|---" not in nodes["text"] and "| node |" not in nodes["text"], "Markdown shown raw"
+    assert "|---" not in nodes["text"] and "| layer |" not in nodes["text"], "Markdown shown raw"
 
     assert sorted(pre.strip("\n") for pre in modules["pres"]) == sorted(expected_trees)
     assert all("(root) (SmallNet)" in pre and "conv (Conv2d)" in pre for pre in modules["pres"])

@@ -69,7 +69,7 @@ def test_cycles_report_recorded_steps_and_nodes(profiled_run):
         costs = [n.total_ms + n.bwd_total_ms for n in cycle.nodes]
         assert costs == sorted(costs, reverse=True)  # slowest forward + backward first
         markdown = cycle.to_markdown()
-        assert "| node | op | fwd ms/call | bwd ms/call | fwd+bwd ms/step | % of fwd+bwd | calls/step |" in markdown
+        assert "| layer | node | op | fwd ms/call | bwd ms/call | fwd+bwd ms/step | % of fwd+bwd | calls/step |" in markdown
         assert all(f"`{name}`" in markdown for name in SMALLNET_NODES)
 
 
@@ -138,7 +138,7 @@ def test_summary_printed_at_end_of_fit(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "FXProfilerCallback: 1 cycle(s) recorded" in out
     assert "Slowest nodes of cycle 0 (steps 1-2), mean ms per call (share of all nodes):" in out
-    assert re.search(r"  \w+ +call_\w+ +forward +\d+\.\d{3} \( *\d+\.\d %\)  backward +\d+\.\d{3} \( *\d+\.\d %\)", out)
+    assert re.search(r"  conv \(Conv2d\) +forward +\d+\.\d{3} \( *\d+\.\d %\)  backward +\d+\.\d{3} \( *\d+\.\d %\)", out)
     assert f"tensorboard --logdir {tmp_path / 'logs'}" in out
 
 

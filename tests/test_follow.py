@@ -186,18 +186,6 @@ def test_a_budget_must_be_a_share():
         Profiler(nn.Linear(1, 1), overhead_budget=2)
 
 
-def test_the_console_line_names_the_slowest_layer_by_path_and_type(tmp_path, capsys):
-    # Issue 31: ``slowest 0 (49%)`` for a Sequential's first child read like a bug.
-    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 4))
-    with Profiler(model, dirpath=tmp_path, wait=1, warmup=1, active=2, repeat=1, torch_profiler=False,
-                  pictures=False) as prof:
-        for _ in range(4):
-            model(torch.randn(64, 64)).sum().backward()
-            prof.step()
-    line = next(text for text in capsys.readouterr().out.splitlines() if text.startswith("Profiler: cycle 0"))
-    assert "; slowest 0 (Linear): " in line or "; slowest 2 (Linear): " in line, line
-
-
 def test_a_request_taken_before_a_checkpoint_is_answered_after_the_restart(tmp_path):
     # The request is taken at step 8 (the steps' times go to the watch, and a request is looked for, every 8 steps)
     # and its cycle planned from step 9; the job stops there and resumes from the state saved after step 8.

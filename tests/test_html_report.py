@@ -212,7 +212,7 @@ def test_page_shows_every_section_with_the_runs_numbers(trained, page_of_run):
     slow = page.tables["slowest"]
     assert len(slow) == min(SLOWEST_ROWS, len(last.nodes))
     for row, node in zip(slow, last.nodes, strict=False):
-        assert row[1] == node.name and row[4:7] == [ms_text(node.median_ms), ms_text(node.bwd_median_ms),
+        assert row[1:3] == [node.layer, node.name] and row[4:7] == [ms_text(node.median_ms), ms_text(node.bwd_median_ms),
                                                      ms_text((node.total_ms + node.bwd_total_ms) / len(last.steps))]
 
     # the advice stored with the last cycle, one item each, code spans as text (the roofline's advice depends on the
@@ -448,12 +448,12 @@ def test_names_from_the_run_are_escaped(trained, tmp_path):
     cycles = load_run(trained, stage="train")
     last = cycles[-1]
     odd = '<img src="http://example.com/x.png" onerror="alert(1)">&amp;'
-    last.nodes = [replace(last.nodes[0], name=odd, module_path=odd), *last.nodes[1:]]
+    last.nodes = [replace(last.nodes[0], name=odd, module_path=odd, layer=odd), *last.nodes[1:]]
     last.modules = [replace(m, type_name=odd) if m.path == "stem" else m for m in last.modules]
     last.advice = [f"`{odd}` is slow"]
     out = write_page(tmp_path / "page.html", cycles, check_cycles(cycles, OPTIONS), run=f"{trained}/{odd}",
                      title="3 training cycle(s)", options=OPTIONS)
     page = parse(out)
     assert "img" not in page.tags and "<img" not in out.read_text()
-    assert page.tables["slowest"][0][1] == odd and odd in page.sections["advice"] and odd in page.sections["modules"]
+    assert page.tables["slowest"][0][1:3] == [odd, odd] and odd in page.sections["advice"] and odd in page.sections["modules"]
     assert page.order == SECTIONS

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from fxprof_lightning import FXProfilerCallback
+from fxprof_lightning import FXProfilerCallback, Profiler
 from fxprof_lightning.timing.node_timing import NodeTimer
 
 ONE_CYCLE = {"skip_first": 1, "wait": 0, "warmup": 1, "active": 2, "repeat": 1}
@@ -335,3 +335,38 @@ def test_cuda_device_time_and_memory_leave_results_unchanged():
     assert all(isinstance(ns, int) and ns > 0 for samples in timer.fwd for ns in samples)
     assert all(sum(timer.bwd_ns(i)) > 0 for i, n in enumerate(timer.nodes) if n.name in ("conv", "head"))
     assert all(len(deltas) == 1 for deltas in timer.mem_delta)
+
+
+class RowsInAFunction(nn.Module):
+    """A Sequential's layers, then ops in a plain function of the user's (outside every submodule)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 4))
+
+    def forward(self, x):
+        return scaled(self.body(x))
+
+
+def scaled(x):
+    return F.softplus(x) * 2
+
+
+def test_rows_are_named_as_the_code_names_them(tmp_path, capsys):
+    # Issue 31: ``slowest 0 (49%)`` and ``| 0 | module |`` for a Sequential's first child read like a bug.
+    model = RowsInAFunction()
+    with Profiler(model, dirpath=tmp_path, wait=1, warmup=1, active=2, repeat=1, torch_profiler=False,
+                  pictures=False) as prof:
+        for _ in range(4):
+            model(torch.randn(64, 64)).sum().backward()
+            prof.step()
+    (cycle,) = prof.cycles
+    line = next(text for text in capsys.readouterr().out.splitlines() if text.startswith("Profiler: cycle 0"))
+    assert f"; slowest {cycle.nodes[0].layer}: " in line, line
+    where = f"scaled (test_layers.py:{scaled.__code__.co_firstlineno + 1})"
+    expected = {"body.0 (Linear)", "body.1 (ReLU)", "body.2 (Linear)", f"F.softplus in {where}", f"x * y in {where}"}
+    assert {n.layer for n in cycle.nodes} == expected
+    markdown = cycle.to_markdown()
+    assert "| layer | node | op |" in markdown and all(f"| `{layer}` |" in markdown for layer in expected)
+    table = list(csv.DictReader((cycle.directory / "fx_nodes.csv").open()))
+    assert {row["layer"] for row in table} == expected and {row["name"] for row in table} == {n.name for n in cycle.nodes}

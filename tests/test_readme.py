@@ -91,7 +91,7 @@ def test_lightning_quickstart_runs_as_written(tmp_path):
     for cycle in fxprof.glob("cycle_*"):
         assert (cycle / "fx_nodes.csv").is_file() and list(cycle.glob("rank0.*.pt.trace.json.gz"))
     rows = [line for line in run.stdout.splitlines() if line.startswith("| `")]
-    assert {row.split("|")[1].strip() for row in rows} == {"`0`", "`1`", "`2`"}  # Linear, ReLU, Linear
+    assert {row.split("|")[1].strip() for row in rows} == {"`0 (Linear)`", "`1 (ReLU)`", "`2 (Linear)`"}
 
 
 @pytest.mark.slow

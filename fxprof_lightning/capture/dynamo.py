@@ -61,8 +61,8 @@ from fxprof_lightning.nodes import (
     module_stack,
     node_info,
 )
-from fxprof_lightning.timing.flops import NodeCosts, count_costs, float_grouped_mm_meta
 from fxprof_lightning.timing.autograd_walk import sequence_nr_now
+from fxprof_lightning.timing.flops import NodeCosts, count_costs, float_grouped_mm_meta
 from fxprof_lightning.timing.node_timing import NodeTimer
 
 if TYPE_CHECKING:
@@ -70,8 +70,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DYNAMO", "GRAPH_BREAK", "DynamoTimer", "annotate_rows", "break_row"]
 
-DYNAMO = ("captured by Dynamo (torch._dynamo, run eagerly by a backend that times each op; no Inductor), checked "
-          "bitwise against eager (outputs, gradients, buffers, random states) before use, captured again when a guard fails")
+DYNAMO = ("torch._dynamo's graphs, run eagerly by a backend that times each op (no Inductor), checked bitwise against "
+          "eager (outputs, gradients, buffers, random states) before use, captured again when a guard fails")
 
 
 # Timed calls that miss the guards this many times in a row, each right after a capture: the graphs are refused.

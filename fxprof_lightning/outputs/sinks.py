@@ -40,7 +40,7 @@ from fxprof_lightning.layout import (
     TREND_TAG,
     stage_tag,
 )
-from fxprof_lightning.report import CycleReport
+from fxprof_lightning.report import CycleReport, shorten
 
 # What TensorBoard's summary writer would replace in a tag (with a warning each time): all but letters, digits, _ - . /
 TAG_UNSAFE = re.compile(r"[^-\w./]+")
@@ -326,20 +326,18 @@ def cycle_line(report: CycleReport, name: str) -> str:
     partial = " (partial)" if report.partial else ""
     line = f"{name}: {stage} {report.label}{partial}, steps {report.steps[0]}-{report.steps[-1]}"
     line += f" ({report.trigger})" if report.trigger != "schedule" else ""
-    line += f": forward {report.forward_ms_per_step:.2f} ms"
+    line += f": node rows forward {report.forward_ms_per_step:.2f} ms"
     if report.backward_ms_per_step:
         line += f", backward {report.backward_ms_per_step:.2f} ms"
-    line += " per step"
+    line += " per step (summed)"
     if report.nodes:
         top = report.nodes[0]
         grand = sum(n.total_ms + n.bwd_total_ms for n in report.nodes) or 1.0
-        types = {m.path: m.type_name for m in report.modules}
-        shown = f"{top.module_path} ({types[top.module_path]})" if top.op == "call_module" and top.module_path in types else top.name
-        line += f"; slowest {shown}: {100 * (top.total_ms + top.bwd_total_ms) / grand:.0f}%"
+        line += f"; slowest {top.layer or top.name}: {100 * (top.total_ms + top.bwd_total_ms) / grand:.0f}% of them"
     if report.phases:
         total = sum(report.phases.values()) or 1.0
         biggest = sorted(report.phases.items(), key=lambda item: -item[1])[:2]
-        line += f"; step {total:.1f} ms: " + ", ".join(f"{phase} {100 * ms / total:.0f}%" for phase, ms in biggest)
+        line += f"; measured step {total:.1f} ms: " + ", ".join(f"{phase} {100 * ms / total:.0f}%" for phase, ms in biggest)
     if report.dropped_steps or report.capture_s:
         line += f"; {report.dropped_text()}"
     if report.regressions:
@@ -365,7 +363,7 @@ def summary(cycles: list[CycleReport], name: str, out_dir: Path, logdir: str | o
             "mean ms per call (share of all nodes):"
         )
         for n in last.nodes[:5]:
-            lines.append(f"  {n.name:<28} {n.op:<14} forward {n.mean_ms:9.3f} ({n.pct:4.1f} %)  "
+            lines.append(f"  {shorten(n.layer or n.name, 42):<42} forward {n.mean_ms:9.3f} ({n.pct:4.1f} %)  "
                          f"backward {n.bwd_mean_ms:9.3f} ({n.bwd_pct:4.1f} %)")
     regressed = [(c.index, r) for c in cycles for r in c.regressions]
     if regressed:
