@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,10 +44,15 @@ def test_readme_is_at_most_12_kib():
 
 
 def test_readme_setup_and_test_commands_are_what_ci_runs():
-    install, tests = _code_block("Set up and test on a fresh machine", "bash").splitlines()
+    first, second = _code_block("Set up and test on a fresh machine", "bash").splitlines()
     ci = (ROOT / ".ci" / "run").read_text().replace(" --quiet", "")
-    assert install.startswith("python3 -m venv .venv && ")
-    assert install.split(" && ")[1] in ci  # .venv/bin/pip install -e '.[plots,test]'
+    # The first installs what the example needs, nothing only the tests need, and runs it.
+    venv, light, example = first.split(" && ")
+    assert venv == "python3 -m venv .venv" and example == ".venv/bin/python examples/train_resnet18.py"
+    assert light == ".venv/bin/pip install -e '.[examples,plots]'"
+    # The second installs what CI installs and runs CI's command.
+    install, tests = second.split(" && ")
+    assert install == ".venv/bin/pip install -e '.[plots,test]' -r docs/requirements.txt" and install in ci
     assert tests == ".venv/bin/python -m pytest" and f"{tests} ||" in ci
     assert '-m "not slow"' in README.read_text()
 
@@ -97,7 +103,7 @@ def test_lightning_quickstart_runs_as_written(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(
     any(importlib.util.find_spec(name) is None for name in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python")),
-    reason="the docs tools are not installed: .venv/bin/pip install -r docs/requirements.txt (.ci/run does)",
+    reason="the docs tools are not installed: the README's second command installs them, as .ci/run does",
 )
 def test_docs_build_strict(tmp_path):
     """`mkdocs build --strict`, as .ci/run runs it: no broken link or anchor, every README snippet section found,
@@ -112,3 +118,22 @@ def test_docs_build_strict(tmp_path):
                  "TensorBoardSink", "ConsoleSink"):
         assert f'id="fxprof_lightning.{name}"' in api, name
     assert "LitClassifier" in (tmp_path / "site" / "index.html").read_text()  # the quickstarts, taken from README.md
+
+
+def test_the_schedule_recipes_record_the_steps_they_promise():
+    """docs/recipes.md: the options of its first two recipes, read from the page, give the steps its text names."""
+    import ast
+
+    from fxprof_lightning.schedule import Schedule
+
+    text = (ROOT / "docs" / "recipes.md").read_text()
+    calls = re.findall(r"^FXProfilerCallback\((.*)\)", text, flags=re.MULTILINE)
+
+    def schedule(call: str) -> Schedule:
+        tree = ast.parse(f"f({call})").body[0].value
+        options = {k.arg: ast.literal_eval(k.value) for k in tree.keywords if k.arg != "module"}
+        return Schedule(**{k: v for k, v in options.items() if k in ("skip_first", "wait", "warmup", "active", "repeat")})
+
+    once, sampled = schedule(calls[0]), schedule(calls[1])
+    assert once.traced_steps(0) == [4999, 5000, 5001, 5002] and once.cycle_of(5003) is None
+    assert [sampled.recorded_steps(i) for i in range(2)] == [[997, 998, 999], [1997, 1998, 1999]]
