@@ -453,7 +453,7 @@ def check_cycles(cycles: list[CycleReport], options: dict) -> dict[int, Verdict]
 
 def cycle_table(cycles: list[CycleReport], found: dict[int, Verdict]) -> list[str]:
     lines = [f"{'cycle':>7}  {'steps':<13}  {'fwd ms/step':>11}  {'bwd ms/step':>11}  {'step ms':>9}  {'spread':>6}  "
-             f"{'regressions':>11}  note", "(fwd, bwd: the node rows summed, mean per step; step: the measured step, median)"]
+             f"{'regressions':>11}  note"]
     for c in cycles:
         totals = per_step(c)
         steps = steps_text(c)
@@ -467,7 +467,7 @@ def cycle_table(cycles: list[CycleReport], found: dict[int, Verdict]) -> list[st
             f"{index:>7}  {steps:<13}  {forward:>11}  {backward:>11}  {ms_text(step) if step is not None else '':>9}  "
             f"{f'{100 * spread:.0f}%' if spread is not None else '':>6}  "
             f"{len(regressions) if why is None else '-':>11}  {_note(why, c)}".rstrip())
-    return lines
+    return [*lines, "(fwd, bwd ms/step: the node rows summed, mean per step; step ms: the measured step, median)"]
 
 
 def _costs(cycles: list[CycleReport]) -> str:
@@ -500,8 +500,7 @@ def trend_table(cycles: list[CycleReport], layers: int) -> list[str]:
     column = 10
     lines = [f"Trend of the {len(top)} slowest layers of cycle {cycles[-1].index}, ms per call "
              "(forward + backward medians):"]
-    lines += [f"  [{i + 1}] {shorten(n.name, 60)}" + (f"  ({n.op} {shorten(n.target, 40)})" if n.target else "")
-              for i, n in enumerate(top)]
+    lines += [f"  [{i + 1}] {shorten(n.layer or n.name, 60)}  (node {shorten(n.name, 40)})" for i, n in enumerate(top)]
     lines.append(f"{'cycle':>7}" + "".join(f"{f'[{i + 1}]':>{column + 2}}" for i in range(len(top))))
     for c in cycles:
         by_name = {n.name: n for n in c.nodes}

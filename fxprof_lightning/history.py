@@ -19,18 +19,22 @@ HISTORY = 20  # recent cycles kept per stage for regressions and advice
 class StageHistory:
     """The analysis history of one stage (training or validation steps) of a run."""
 
-    tracked: list[str] | None = None  # the nodes whose scalar series the run logs (the first cycle's top_k)
+    tracked: list[str] | None = None  # the nodes whose scalar series the run logs (first cycle's top_k, then slowest)
     tables: list[list[NodeStats]] = field(default_factory=list)  # node tables of the recent cycles (advice)
     watch: RegressionWatch = field(default_factory=lambda: RegressionWatch(history=HISTORY))  # trust, regressions
 
     def analyse(self, report: CycleReport, peaks: Peaks | None, top_k: int,
                 tracked: list[str] | None = None) -> Peaks | None:
         """Fill in the report's tracked nodes, roofline, trust, regressions and advice (rank 0). Returns the peaks,
-        raised when a node beat a measured one (it was too low). The tracked nodes are fixed at the stage's first
-        cycle: ``tracked`` (another stage's), else the cycle's ``top_k`` slowest."""
-        if self.tracked is None:
-            self.tracked = list(tracked) if tracked else [n.name for n in report.nodes[:top_k]]
-        report.tracked = self.tracked
+        raised when a node beat a measured one (it was too low). The tracked nodes: ``tracked`` (another stage's, as
+        it grows), else the stage's first cycle's ``top_k`` slowest, and each later cycle's slowest from that cycle on."""
+        if tracked:
+            self.tracked = list(tracked)
+        elif self.tracked is None:
+            self.tracked = [n.name for n in report.nodes[:top_k]]
+        elif report.nodes and report.nodes[0].name not in self.tracked:
+            self.tracked.append(report.nodes[0].name)
+        report.tracked = list(self.tracked)
         if peaks is not None:
             report.nodes = with_roofline(report.nodes, peaks)
             if peaks.source != "given" and any(n.pct_of_peak is not None and n.pct_of_peak > 100 for n in report.nodes):

@@ -369,7 +369,7 @@ def test_report_of_a_real_run(capsys, profiled):
     header = next(i for i, line in enumerate(table) if line.lstrip().startswith("cycle  steps"))
     assert [line.split()[:2] for line in table[header + 1: header + 5]] == [["0", "1-3"], ["1", "5-7"], ["2", "9-11"],
                                                                           ["3", "13-15"]]
-    assert "Trend of the 6 slowest layers of cycle 3" in out and f"[1] {prof.cycles[-1].nodes[0].name}" in out
+    assert "Trend of the 6 slowest layers of cycle 3" in out and f"[1] {prof.cycles[-1].nodes[0].layer}  (node {prof.cycles[-1].nodes[0].name})" in out
     assert status == (1 if "Regressions, each cycle" in out else 0)
     if prof.cycles[-1].advice:
         assert "Advice stored with cycle 3:" in out

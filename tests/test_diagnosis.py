@@ -134,7 +134,7 @@ def test_the_whole_step_of_a_dataloader_bound_run(tmp_path):
     assert cycle.advice[0].startswith("The step waits for its next batch") and "num_workers" in cycle.advice[0]
     assert not any("node time" in line for line in cycle.advice)  # node-level advice left out: not what it waits for
     assert "The whole step:" in cycle.to_markdown() and "data" in cycle.to_summary()["phases"]
-    assert re.search(r"; step [\d.]+ ms: data \d+%", cycle_line(cycle, "FXProfilerCallback"))  # the console line
+    assert re.search(r"; measured step [\d.]+ ms: data \d+%", cycle_line(cycle, "FXProfilerCallback"))  # the console line
     out = subprocess.run([sys.executable, "-m", "fxprof_lightning", "report", str(cycle.directory.parent)],
                          capture_output=True, text=True, timeout=120, check=False).stdout
     assert f"The whole step in cycle {cycle.index}:" in out and "data" in out

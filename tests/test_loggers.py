@@ -193,10 +193,12 @@ def test_validation_tracks_the_training_layers_in_custom_scalars_charts_of_five(
               for category in layout.category}
     for stage in ("training", "validation"):
         titles = [t for t in charts[f"fxprof ({stage})"] if t.startswith("forward")]
-        assert titles == ["forward ms per call, tracked layers 1-5", "forward ms per call, tracked layers 6"], titles
+        assert titles == ["forward ms per call, tracked layers 1-5 (version_0)",
+                          "forward ms per call, tracked layers 6 (version_0)",
+                          "forward ms per call, layers tracked later (version_0)"], titles
     logged = {tag.split("/")[1] for tag in events.Tags()["scalars"] if tag.startswith("fxprof_val_nodes/")}
     assert logged and logged <= {TAG_UNSAFE.sub("_", name) for name in tracked}, (logged, tracked)
-    (regex,) = charts["fxprof (validation)"]["forward ms per call, tracked layers 1-5"]
+    (regex,) = charts["fxprof (validation)"]["forward ms per call, tracked layers 1-5 (version_0)"]
     assert all(re.match(regex, f"fxprof_val_nodes/{TAG_UNSAFE.sub('_', n)}/forward_ms_per_call") for n in tracked[:5])
 
 
@@ -289,3 +291,70 @@ def test_wandb_logger_gets_tables_and_an_artifact_per_cycle(tmp_path, monkeypatc
         metadata = json.loads(artifact.metadata)
         assert (metadata["index"], metadata["steps"], metadata["stage"]) == (cycle.index, cycle.steps, cycle.stage)
 
+
+
+# ------------------------------------------------------------------ TensorBoard: the layers tracked, two runs
+
+
+def test_every_cycles_slowest_layer_is_tracked_from_its_cycle_on(tmp_path):
+    """The tracked layers are the first cycle's slowest, and each later cycle's slowest joins them: a helper that
+    becomes the slowest row at step 20 gets its scalar series from its first slow cycle on."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from test_dynamics import HELPER_ROW, LitAround, SlowFrom, classifier_loader, helper
+
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    callback = FXProfilerCallback(wait=2, warmup=1, active=3, module="model", torch_profiler=False, pictures=False,
+                                  top_k=1)
+    make_trainer(tmp_path, [callback, SlowFrom(20, 0.01)], max_steps=36, logger=logger).fit(
+        LitAround(helper, 32), classifier_loader(36))
+    first, last = callback.cycles[0], callback.cycles[-1]
+    assert first.tracked == [first.nodes[0].name] and HELPER_ROW not in first.tracked
+    assert last.nodes[0].name == HELPER_ROW and last.tracked[:1] == first.tracked and HELPER_ROW in last.tracked
+    joined = next(c for c in callback.cycles if HELPER_ROW in c.tracked)
+    events = read_events(logger.log_dir)
+    tag = f"fxprof_nodes/{TAG_UNSAFE.sub('_', HELPER_ROW)}/forward_ms_per_call"
+    steps = [event.step for event in events.Scalars(tag)]
+    assert steps == [c.steps[-1] for c in callback.cycles if HELPER_ROW in c.tracked] and steps[0] == joined.steps[-1]
+
+
+def test_two_runs_in_one_log_dir_keep_their_custom_scalars_charts_apart(tmp_path):
+    """A second run in the same log dir doubled every chart title of the CUSTOM SCALARS tab. What TensorBoard itself
+    serves: each run's charts have titles of their own, and each chart's lines are its run's tracked layers."""
+    import subprocess
+    import sys
+
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from test_browser import free_port, get_json, log_tail, poll, stop
+
+    runs = {}
+    for _ in range(2):
+        logger = TensorBoardLogger(str(tmp_path / "logs"), name="tb")
+        callback = profiler(top_k=3, pictures=False)
+        fit(tmp_path, logger, callback)
+        runs[Path(logger.log_dir).name] = callback.cycles[0].tracked
+    assert sorted(runs) == ["version_0", "version_1"]
+
+    port = free_port()
+    log = tmp_path / "tensorboard.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path / "logs"),
+                                   "--host", "127.0.0.1", "--port", str(port), "--load_fast=false"],
+                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        def alive() -> str | None:
+            return None if server.poll() is None else f"TensorBoard exited with {server.returncode}:\n{log_tail(log)}"
+
+        def both() -> list | None:
+            layout = get_json(f"http://127.0.0.1:{port}/data/plugin/custom_scalars/layout")
+            charts = [c for category in layout.get("category", []) for c in category["chart"]]
+            return charts if all(any(run in c["title"] for c in charts) for run in runs) else None
+
+        charts = poll(both, "TensorBoard serving both runs' CUSTOM SCALARS layouts", alive)
+    finally:
+        stop(server)
+    titles = [c["title"] for c in charts]
+    assert len(titles) == len(set(titles)), titles
+    for run, tracked in runs.items():
+        (forward,) = [c for c in charts if c["title"].startswith("forward ms per call, tracked layers 1-3") and run in c["title"]]
+        (regex,) = forward["multiline"]["tag"]
+        assert all(re.match(regex, f"fxprof_nodes/{TAG_UNSAFE.sub('_', name)}/forward_ms_per_call") for name in tracked)

@@ -102,8 +102,8 @@ def tag_prefix(report: CycleReport) -> str:
 def cycle_scalars(report: CycleReport) -> dict[str, float]:
     """The cycle's scalars: totals per step, trust figures, regressions, and the tracked nodes' ms per call.
 
-    The tracked nodes are the same in every cycle of a run (``CycleReport.tracked``), so their
-    series have a point in every cycle.
+    The tracked nodes (``CycleReport.tracked``) are the first cycle's slowest, and each later cycle's slowest joins
+    them: a series has a point in every cycle from the one its node joined in.
     """
     prefix = tag_prefix(report)
     metrics = {f"{prefix}/forward_ms_per_step": report.forward_ms_per_step,
@@ -128,16 +128,20 @@ def cycle_scalars(report: CycleReport) -> dict[str, float]:
     return metrics
 
 
-def custom_scalars_layout(validation: bool = False, tracked: list[str] | None = None) -> dict:
+def custom_scalars_layout(validation: bool = False, tracked: list[str] | None = None, run: str = "") -> dict:
     """A TensorBoard CUSTOM SCALARS page: the tracked layers' forward and backward ms per call, and the totals.
 
     With the training stage's ``tracked`` layers known (the layout is written once, at the first cycle, and
     TensorBoard reads only the first layout of a run), their charts hold ``LINES_PER_CHART`` layers each: a chart's
     lines share the run's colour and TensorBoard tells them apart by one of 5 symbols per chart, named in the
-    chart's "Matches" list. Validation tracks the same layers (``StageHistory.analyse``), in charts of the same
-    layers. Otherwise (a run whose first cycle is a validation one) one chart per side holds every tracked layer.
+    chart's "Matches" list; one more chart per side holds the layers tracked later (each later cycle's slowest).
+    Validation tracks the same layers (``StageHistory.analyse``), in charts of the same layers. Otherwise (a run
+    whose first cycle is a validation one) one chart per side holds every tracked layer. Titles end with ``run``
+    (the run's directory): TensorBoard merges the layouts of the runs in a log dir, and charts of one title but
+    other lines would show twice under that title.
     """
     charts = {}
+    of_run = f" ({run})" if run else ""
     for stage, prefix in (("training", "fxprof"), ("validation", "fxprof_val"))[: 2 if validation else 1]:
         tags = [TAG_UNSAFE.sub("_", name) for name in tracked] if tracked else None
         groups = [tags[i:i + LINES_PER_CHART] for i in range(0, len(tags), LINES_PER_CHART)] if tags else [None]
@@ -149,8 +153,12 @@ def custom_scalars_layout(validation: bool = False, tracked: list[str] | None = 
                     first, last = LINES_PER_CHART * i + 1, LINES_PER_CHART * i + len(group)
                     title += f" {first}-{last}" if last > first else f" {first}"
                 names = "|".join(re.escape(tag) for tag in group) if group is not None else ".*"
-                charts[f"fxprof ({stage})"][title] = ["Multiline", [rf"^{prefix}_nodes/({names})/{side}_ms_per_call$"]]
-        charts[f"fxprof ({stage})"]["ms per step"] = ["Multiline", [rf"^{prefix}/(forward|backward)_ms_per_step$"]]
+                charts[f"fxprof ({stage})"][title + of_run] = ["Multiline", [rf"^{prefix}_nodes/({names})/{side}_ms_per_call$"]]
+            if tags:
+                first = "|".join(re.escape(tag) for tag in tags)
+                charts[f"fxprof ({stage})"][f"{side} ms per call, layers tracked later{of_run}"] = [
+                    "Multiline", [rf"^{prefix}_nodes/(?!(?:{first})/)[^/]+/{side}_ms_per_call$"]]
+        charts[f"fxprof ({stage})"][f"ms per step{of_run}"] = ["Multiline", [rf"^{prefix}/(forward|backward)_ms_per_step$"]]
     return charts
 
 
@@ -225,7 +233,8 @@ def log_to_summary_writer(writer: Any, report: CycleReport, display: Display) ->
     step = report.steps[-1]
     if not getattr(writer, "_fxprof_layout", False):
         writer.add_custom_scalars(custom_scalars_layout(display.validation,
-                                                        report.tracked if report.stage == "train" else None))
+                                                        report.tracked if report.stage == "train" else None,
+                                                        Path(writer.log_dir).name))
         writer._fxprof_layout = True
     for tag, value in cycle_scalars(report).items():
         writer.add_scalar(tag, value, global_step=step)
