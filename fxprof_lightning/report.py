@@ -545,8 +545,6 @@ class CycleReport:
                 header += f", {d['unlaunched']:.0f} with no launch in the trace, {d['orphan_flows']:.0f} flows naming no launch"
         if self.peaks is not None:
             header += f". Roofline peaks: {self.peaks}"
-        if self.phases:
-            header += f". The whole step: {describe_phases(self.phases)}"
         if self.dropped_steps or self.capture_s:
             header += f". Left out of the numbers: {self.dropped_text()}"
         grand = sum(n.total_ms + n.bwd_total_ms for n in self.nodes) or 1.0
@@ -576,6 +574,13 @@ class CycleReport:
             lines += [f"Time no row owns, ms per step (with the rows: the measured {' and '.join(measured)}):", "",
                       "| where | fwd ms/step | bwd ms/step |", "|---|---:|---:|"]
             lines += [f"| {name} | {_num(fwd, '.3f')} | {_num(bwd, '.3f')} |" for name, (fwd, bwd) in unowned.items()]
+            lines.append("")
+        if self.phases:
+            total = sum(self.phases.values()) or 1.0
+            lines += [f"The whole step: {total:.1f} ms per step (measured, mean over the recorded steps), by phase:", "",
+                      "| phase | ms/step | % of the step |", "|---|---:|---:|"]
+            lines += [f"| {phase} | {ms:.3f} | {100 * ms / total:.0f} |"
+                      for phase, ms in sorted(self.phases.items(), key=lambda item: -item[1])]
             lines.append("")
         if self.step_ms:
             trust = f"Recorded steps took {statistics.median(self.step_ms):.1f} ms (median)"

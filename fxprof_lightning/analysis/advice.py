@@ -58,10 +58,15 @@ def low_peak(nodes: list[NodeStats]) -> list[Advice]:
         what = "a larger batch or matrix sizes (multiples of 8/64), bf16 autocast or TF32" if n.bound == "compute" else \
             "a larger batch (more work per byte), fusing it with its neighbours (torch.compile), or a lower precision"
         found.append(Advice(_share(n, grand), (
-            f"`{n.name}` ({n.target}, {_share(n, grand):.0f}% of node time) reaches {n.pct_of_peak:.0f}% of what the "
+            f"{_named(n)} ({_share(n, grand):.0f}% of node time) reaches {n.pct_of_peak:.0f}% of what the "
             f"device allows at its {n.intensity:.1f} FLOP/byte ({n.bound}-bound, {n.fwd_gflops_per_s or 0:.1f} GFLOP/s): "
             f"try {what}.")))
     return found
+
+
+def _named(n: NodeStats) -> str:
+    """A row in advice: as the user's code names it (``NodeStats.layer``), else its node name and target."""
+    return f"`{n.layer}`" if n.layer else f"`{n.name}` ({n.target})"
 
 
 def memory_bound(nodes: list[NodeStats]) -> list[Advice]:
@@ -73,7 +78,7 @@ def memory_bound(nodes: list[NodeStats]) -> list[Advice]:
                 or (n.pct_of_peak is not None and n.pct_of_peak < LOW_PEAK):  # low_peak says it for those
             continue
         found.append(Advice(1.01 * _share(n, grand), (
-            f"`{n.name}` ({n.target}, {_share(n, grand):.0f}% of node time) is memory-bound: {n.intensity:.1f} FLOP per "
+            f"{_named(n)} ({_share(n, grand):.0f}% of node time) is memory-bound: {n.intensity:.1f} FLOP per "
             f"byte moved, so it waits for its weights and activations to be read ({n.fwd_gbytes_per_s or 0:.1f} GB/s), "
             "not for arithmetic; a larger batch does more work per weight read (the backward, which reads and writes "
             "them again, gains the same).")))
@@ -88,7 +93,7 @@ def overhead_bound(nodes: list[NodeStats]) -> list[Advice]:
             continue
         needs_us = 1e3 * n.mean_ms * n.pct_of_peak / 100
         found.append(Advice(_share(n, grand), (
-            f"`{n.name}` ({n.target}, {_share(n, grand):.0f}% of node time) takes {1e3 * n.mean_ms:.1f} us per call where "
+            f"{_named(n)} ({_share(n, grand):.0f}% of node time) takes {1e3 * n.mean_ms:.1f} us per call where "
             f"its compute and memory traffic need {needs_us:.2f} us: it is bound by the fixed cost of each op (dispatch, "
             "kernel launch, Python), not by the device. Fewer, larger ops help: batch the work or vectorise a Python "
             "loop, CUDA graphs or torch.compile(mode='reduce-overhead'), and no .item() or other host sync inside.")))
@@ -103,7 +108,7 @@ def heavy_backward(nodes: list[NodeStats]) -> list[Advice]:
             continue
         if n.fwd_flops and n.bwd_flops and (n.bwd_mean_ms / n.mean_ms) / (n.bwd_flops / n.fwd_flops) < BACKWARD_RATE:
             continue  # its backward does that much more work at a rate near its forward's (a conv on a CPU): expected
-        evidence = (f"`{n.name}` ({n.target}) takes {n.bwd_mean_ms / n.mean_ms:.1f}x as long in backward as in forward "
+        evidence = (f"{_named(n)} takes {n.bwd_mean_ms / n.mean_ms:.1f}x as long in backward as in forward "
                     f"({n.bwd_mean_ms:.3f} vs {n.mean_ms:.3f} ms per call, {_share(n, grand):.0f}% of node time; about 2x is "
                     "usual for a matmul or conv)")
         if _table_lookup(n):
