@@ -213,3 +213,80 @@ def test_a_request_taken_before_a_checkpoint_is_answered_after_the_restart(tmp_p
     (cycle,) = resumed.cycles
     assert cycle.trigger == "request: before the checkpoint" and cycle.steps == [10, 11]
     assert not (tmp_path / "fxprof_request.json").exists()  # taken once: no second cycle for it
+
+
+def _train_asking(tmp_path, steps: int, ask_at: int | None, **options) -> tuple[Profiler, nn.Module]:
+    """A plain loop of ``steps`` steps of 10 ms (time for the job to look for requests), asking for a cycle at
+    ``ask_at`` as ``fxprof trigger`` does (without waiting for the answer)."""
+    from fxprof_lightning.follow import write_request
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.randn(steps, 4, 8, generator=torch.Generator().manual_seed(1))
+    with Profiler(model, dirpath=tmp_path, torch_profiler=False, pictures=False, watch_step_time=False,
+                  **options) as prof:
+        for step, x in enumerate(data):
+            if step == ask_at:
+                write_request(tmp_path, {"id": "asked", "active": None, "reason": "a test", "asked": time.time()})
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            time.sleep(0.01)
+            prof.step()
+    return prof, model
+
+
+def test_a_requested_cycle_keeps_the_promises_of_scheduled_ones(tmp_path):
+    """keep_cycles counts a requested cycle as any other (the newest N directories stay, the run's index keeps every
+    cycle), and training is bitwise what it is without a request."""
+    options = {"skip_first": 0, "wait": 40, "warmup": 1, "active": 2, "keep_cycles": 2}
+    prof, model = _train_asking(tmp_path / "asked", 220, 50, **options)
+    _, unasked = _train_asking(tmp_path / "unasked", 220, None, **options)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), unasked.state_dict().values(), strict=True))
+    index = [json.loads(line) for line in (tmp_path / "asked" / "fxprof_cycles.jsonl").read_text().splitlines()]
+    requested = [entry for entry in index if entry["trigger"].startswith("request")]
+    assert len(requested) == 1 and "-t" in requested[0]["cycle"] and len(index) >= 5, index
+    on_disk = sorted(p.name for p in (tmp_path / "asked").iterdir() if p.name.startswith("cycle_"))
+    assert on_disk == sorted(entry["cycle"] for entry in index[-2:])  # the two newest, whatever their trigger
+    assert [c.directory.name for c in prof.cycles] == [entry["cycle"] for entry in index[-2:]]
+
+
+class AskAt(pl.Callback):
+    """Asks for a cycle at one training step, as ``fxprof trigger`` does; every step takes 10 ms more."""
+
+    def __init__(self, dirpath: Path, step: int) -> None:
+        self.dirpath, self.step = dirpath, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        from fxprof_lightning.follow import write_request
+
+        if trainer.global_step == self.step:
+            write_request(self.dirpath, {"id": "asked", "active": None, "reason": "a test", "asked": time.time()})
+        time.sleep(0.01)
+
+
+class Validated(Classifier):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.model(x), y))
+
+
+@notices("the Trainer has no logger")
+def test_a_requested_training_cycle_leaves_validation_profiling_as_scheduled(tmp_path):
+    data = TensorDataset(torch.randn(160 * 4, 16), torch.randint(0, 4, (160 * 4,)))
+    callback = FXProfilerCallback(module="model", skip_first=0, wait=60, warmup=1, active=2, profile_validation=True,
+                                  torch_profiler=False, pictures=False, dirpath=tmp_path / "fxprof",
+                                  watch_step_time=False)
+    trainer = pl.Trainer(default_root_dir=tmp_path, callbacks=[callback, AskAt(tmp_path / "fxprof", 20)], max_steps=160,
+                         logger=False, accelerator="cpu", devices=1, enable_progress_bar=False,
+                         enable_model_summary=False, val_check_interval=40, limit_val_batches=20, num_sanity_val_steps=0,
+                         enable_checkpointing=False)
+    trainer.fit(Validated(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
+    triggers = [c.trigger for c in callback.cycles]
+    assert triggers.count("schedule") == 2 and sum(t.startswith("request") for t in triggers) == 1, triggers
+    (asked,) = [c for c in callback.cycles if c.trigger.startswith("request")]
+    # seen within a second (100 steps of 10 ms), named after the scheduled cycle it comes before
+    assert 20 < asked.steps[0] <= 120 and asked.directory.name in ("cycle_0000-t1", "cycle_0001-t1"), asked.directory
+    # validation: 20 batches at each of 4 validations, its own count and schedule (60 idle, 1 warm-up, 2 recorded)
+    assert [c.steps for c in callback.val_cycles] == [[61, 62]] and all(c.nodes for c in callback.val_cycles)
