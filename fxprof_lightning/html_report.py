@@ -226,7 +226,7 @@ def _trend(shown: list[CycleReport], found: dict[int, Verdict], layers: int) -> 
     labels = [str(c.index) for c in shown]
     distorted = [found[id(c)].skipped == "distorted" for c in shown]
     steps = [("step (wall, median)", [median_step_ms(c) for c in shown]),
-             ("all nodes, forward + backward", [sum(t) if (t := per_step(c)) else None for c in shown])]
+             ("node rows summed, forward + backward", [sum(t) if (t := per_step(c)) else None for c in shown])]
     top = shown[-1].nodes[:layers]
     calls = []
     for node in top:
@@ -234,7 +234,7 @@ def _trend(shown: list[CycleReport], found: dict[int, Verdict], layers: int) -> 
         for c in shown:
             n = next((n for n in c.nodes if n.name == node.name), None)
             values.append(n.median_ms + n.bwd_median_ms if n is not None else None)
-        calls.append((node.name, values))
+        calls.append((node.layer or node.name, values))
     marked = [f"cycle {c.index}" for c, d in zip(shown, distorted) if d]
     key = (f'<p class="legend"><span><span class="swatch" style="background:{DISTORTED_FILL}"></span>distorted by other '
            f"load, not checked: {_e(', '.join(marked))}</span></p>" if marked else "")
