@@ -551,15 +551,16 @@ class CycleReport:
         lines = [
             header,
             "",
-            "| layer | node | op | fwd ms/call | bwd ms/call | fwd+bwd ms/step | % of fwd+bwd | calls/step "
-            "| fwd GFLOP/s | % of peak | bound |" + (" slowest rank fwd ms/call | slowest rank |" if straggler else ""),
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|" + ("---:|---:|" if straggler else ""),
+            "| layer | op | fwd ms/call | bwd ms/call | fwd+bwd ms/step | % of fwd+bwd | calls/step "
+            "| fwd GFLOP/s | % of peak | bound | node |" + (" slowest rank fwd ms/call | slowest rank |" if straggler else ""),
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|" + ("---:|---:|" if straggler else ""),
         ]
-        for n in shown:
+        for n in shown:  # (the node's name last: the key of its scalar series, and of the CSV's rows)
             row = (
-                f"| {_md(n.layer or n.name)} | {_md(n.name)} | {n.op.removeprefix('call_')} | {n.mean_ms:.3f} | {n.bwd_mean_ms:.3f} "
+                f"| {_md(n.layer or n.name)} | {n.op.removeprefix('call_')} | {n.mean_ms:.3f} | {n.bwd_mean_ms:.3f} "
                 f"| {(n.total_ms + n.bwd_total_ms) / steps:.3f} | {100 * (n.total_ms + n.bwd_total_ms) / grand:.1f} "
-                f"| {n.calls / steps:g} | {_num(n.fwd_gflops_per_s, '.1f')} | {_num(n.pct_of_peak, '.0f')} | {n.bound} |"
+                f"| {n.calls / steps:g} | {_num(n.fwd_gflops_per_s, '.1f')} | {_num(n.pct_of_peak, '.0f')} | {n.bound} "
+                f"| {_md(n.name)} |"
             )
             if straggler:
                 row += f" {n.slowest_rank_ms:.3f} | {n.slowest_rank} |"
@@ -577,7 +578,7 @@ class CycleReport:
             lines.append("")
         if self.phases:
             total = sum(self.phases.values()) or 1.0
-            lines += [f"The whole step: {total:.1f} ms per step (measured, mean over the recorded steps), by phase:", "",
+            lines += [f"The whole step: {total:.1f} ms per step (measured; the mean of the recorded steps), by phase:", "",
                       "| phase | ms/step | % of the step |", "|---|---:|---:|"]
             lines += [f"| {phase} | {ms:.3f} | {100 * ms / total:.0f} |"
                       for phase, ms in sorted(self.phases.items(), key=lambda item: -item[1])]

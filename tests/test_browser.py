@@ -375,7 +375,7 @@ def test_text_tab_renders_the_node_table_and_the_module_tree(served: Served, pag
     assert sorted(shown) == sorted(expected_tables)  # every cycle's tables, cell for cell (newest first on the page)
     for header, rows in [table for table in shown if table[0][0] == "layer"]:
         assert {"layer", "node", "fwd ms/call", "bwd ms/call"} <= set(header), header
-        names = [row[1] for row in rows]
+        names = [row[header.index("node")] for row in rows]
         assert set(names) == {n.name for n in served.cycles[0].nodes}, names  # one row per shown node
     assert "|---" not in nodes["text"] and "| layer |" not in nodes["text"], "Markdown shown raw"
 

@@ -69,7 +69,7 @@ def test_cycles_report_recorded_steps_and_nodes(profiled_run):
         costs = [n.total_ms + n.bwd_total_ms for n in cycle.nodes]
         assert costs == sorted(costs, reverse=True)  # slowest forward + backward first
         markdown = cycle.to_markdown()
-        assert "| layer | node | op | fwd ms/call | bwd ms/call | fwd+bwd ms/step | % of fwd+bwd | calls/step |" in markdown
+        assert "| layer | op | fwd ms/call | bwd ms/call | fwd+bwd ms/step | % of fwd+bwd | calls/step |" in markdown
         assert all(f"`{name}`" in markdown for name in SMALLNET_NODES)
 
 

@@ -247,7 +247,7 @@ def test_rank_zero_logs_each_cycle_once(ddp_run):
         lines = markdown.splitlines()
         assert "mean over 2 ranks" in lines[0]
         (header,) = [line for line in lines if line.startswith("| layer |")]
-        assert header.startswith("| layer | node | op | fwd ms/call | bwd ms/call |")
+        assert header.startswith("| layer | op | fwd ms/call | bwd ms/call |")
         assert header.endswith("| slowest rank fwd ms/call | slowest rank |")
         assert markdown.count("\n| `") == 3  # top_k rows, each ending in the slowest rank
         assert all(re.search(r"\| [\d.]+ \| [01] \|$", line) for line in markdown.splitlines() if line.startswith("| `"))

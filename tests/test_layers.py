@@ -367,6 +367,6 @@ def test_rows_are_named_as_the_code_names_them(tmp_path, capsys):
     expected = {"body.0 (Linear)", "body.1 (ReLU)", "body.2 (Linear)", f"F.softplus in {where}", f"x * y in {where}"}
     assert {n.layer for n in cycle.nodes} == expected
     markdown = cycle.to_markdown()
-    assert "| layer | node | op |" in markdown and all(f"| `{layer}` |" in markdown for layer in expected)
+    assert "| layer | op |" in markdown and "| bound | node |" in markdown and all(f"| `{layer}` |" in markdown for layer in expected)
     table = list(csv.DictReader((cycle.directory / "fx_nodes.csv").open()))
     assert {row["layer"] for row in table} == expected and {row["name"] for row in table} == {n.name for n in cycle.nodes}
