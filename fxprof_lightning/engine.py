@@ -659,8 +659,8 @@ class Profiler(Engine):
             another shell (``python -m fxprof_lightning trigger DIR``) starts one whatever this says.
         capture: how the module's forward becomes a timed graph: ``"dynamo"`` (the default: Dynamo captures it,
             each capture verified against eager forward and backward, recaptured when a guard fails;
-            ``dynamo_capture``) or ``"fx"`` (the torch.fx capture ladder, ``capture``; FSDP2-sharded models
-            always use it).
+            ``dynamo_capture``; FSDP2-sharded models too, captured once) or ``"fx"`` (the torch.fx capture ladder,
+            ``capture``).
 
     Example:
         >>> with Profiler(model, wait=5, warmup=1, active=3, repeat=2) as prof:

@@ -50,6 +50,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from fxprof_lightning.capture import side_effects
+from fxprof_lightning.capture.leaves import is_fsdp
 from fxprof_lightning.nodes import (
     JOINS,
     NESTS,
@@ -68,7 +69,7 @@ from fxprof_lightning.timing.node_timing import NodeTimer
 if TYPE_CHECKING:
     from fxprof_lightning.nodes import Capture
 
-__all__ = ["DYNAMO", "GRAPH_BREAK", "DynamoTimer", "annotate_rows", "break_row"]
+__all__ = ["DYNAMO", "GRAPH_BREAK", "DynamoTimer", "annotate_rows", "break_row", "fsdp2_kept"]
 
 DYNAMO = ("torch._dynamo's graphs, run eagerly by a backend that times each op (no Inductor), checked bitwise against "
           "eager (outputs, gradients, buffers, random states) before use, captured again when a guard fails")
@@ -244,6 +245,8 @@ def annotate_rows(graph_module: fx.GraphModule, names: dict[int, tuple[str, nn.M
             stack.append((path, call, int(ident) if ident.isdigit() else None, str(key)))
         path, call, ident, key = stack[-1] if stack else (frame, "", None, "")
         module = names[ident][1] if ident in names else None
+        if not stack and frame:  # the graph of a layer's own forward (Dynamo caught its frame): the layer's row
+            module = next((m for p, m in names.values() if p == frame), None)
         inside = outer + tuple(p + (f"@{c}" if c else "") for p, c, _, _ in stack if p and p not in outer)
         if module is not None and path and _is_layer(module):
             name = path.replace(".", "_") + (f"_{call}" if call else "")
@@ -409,6 +412,11 @@ def _tensor_owners(root: nn.Module) -> dict[int, str]:
                 owners[id(t)] = name
     for ident in shared:
         del owners[ident]
+    for sharded, unsharded in _fsdp_unsharded(root).items():  # FSDP2: the module holds one or the other
+        if sharded in owners:
+            owners.setdefault(id(unsharded), owners[sharded])
+        elif id(unsharded) in owners:
+            owners.setdefault(sharded, owners[id(unsharded)])
     return owners
 
 
@@ -520,7 +528,8 @@ class DynamoTimer(NodeTimer):
     """
 
     def __init__(self, training: bool, *, backward: bool = True, device: str = "cpu", annotate: bool = False,
-                 trace_ranges: bool = False, on_refused: Callable[[str], None] | None = None) -> None:
+                 trace_ranges: bool = False, on_refused: Callable[[str], None] | None = None,
+                 sharded: bool = False) -> None:
         super().__init__(None, annotate=annotate, backward=backward, device=device, trace_ranges=trace_ranges)
         self.training = training
         self.graphs: list[_Graph] = []
@@ -547,7 +556,9 @@ class DynamoTimer(NodeTimer):
         self._gap: tuple[int, int] | None = None  # the row of the code after the last graph's break, and when it began
         self._eager_hooks: tuple[Callable[..., Any], ...] = ()  # hook functions run eagerly (``_Way.eager_hooks``)
         self._inputs_seen: set[int] | None = None  # ids of what the graphs were given, while noted
-        self._way = _Way(OPENED)  # how Dynamo captures (``_explore`` may change it at the first graph break)
+        # How Dynamo captures (``_explore`` may change it at the first graph break); FSDP2 (``sharded``): following
+        # torch's own frames, so that a frame run eagerly for a hook's graph break still has its layers captured.
+        self._way, self._sharded = _Way(OPENED, follow=sharded), sharded
         self._explored = False
         self._context = self._new_context()
         self._compiled: Callable[..., Any] | None = None  # the installed module's forward under our Dynamo context
@@ -631,6 +642,10 @@ class DynamoTimer(NodeTimer):
                 self._pending, self._streak = "a guard failed", self._streak + 1  # captured on this call, its state
                 self._guard_failures.append(missed)
             if self._pending is not None and (missed or self._pending_for in (None, state)):  # (that state's next call)
+                if self._sharded and self.graphs:  # its checking calls' collectives would run on this rank alone
+                    self._refuse(f"{self._pending} under FSDP2, which is captured once: capturing again would run "
+                                 "collectives on this rank alone")
+                    return own_forward(*args, **kwargs)
                 return self._capture_call(module, own_forward, args, kwargs)
             return self._timed_call(args, kwargs, state, after_capture=False)
 
@@ -1217,7 +1232,8 @@ def _untimed_layers(module: nn.Module, eager: CallResult | Exception, seen: set[
     graph was given (``seen``: ids of the graphs' inputs): they ran outside the graphs, untimed."""
     if isinstance(eager, Exception):
         return []
-    parameters = dict(module.named_parameters())
+    unsharded = _fsdp_unsharded(module)
+    parameters = {name: unsharded.get(id(p), p) for name, p in module.named_parameters()}
     used = [name.removeprefix("gradient of ") for name, gradient in eager.gradients if gradient is not None]
     return list(dict.fromkeys(name.rpartition(".")[0] or "(the root)" for name in used
                               if name in parameters and id(parameters[name]) not in seen))
@@ -1256,7 +1272,8 @@ def _run(forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], 
     gradients: list[tuple[str, torch.Tensor | None]] = []
     if torch.is_grad_enabled():
         ys = [t for t in outputs if t.requires_grad]
-        named = [(f"gradient of {name}", p) for name, p in module.named_parameters() if p.requires_grad]
+        unsharded = _fsdp_unsharded(module)  # FSDP2: of the parameter the forward computed with
+        named = [(f"gradient of {name}", unsharded.get(id(p), p)) for name, p in module.named_parameters() if p.requires_grad]
         named += [(f"gradient of input tensor {i}", t) for i, t in enumerate(_tensors((args, kwargs))) if t.requires_grad]
         if ys and named:
             generator = torch.Generator().manual_seed(0)  # its own: the global random state is not drawn from
@@ -1400,6 +1417,78 @@ def _same_state(a: Any, b: Any) -> bool:
     return a == b
 
 
+def _fsdp_states(module: nn.Module) -> list[Any]:
+    """The FSDP2 states (``fully_shard``) of ``module`` and its submodules, each once (none without FSDP2)."""
+    if not any(is_fsdp(m) for m in module.modules()):
+        return []
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+
+    states = [_get_module_fsdp_state(m) for m in module.modules()]
+    return list({id(s): s for s in states if s is not None}.values())
+
+
+def _fsdp_unsharded(module: nn.Module) -> dict[int, torch.Tensor]:
+    """id of an FSDP2 sharded parameter -> its unsharded parameter, the tensor the forward computes with (one tensor
+    kept for the run, its storage freed at each reshard): the module holds one or the other, by FSDP2's state."""
+    return {id(p.sharded_param): p._unsharded_param for state in _fsdp_states(module)
+            for group in state._fsdp_param_groups for p in group.fsdp_params if hasattr(p, "_unsharded_param")}
+
+
+def fsdp2_kept() -> bool:
+    """Whether this torch's FSDP2 has the state ``_FsdpKept`` puts back (checked on torch 2.14): without it an FSDP2
+    model is not captured by Dynamo (a checking call would leave its parameters resharded)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState, _get_module_fsdp_state  # noqa: F401
+    except ImportError:
+        return False
+    return all(hasattr(FSDPParamGroup, name) for name in ("unshard", "wait_for_unshard", "reshard", "use_training_state",
+                                                          "is_sharded", "is_unsharded"))
+
+
+class _FsdpKept:
+    """FSDP2's state as a checking call finds it, put back after it. The checking calls' ``torch.autograd.grad`` runs
+    FSDP2's pre-backward hooks (all-gathers, the same on every rank) and the root's post-backward callback, which
+    reshards every group (the root's too, unsharded by the root's pre-forward hook that ran before our forward) and
+    sets the training states to idle. No gradient reaches ``.grad``: ``torch.autograd.grad`` of the unsharded
+    parameters leaves FSDP2's post-backward nothing to reduce-scatter."""
+
+    def __init__(self, module: nn.Module) -> None:
+        states = _fsdp_states(module)
+        self.saved = [(state, state._training_state, set(state._modules_to_run_forward),
+                       [(g, g._sharded_state, g._training_state, list(g._post_forward_indices))
+                        for g in state._fsdp_param_groups]) for state in states]
+        ctx, comm = (states[0]._state_ctx, states[0]._comm_ctx) if states else (None, None)
+        self.ctx = (ctx, ctx.iter_forward_root, ctx.post_backward_final_callback_queued) if ctx is not None else None
+        self.comm = (comm, list(comm.post_forward_order)) if comm is not None else None
+
+    def restore(self) -> None:
+        if not self.saved:
+            return
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import ShardedState
+
+        for state, training, to_run, groups in self.saved:
+            for group, sharded, group_training, indices in groups:
+                if sharded == ShardedState.UNSHARDED and not group.is_unsharded:
+                    with group.use_training_state(TrainingState.PRE_BACKWARD):  # (the all-gather result freed at once)
+                        group.unshard()
+                        group.wait_for_unshard()
+                elif sharded == ShardedState.SHARDED and not group.is_sharded:
+                    group.reshard()
+                group._training_state = group_training
+                group._post_forward_indices[:] = indices
+            state._training_state = training
+            state._modules_to_run_forward.clear()
+            state._modules_to_run_forward.update(to_run)
+        if self.ctx is not None:
+            ctx, root, queued = self.ctx
+            ctx.iter_forward_root, ctx.post_backward_final_callback_queued = root, queued
+        if self.comm is not None:
+            comm, order = self.comm
+            comm.post_forward_order[:] = order
+
+
 class _State:
     """The module's buffers (the tensors and their values), the random states and the Python state its forward and
     hooks can change (``side_effects``), to put back after a checking call."""
@@ -1409,8 +1498,10 @@ class _State:
                         for name, tensor in owner._buffers.items() if tensor is not None]
         self.random_states = _random_states()
         self.python = side_effects.kept(module)
+        self.fsdp = _FsdpKept(module)
 
     def restore(self) -> None:
+        self.fsdp.restore()
         self.python()
         with torch.no_grad():
             for owner, name, tensor, value in self.buffers:

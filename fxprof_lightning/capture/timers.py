@@ -4,7 +4,7 @@ A timer times one train/eval mode of the module. ``Timers.for_module`` picks it 
 
 * a ``torch.compile``'d module: ``KernelTimer`` (``compiled``), its rows read from the cycle's trace;
 * ``capture="dynamo"`` (the default): ``DynamoTimer`` (``dynamo_capture``), which captures at its first call
-  and again when a guard fails; FSDP2-sharded modules take the torch.fx ladder;
+  and again when a guard fails (FSDP2's hooks run eagerly between its graphs);
 * ``capture="fx"``: the ladder (``capture``): a ``NodeTimer`` on the traced graph, a ``GuardedNodeTimer`` on a
   graph traced on a recorded call of the module (the mode's first call is recorded by ``observe_first_call``,
   and module hooks time it until then), or a ``ModuleHookTimer`` when nothing traces.
@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from fxprof_lightning.capture.compiled import MECHANISM, CompiledKernels, KernelTimer
-from fxprof_lightning.capture.dynamo import DYNAMO, DynamoTimer
+from fxprof_lightning.capture.dynamo import DYNAMO, DynamoTimer, fsdp2_kept
 from fxprof_lightning.capture.ladder import capture
 from fxprof_lightning.capture.leaves import is_fsdp
 from fxprof_lightning.capture.module_hooks import ModuleHookTimer
@@ -178,9 +178,13 @@ class Timers:
         device = device.device.type if device is not None else "cpu"
         # The node ranges are written into the trace after it is exported (``add_node_ranges``), from the node
         # timestamps; on CUDA the trace's kernels then give each node its device time (``gpu_trace``).
-        if self.capture == "dynamo" and not any(is_fsdp(m) for m in module.modules()):
+        if self.capture == "dynamo" and (fsdp2_kept() or not any(is_fsdp(m) for m in module.modules())):
+            # FSDP2's hooks are ``torch._dynamo.disable``d: each breaks the graph, and a break inside a loop (blocks
+            # called in a loop) makes Dynamo run that frame eagerly; following torch's own frames then captures the
+            # forward of each torch.nn layer that frame calls (the sharded blocks' own forwards are captured anyway).
             timer = DynamoTimer(training, backward=self.backward, device=device, trace_ranges=self.ranges,
-                                on_refused=functools.partial(self._refused, module, training))
+                                on_refused=functools.partial(self._refused, module, training),
+                                sharded=any(is_fsdp(m) for m in module.modules()))
             return timer, Capture("dynamo", error=DYNAMO)
         example = self._examples.pop(training, None)
         started = time.perf_counter()
