@@ -32,7 +32,7 @@ from fxprof_lightning.timing.autograd_walk import sequence_nr_now
 from fxprof_lightning.timing.gpu_trace import node_device_times
 from fxprof_lightning.timing.gpu_trace import summary as device_summary
 from fxprof_lightning.timing.node_timing import BackwardEvents
-from fxprof_lightning.timing.torch_trace import CycleTrace
+from fxprof_lightning.timing.torch_trace import CycleTrace, ModuleCalls
 
 __all__ = ["Cycle"]
 
@@ -260,9 +260,16 @@ class Cycle:
         """The report's own copy of how the module was captured."""
         return self.timer.describe(self.capture) if self.capture is not None and self.timer is not None else self.capture
 
-    def node_ranges(self) -> object:
-        """What to write into the cycle's trace (``CycleTrace.node_ranges``)."""
-        return self.timer.node_ranges() if self.timer is not None else None
+    def node_ranges(self, type_name: Callable[[str], str]) -> tuple[list[Any], list[Any], list[Any], ModuleCalls] | None:
+        """What to write into the cycle's trace (``CycleTrace.node_ranges``): the timer's node ranges, and the modules
+        around the nodes for a range per module call (``type_name``: of a module path, as for ``report``)."""
+        recorded = self.timer.node_ranges() if self.timer is not None else None
+        if recorded is None:
+            return None
+        anchors, spans, backward_calls, call_starts = recorded
+        stacks = {info.name: info.module_stack for info in self.timer.nodes}
+        paths = {"", *(key.split("@")[0] for stack in stacks.values() for key in stack)}
+        return anchors, spans, backward_calls, ModuleCalls(call_starts, stacks, {path: type_name(path) for path in paths})
 
     def abandon(self, module: nn.Module) -> None:
         """Profiling failed: remove the timer, stop the profiler sessions (no report)."""

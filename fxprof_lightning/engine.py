@@ -544,7 +544,7 @@ class Engine:
                       "that call")
         cycle = Cycle(index, directory, trace, timer, how, self.target.training)
         if trace is not None:
-            trace.node_ranges = cycle.node_ranges
+            trace.node_ranges = functools.partial(cycle.node_ranges, functools.partial(_type_name, self.target))
         return cycle
 
     def _close_cycle(self, stage: _Stage, gather: bool) -> None:
@@ -642,7 +642,8 @@ class Profiler(Engine):
         backward_timing: time each node's backward too.
         node_ranges: with ``torch_profiler``, a range per node call in the trace (written into the exported
             trace from the node timestamps; on CUDA they tie each kernel to its node; under module hooks a
-            ``record_function`` per module call).
+            ``record_function`` per module call), and around them a range per module call that the TensorBoard
+            plugin's Module view reads.
         ranks: global ranks that write traces (None: all). The others still time nodes and take
             part in the gather.
         peaks: the device's peak GFLOP/s and GB/s for the roofline columns (``roofline.Peaks``); None

@@ -13,14 +13,17 @@ subprocess with the installed torch-tb-profiler plugin and checks, through the p
 API (``/data/plugin/pytorch_profiler/...``), what a user would see:
 
 * the PyTorch Profiler tab is enabled and every cycle directory is a run that loaded
-  (non-empty views: Overview, Operator, Trace; Memory and Module with the memory/stack run);
+  (non-empty views: Overview, Operator, Trace, Module; Memory with the memory/stack run);
 * each run has worker ``rank0`` and one span (one trace file per cycle);
 * the Overview's step table lists exactly the cycle's recorded training steps (warm-up
   steps are discarded by torch.profiler), numbered like the training run;
 * the Operator table holds the model's aten operators, once per recorded step;
 * the Trace holds one ``user_annotation`` range per FX node of ``SmallNet`` per recorded
   step, inside the ``ProfilerStep#N`` ranges;
-* the Module and Memory views of the memory/stack run show SmallNet's modules and CPU memory.
+* the Module view of every run shows SmallNet's module tree, from the module ranges written around the node
+  ranges (the default Dynamo capture inlines the submodules: the Python tracer sees only SmallNet's own call),
+  each module call once (the stack run's own SmallNet calls are not doubled);
+* the Memory view of the memory/stack run shows CPU memory.
 
 TensorBoard's output goes to a log file that is only used in failure messages.
 """
@@ -114,10 +117,7 @@ def free_port() -> int:
 
 def train(root: Path, repeat: int, max_steps: int, profiler_kwargs: dict | None) -> tuple[Path, list[CycleReport]]:
     torch.manual_seed(0)
-    # The Module view is built from the modules' Python calls (with_stack): under the default Dynamo capture the
-    # submodules are inlined into the graph and make none, so the memory/stack run uses the torch.fx capture.
-    capture = "fx" if profiler_kwargs and profiler_kwargs.get("with_stack") else "dynamo"
-    cb = FXProfilerCallback(**SCHEDULE, repeat=repeat, module="model", profiler_kwargs=profiler_kwargs, capture=capture)
+    cb = FXProfilerCallback(**SCHEDULE, repeat=repeat, module="model", profiler_kwargs=profiler_kwargs)
     trainer = make_trainer(root, [cb], max_steps=max_steps)
     trainer.fit(LitClassifier(), image_loader())
     assert cb.cycles and all(c.trace_paths for c in cb.cycles), f"no traces written: {cb.cycles}"
@@ -208,9 +208,9 @@ def test_every_cycle_is_a_loaded_run_with_its_views(served: Served):
     for run in served.runs:
         views = get_json(served.base, f"{PLUGIN}/views", run=run.name)
         assert views, f"{run.name}: no views, the plugin could not parse its trace\n{log_tail(served.log)}"
-        assert {"Overview", "Operator", "Trace"} <= set(views), (run.name, views)
+        assert {"Overview", "Operator", "Trace", "Module"} <= set(views), (run.name, views)
         if run.memory:
-            assert {"Memory", "Module"} <= set(views), (run.name, views)
+            assert "Memory" in views, (run.name, views)
         else:
             assert "Memory" not in views, (run.name, views)  # profile_memory is off by default
 
@@ -256,15 +256,24 @@ def test_trace_has_one_range_per_fx_node_and_step(served: Served):
             )
 
 
-def test_module_and_memory_views_of_the_memory_run(served: Served):
-    for run in (r for r in served.runs if r.memory):
+def test_module_view_shows_the_module_tree(served: Served):
+    for run in served.runs:
         module = get_json(served.base, f"{PLUGIN}/module", **profile_params(run))
         (root,) = module["data"]
-        assert root["name"] == "SmallNet_0", root["name"]
-        assert root["occurences"] == len(run.cycle.steps)
-        children = {child["name"] for child in root["children"]}
-        assert children == {"Conv2d_0", "BatchNorm2d_0", "Dropout_0", "Linear_0"}, children
+        assert root["name"] == "SmallNet_0", (run.name, root["name"])
+        children = {child["name"]: child for child in root["children"]}
+        assert set(children) == {"Conv2d_0", "BatchNorm2d_0", "Dropout_0", "Linear_0"}, (run.name, set(children))
+        for stats in (root, *children.values()):  # one call per recorded step: none written twice
+            assert stats["occurences"] == len(run.cycle.steps), (run.name, stats["name"], stats["occurences"])
+            assert stats["operators"] > 0 and stats["host_duration"] > 0, (run.name, stats)
+        # Host time in microseconds: a module's calls hold their children's, and the conv's its aten::conv2d.
+        assert root["host_duration"] >= sum(child["host_duration"] for child in children.values()), (run.name, root)
+        conv_ms = next(n.mean_ms for n in run.cycle.nodes if n.name == "conv")
+        assert children["Conv2d_0"]["avg_duration"] >= 0.9 * conv_ms * 1e3, (run.name, children["Conv2d_0"], conv_ms)
 
+
+def test_memory_view_of_the_memory_run(served: Served):
+    for run in (r for r in served.runs if r.memory):
         memory = get_json(served.base, f"{PLUGIN}/memory", **profile_params(run))
         assert memory["metadata"]["default_device"] == "CPU"
         operators = {row[0] for row in memory["rows"]["CPU"]}

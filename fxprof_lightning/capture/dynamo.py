@@ -733,6 +733,8 @@ class DynamoTimer(NodeTimer):
         eagerly (untimed: fewer graph calls than that state's) and the next call captures again. A call that fits
         every guard, and was not just captured, ends a streak of misses."""
         before, start, self._gap = self.calls, time.perf_counter_ns(), None
+        if self._trace_ranges:
+            self.call_starts.append(start)
         with torch.compiler.set_stance("eager_on_recompile"):
             out = self._compiled(*args, **kwargs)
         self._gap = None

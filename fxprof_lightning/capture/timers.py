@@ -92,7 +92,8 @@ class Timer(Protocol):
     def bwd_ns(self, index: int) -> list[int]: ...
 
     def node_ranges(self) -> Any:
-        """What ``torch_trace.add_node_ranges`` writes into the cycle's trace, or None."""
+        """What ``torch_trace.add_node_ranges`` writes into the cycle's trace (anchors, node spans, their autograd sequence
+        ranges, the starts of the forward calls: ``NodeTimer.node_ranges``), or None."""
 
     def costs(self, training: bool) -> NodeCosts | None:
         """FLOPs and bytes per node, or None."""

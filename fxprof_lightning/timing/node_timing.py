@@ -185,18 +185,18 @@ class _Samples:
         per_row = [(len(a), len(b), len(c), len(d), len(e)) for a, b, c, d, e in
                    zip(self._fwd, self._starts, self._spans, self.mem_delta, self.mem_peak, strict=True)]
         return (per_row, len(self._firsts), len(self.anchors), len(self._marks), len(self.forward_walls_ns),
-                self.forward_inputs, self._folded_calls)
+                len(self.call_starts), self.forward_inputs, self._folded_calls)
 
     def drop_since(self, mark: tuple[Any, ...]) -> None:
         """Forget the samples logged since ``mark`` (``mark``)."""
         self._fold()
-        per_row, calls, anchors, marks, walls, inputs, _ = mark
+        per_row, calls, anchors, marks, walls, call_starts, inputs, _ = mark
         for row, lists in enumerate(zip(self._fwd, self._starts, self._spans, self.mem_delta, self.mem_peak, strict=True)):
             for values, length in zip(lists, per_row[row] if row < len(per_row) else (0,) * 5, strict=True):
                 del values[length:]
         for entries in (self._firsts, self._ends, self._owners, self._totals):
             del entries[calls:]
-        del self.anchors[anchors:], self._marks[marks:], self.forward_walls_ns[walls:]
+        del self.anchors[anchors:], self._marks[marks:], self.forward_walls_ns[walls:], self.call_starts[call_starts:]
         self.forward_inputs = inputs
 
     def drop_forward_since(self, mark: tuple[Any, ...]) -> None:
@@ -260,6 +260,7 @@ class NodeTimer(_Samples):
         self._calls: list[tuple[int, int, _GraphLog]] = []
         self._folded_calls = 0
         self.anchors: list[tuple[int, int, int]] = []  # with trace_ranges: (number, ns before, ns after) per anchor range
+        self.call_starts: list[int] = []  # with trace_ranges: the perf_counter_ns start of each forward call (``node_ranges``)
         self.bwd: list[list[int]] = []  # per node: the backward ns of each call whose backward ran
         self.mem_delta: list[list[int]] = []
         self.mem_peak: list[list[int]] = []
@@ -295,7 +296,7 @@ class NodeTimer(_Samples):
         """Forget every sample recorded so far."""
         for samples in (*self._fwd, *self._starts, *self.mem_delta, *self.mem_peak):
             samples.clear()
-        for entries in (self._stamps, self._sequence_nrs, self._calls, self.anchors):
+        for entries in (self._stamps, self._sequence_nrs, self._calls, self.anchors, self.call_starts):
             entries.clear()
         self._folded_calls = 0
         for entries in (self._firsts, self._ends, self._owners, self._totals):
@@ -377,12 +378,14 @@ class NodeTimer(_Samples):
         self.resolve()
         return None
 
-    def node_ranges(self) -> tuple[list[tuple[int, int, int]], list[tuple[str, int, int]], list[tuple[str, int, int]]] | None:
-        """The anchors, node calls and their autograd sequence ranges to write into the cycle's trace
-        (``torch_trace.add_node_ranges``), when kept (``trace_ranges``)."""
+    def node_ranges(self) -> tuple[list[tuple[int, int, int]], list[tuple[str, int, int]], list[tuple[str, int, int]],
+                                   list[int]] | None:
+        """The anchors, node calls, their autograd sequence ranges and the starts of the forward calls to write into
+        the cycle's trace (``torch_trace.add_node_ranges``), when kept (``trace_ranges``)."""
         if not self.trace_ranges:
             return None
-        return list(self.anchors), self.range_spans(), self.backward_calls() if self.uses_backward_events else []
+        return (list(self.anchors), self.range_spans(), self.backward_calls() if self.uses_backward_events else [],
+                list(self.call_starts))
 
     def costs(self, training: bool) -> NodeCosts | None:
         """FLOPs and output sizes per node for the first call's inputs since ``reset``, counted once per input
@@ -489,6 +492,8 @@ class NodeTimer(_Samples):
             if self._cuda:
                 return graph_forward(*args, **kwargs)
             start = time.perf_counter_ns()
+            if self._trace_ranges:
+                self.call_starts.append(start)
             out = graph_forward(*args, **kwargs)
             self.forward_walls_ns.append(time.perf_counter_ns() - start)
             return out

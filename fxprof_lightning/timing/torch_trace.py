@@ -19,6 +19,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from fxprof_lightning.timing.gpu_trace import DEVICE_CATEGORIES, Attribution, at
 from fxprof_lightning.timing.node_timing import ANCHOR, backward_durations
 from fxprof_lightning.timing.quiet import quiet_kineto
 
-__all__ = ["CycleTrace", "add_node_ranges", "check_profiler_kwargs"]
+__all__ = ["CycleTrace", "ModuleCalls", "add_node_ranges", "check_profiler_kwargs"]
 
 OWNED_KWARGS = ("schedule", "on_trace_ready")
 # torch.profiler's step transitions that start and stop nothing (its ``action_map``): no kineto log to keep off stderr.
@@ -95,8 +96,9 @@ class CycleTrace:
         self.errors: list[str] = []
         self.backward_events: list[tuple[int, int]] = []  # (sequence number, ns) per autograd node run (NodeTimer.add_backward)
         self.ranges: dict[str, list[int]] = {}  # ns of each run of a communication range (FSDP::all_gather (blocks.0), ...)
-        # Set by the engine: what add_node_ranges writes into the trace (NodeTimer.anchors, .range_spans, .backward_calls).
-        self.node_ranges: Callable[[], tuple[list[Any], list[Any], list[Any]] | None] | None = None
+        # Set by the engine: what add_node_ranges writes into the trace (NodeTimer.anchors, .range_spans, .backward_calls,
+        # and the module calls around the nodes: ``Cycle.node_ranges``).
+        self.node_ranges: Callable[[], tuple[list[Any], list[Any], list[Any], ModuleCalls | None] | None] | None = None
         self.events: list[tuple[str, int, int, int, int]] = []
         self.device: Attribution | None = None  # GPU events tied to the node ranges (a trace with GPU events)
         self._collect_backward = backward_events
@@ -183,8 +185,22 @@ class CycleTrace:
             self.errors.append(f"could not write the node ranges into the trace {path.name}: {type(error).__name__}: {error}")
 
 
+@dataclass(frozen=True)
+class ModuleCalls:
+    """The modules around the nodes, for ``add_node_ranges`` to write a range per module call.
+
+    ``call_starts``: the ``perf_counter_ns`` start of each forward call of the profiled module (``NodeTimer.call_starts``),
+    which tells the calls of the profiled module apart; ``stacks``: each node's ``NodeInfo.module_stack``; ``types``: the
+    type name of each module path (``""``: the profiled module).
+    """
+
+    call_starts: list[int]
+    stacks: dict[str, tuple[str, ...]]
+    types: dict[str, str]
+
+
 def add_node_ranges(path: Path, anchors: list[tuple[int, int, int]], spans: list[tuple[str, int, int]],
-                    backward_calls: list[tuple[str, int, int]] = (),
+                    backward_calls: list[tuple[str, int, int]] = (), modules: ModuleCalls | None = None,
                     on_events: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None] | None = None) -> int:
     """Write a ``user_annotation`` range per node call into an exported Chrome trace; the number written.
 
@@ -207,6 +223,10 @@ def add_node_ranges(path: Path, anchors: list[tuple[int, int, int]], spans: list
     The offset is known to about a microsecond, and the first op of a node can start less than that after
     the node's clock read: a range edge that would cut through one of the thread's events is moved to that
     event's edge (``_Thread.nest``), so that ranges nest as the trace format requires.
+
+    With ``modules``, also a range per module call around its nodes, which the TensorBoard plugin reads as the
+    modules' Python calls (``_module_ranges``): its Module view then shows the model's modules, as it does for a
+    ``with_stack`` trace of an eager model (Dynamo inlines the submodules: the Python tracer sees none of their calls).
     """
     zipped = path.name.endswith(".gz")
     data = path.read_bytes()
@@ -231,7 +251,7 @@ def add_node_ranges(path: Path, anchors: list[tuple[int, int, int]], spans: list
         offset = round(statistics.median(round((e["ts"] + e["dur"] / 2) * 1e3) - (before + after) / 2 for before, after, e in matched))
     befores = [before for before, _, _ in matched]
     threads: dict[tuple[Any, Any], _Thread] = {}
-    added = []
+    added, placed = [], []
     for name, start, duration in spans:
         anchor = matched[max(bisect.bisect_right(befores, start) - 1, 0)][2]
         where = anchor["pid"], anchor["tid"]
@@ -240,8 +260,11 @@ def add_node_ranges(path: Path, anchors: list[tuple[int, int, int]], spans: list
         begin, end = threads[where].nest(start + offset, start + offset + duration, slack=max(high - low, 0) + NEST_SLACK_NS)
         added.append({"ph": "X", "cat": "user_annotation", "name": name, "pid": anchor["pid"], "tid": anchor["tid"],
                       "ts": round(begin / 1e3, 3), "dur": round((end - begin) / 1e3, 3)})
+        placed.append((name, start, added[-1]["ts"], added[-1]["ts"] + added[-1]["dur"], where))
     added += _backward_ranges(kept, backward_calls)
-    document["traceEvents"] = kept + added
+    # First in the list: a module range with the same edges as an op or a node range is read as the outer one.
+    around = _module_ranges(kept, placed, modules) if modules is not None and modules.call_starts else []
+    document["traceEvents"] = around + kept + added
     if on_events is not None:
         on_events(document["traceEvents"], added)
     temporary = path.with_name(path.name + ".ranges")
@@ -251,7 +274,7 @@ def add_node_ranges(path: Path, anchors: list[tuple[int, int, int]], spans: list
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
-    return len(added)
+    return len(added) + len(around)
 
 
 # How far from a range's edge (beyond the uncertainty of the clock offset) an event's edge may be moved across.
@@ -301,6 +324,196 @@ class _Thread:
             if not moved or begin >= end:
                 break
         return begin, max(begin, end)
+
+
+MODULE_PREFIX = "nn.Module: "  # how torch's Python tracer names a module call: "nn.Module: Conv2d_0"
+
+
+@dataclass(eq=False)
+class _ModuleCall:
+    """One call of a module around node ranges (``_module_ranges``)."""
+
+    path: str  # the module's path ("" the profiled module)
+    parent: _ModuleCall | None
+    begin: float  # trace microseconds
+    end: float
+    where: tuple[Any, Any]  # pid, tid
+    depth: int
+    real: dict[str, Any] | None = None  # the trace's own event of this call (a ``with_stack`` trace)
+    python_id: int | None = None  # its event's, once written (or the real one's)
+
+
+def _module_ranges(events: list[dict[str, Any]], placed: list[tuple[str, int, float, float, tuple[Any, Any]]],
+                   modules: ModuleCalls) -> list[dict[str, Any]]:
+    """A ``python_function`` range per module call around node ranges, outermost first: the events torch's Python
+    tracer writes for module calls (``with_stack``), from which the TensorBoard plugin builds its Module view (``Python
+    id``, ``Python parent id``, ``Python module id``; named ``nn.Module: <type>_<n>``, ``n`` numbering the modules of a
+    type as torch does), with the module's path in ``Module path``.
+
+    ``placed``: each node range as written (node name, start ``perf_counter_ns``, begin and end in the trace's
+    microseconds, thread). A range goes from its first node range's begin to its last one's end, widened to hold the
+    events that would cross its edges (the call is around them: Dynamo's ``Torch-Compiled Region`` of a frame that
+    began in the module before its first node, a module event of the trace). A call that the trace already holds as
+    a module event (``_match_real``: a ``with_stack`` trace) is not written again: the ranges inside it name that
+    event their parent, and one of the trace's module events inside a range written names that range its parent
+    (its ``Python parent id`` is changed: under torch.fx the graph calls the submodules, whose calls the Python tracer
+    sees, while the modules around them are inlined). A range that would cut through another is left out.
+    """
+    ordered = _module_calls(placed, modules)
+    real = [e for e in events if _is_module_event(e)]
+    _match_real(ordered, real, modules.types)
+    threads: dict[tuple[Any, Any], _Spans] = {}
+    for call in reversed(ordered):  # innermost first: a call holds its children
+        if call.real is not None:
+            call.begin, call.end = _span(call.real)
+        else:
+            if call.where not in threads:
+                threads[call.where] = _Spans([_span(e) for e in events if e.get("ph") == "X" and "dur" in e
+                                              and (e.get("pid"), e.get("tid")) == call.where
+                                              and (e.get("cat") != "python_function" or _is_module_event(e))])
+            call.begin, call.end = threads[call.where].cover(call.begin, call.end)
+        if call.parent is not None and call.parent.real is None:
+            call.parent.begin, call.parent.end = min(call.parent.begin, call.begin), max(call.parent.end, call.end)
+    kept = _nested([call for call in ordered if call.real is None])
+    numbers: dict[str, int] = {}  # type name -> the next free number (after the trace's own events of that type)
+    for event in real:
+        type_name, _, number = event["name"].removeprefix(MODULE_PREFIX).rpartition("_")
+        if number.isdigit():
+            numbers[type_name] = max(numbers.get(type_name, 0), int(number) + 1)
+    instances: dict[str, tuple[str, int]] = {}  # module path -> type name, number (in the order of first calls, as torch)
+    for call in sorted(kept, key=lambda call: (call.begin, call.depth)):
+        if call.path not in instances:
+            type_name = _type_name(modules.types, call.path)
+            instances[call.path] = type_name, numbers.get(type_name, 0)
+            numbers[type_name] = instances[call.path][1] + 1
+    python_ids = [e["args"]["Python id"] for e in events if isinstance((e.get("args") or {}).get("Python id"), int)]
+    next_id = max(python_ids, default=0) + 1
+    written = []
+    for call in ordered:  # outermost first: a parent has its id before its children
+        parent = call.parent
+        while parent is not None and parent.python_id is None:  # (one left out)
+            parent = parent.parent
+        if call.real is not None:
+            call.python_id = call.real["args"].get("Python id")
+            if parent is not None and parent.real is None:
+                call.real["args"]["Python parent id"] = parent.python_id
+            continue
+        if call not in kept:
+            continue
+        type_name, number = instances[call.path]
+        call.python_id, next_id = next_id, next_id + 1
+        args = {"Python id": call.python_id, "Python module id": number, "Module path": call.path}
+        if parent is not None:
+            args["Python parent id"] = parent.python_id
+        written.append({"ph": "X", "cat": "python_function", "name": f"{MODULE_PREFIX}{type_name}_{number}",
+                        "pid": call.where[0], "tid": call.where[1], "ts": call.begin,
+                        "dur": _exact_duration(call.begin, call.end), "args": args})
+    return written
+
+
+def _module_calls(placed: list[tuple[str, int, float, float, tuple[Any, Any]]], modules: ModuleCalls) -> list[_ModuleCall]:
+    """The module calls around the node ranges, outermost first (at each depth in the order of the calls), each from its
+    first node range's begin to its last one's end.
+
+    A node range belongs to the call of the profiled module that started last before it (``modules.call_starts``) and,
+    in it, to a call of each module of its ``module_stack``: the call of the node range before it where that one is in
+    the module too (and in the same calls of the modules around it), else a new one. (A module's call runs its nodes
+    one after the other; a shared module called again later in the forward, whose nodes have the same stack in
+    another graph of Dynamo's, gets another call.)"""
+    calls: list[_ModuleCall] = []
+    chain: list[tuple[Any, _ModuleCall]] = []  # the calls the last node range was in: (stack entry, call), outermost first
+    for name, start, begin, end, where in sorted(placed, key=lambda node: node[1]):
+        keys = [max(bisect.bisect_right(modules.call_starts, start) - 1, 0), *modules.stacks.get(name, ())]
+        same = 0
+        while same < min(len(chain), len(keys)) and chain[same][0] == keys[same] and chain[same][1].where == where:
+            same += 1
+        del chain[same:]
+        for key in keys[same:]:
+            path = key.split("@")[0] if isinstance(key, str) else ""
+            calls.append(_ModuleCall(path, chain[-1][1] if chain else None, begin, end, where, len(chain)))
+            chain.append((key, calls[-1]))
+        for _, call in chain:
+            call.begin, call.end = min(call.begin, begin), max(call.end, end)
+    return sorted(calls, key=lambda call: call.depth)
+
+
+class _Spans:
+    """A thread's events as ``(begin, end)`` in the trace's microseconds, to widen a module range over them."""
+
+    def __init__(self, spans: list[tuple[float, float]]) -> None:
+        self.by_begin = sorted(spans)
+        self.begins = [a for a, _ in self.by_begin]
+        self.by_end = sorted(spans, key=lambda span: span[1])
+        self.ends = [b for _, b in self.by_end]
+
+    def cover(self, begin: float, end: float) -> tuple[float, float]:
+        """``begin, end`` widened until no event crosses an edge (one that begins inside and ends after, or the other
+        way round)."""
+        for _ in range(16):
+            inside_begins = self.by_begin[bisect.bisect_right(self.begins, begin):bisect.bisect_left(self.begins, end)]
+            inside_ends = self.by_end[bisect.bisect_right(self.ends, begin):bisect.bisect_left(self.ends, end)]
+            wider = (min([begin, *(a for a, _ in inside_ends)]), max([end, *(b for _, b in inside_begins)]))
+            if wider == (begin, end):
+                break
+            begin, end = wider
+        return begin, end
+
+
+def _is_module_event(event: dict[str, Any]) -> bool:
+    """Whether an event is a module call seen by torch's Python tracer (``with_stack``)."""
+    return event.get("cat") == "python_function" and "Python module id" in (event.get("args") or {})
+
+
+def _type_name(types: dict[str, str], path: str) -> str:
+    return types.get(path) or path.rsplit(".", 1)[-1] or "Module"
+
+
+def _match_real(ordered: list[_ModuleCall], real: list[dict[str, Any]], types: dict[str, str]) -> None:
+    """Set ``call.real`` of each call (outermost first) that the trace holds as a module event (``with_stack``: the
+    profiled module's own call, a submodule that ran eagerly, every leaf module's call under torch.fx): the outermost
+    event of the call's module type on its thread around the call's range or inside it (torch.fx times a submodule's
+    call whole: its node range holds the call), that no other call took, inside the event of the call's nearest
+    ancestor that has one."""
+    by_type: dict[tuple[Any, Any, str], list[dict[str, Any]]] = {}
+    for event in sorted(real, key=lambda e: (e["ts"], -e["dur"])):  # outermost first
+        type_name = event["name"].removeprefix(MODULE_PREFIX).rpartition("_")[0]
+        by_type.setdefault((event["pid"], event["tid"], type_name), []).append(event)
+    taken: set[int] = set()
+    for call in ordered:
+        ancestor = call.parent
+        while ancestor is not None and ancestor.real is None:
+            ancestor = ancestor.parent
+        outer = _span(ancestor.real) if ancestor is not None else None
+        span = (call.begin, call.end)
+        for event in by_type.get((*call.where, _type_name(types, call.path)), ()):
+            if (id(event) not in taken and (_within(span, _span(event)) or _within(_span(event), span))
+                    and (outer is None or _within(_span(event), outer))):
+                call.real = event
+                taken.add(id(event))
+                break
+
+
+def _span(event: dict[str, Any]) -> tuple[float, float]:
+    return event["ts"], event["ts"] + event["dur"]
+
+
+def _within(inner: tuple[float, float], outer: tuple[float, float]) -> bool:
+    return outer[0] <= inner[0] and inner[1] <= outer[1]
+
+
+def _nested(calls: list[_ModuleCall]) -> set[_ModuleCall]:
+    """The calls whose ranges cross none of the others' (of two that cross, the one that begins first is kept)."""
+    around: dict[tuple[Any, Any], list[_ModuleCall]] = {}  # per thread, the kept ranges around the one looked at
+    kept = set()
+    for call in sorted(calls, key=lambda call: (call.begin, -call.end, call.depth)):
+        stack = around.setdefault(call.where, [])
+        while stack and stack[-1].end <= call.begin:
+            stack.pop()
+        if stack and call.end > stack[-1].end:
+            continue
+        stack.append(call)
+        kept.add(call)
+    return kept
 
 
 EVALUATE = "autograd::engine::evaluate_function: "
