@@ -8,7 +8,9 @@ opens and closes.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -253,7 +255,7 @@ class Cycle:
             report.forward_wall_ms = sum(self.forward_walls_ns) / len(self.recorded) / 1e6
         if report.nodes and self.timer is not None:
             report.modules = summarize_modules(self.timer.nodes, report.nodes, len(self.recorded), type_name)
-        report.nodes = [replace(n, layer=layer_label(n, type_name)) for n in report.nodes]
+        report.nodes = _labelled(report.nodes, type_name)
         return report
 
     def described_capture(self) -> Capture | None:
@@ -295,6 +297,20 @@ class _StepMark:
     phases: int
     batch_sizes: int
     backward_walls: int
+
+
+def _labelled(nodes: list[NodeStats], type_name: Callable[[str], str]) -> list[NodeStats]:
+    """The rows with their ``layer`` labels; a label two rows share (a layer called twice, two adds in one block)
+    gets each row's call number from its node's name (``b_add`` #1, ``b_add_1`` #2), the same in every cycle."""
+    labels = [layer_label(n, type_name) for n in nodes]
+    repeated = {label for label, count in collections.Counter(labels).items() if count > 1}
+
+    def number(name: str) -> int:
+        found = re.search(r"_(\d+)$", name)
+        return int(found[1]) + 1 if found else 1
+
+    return [replace(n, layer=f"{label} #{number(n.name)}" if label in repeated else label)
+            for n, label in zip(nodes, labels, strict=True)]
 
 
 def _mean_phases(steps: list[dict[str, int]]) -> dict[str, float]:

@@ -28,7 +28,7 @@ class StageHistory:
         """Fill in the report's tracked nodes, roofline, trust, regressions and advice (rank 0). Returns the peaks,
         raised when a node beat a measured one (it was too low). The tracked nodes: ``tracked`` (another stage's, as
         it grows), else the stage's first cycle's ``top_k`` slowest, and each later cycle's slowest from that cycle on."""
-        if tracked:
+        if tracked and (self.tracked is None or tracked[:len(self.tracked)] == self.tracked):
             self.tracked = list(tracked)
         elif self.tracked is None:
             self.tracked = [n.name for n in report.nodes[:top_k]]

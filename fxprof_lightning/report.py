@@ -365,8 +365,8 @@ class CycleReport:
         unconfirmed: nodes flagged for the first time: the next sound cycle confirms them or not.
         advice: what to try, one sentence each, most useful first (``advice``).
         distortion: why the cycle's numbers look distorted by other load (``trust.distortion``), or None.
-        tracked: the nodes whose series the run logs as scalars: the same in every cycle of a run
-            (the first cycle's ``top_k`` slowest), so the series have no gaps.
+        tracked: the nodes whose series the run logs as scalars: the first cycle's ``top_k`` slowest, then each
+            later cycle's slowest from that cycle on (``history.StageHistory.analyse``).
         device: where the trace's GPU time went (``gpu_trace.summary``: kernels, device_ms, in_nodes_ms,
             outside_ms, unlaunched, orphan_flows) when the node times are device times from the trace, else None.
         phases: where the whole step went, ms per recorded step by phase (``step_phases.PHASES``: data,

@@ -440,7 +440,7 @@ def test_custom_scalars_tab_shows_our_layout(served: Served, page: Page):
     layout = get_json(f"{served.base}/data/plugin/custom_scalars/layout")
     tracked = served.cycles[0].tracked
     # the layout the first cycle wrote, with its tracked layers and the run's name in its titles
-    ours = custom_scalars_layout(tracked=tracked, run=Path(served.run).name)
+    ours = custom_scalars_layout(tracked=tracked, run=served.run)
     assert [c["title"] for c in layout["category"]] == list(ours)
     for category in layout["category"]:
         charts = {chart["title"]: chart["multiline"]["tag"] for chart in category["chart"]}
@@ -449,7 +449,7 @@ def test_custom_scalars_tab_shows_our_layout(served: Served, page: Page):
     page.open(f"{served.base}/#custom_scalars")
     # 6 tracked layers: 5 a chart, so that each line of a chart has a symbol of its own (TensorBoard has 5 per chart)
     assert len(tracked) == 6
-    run = f" ({Path(served.run).name})"
+    run = f" ({served.run})"
     series = {f"{side} ms per call, tracked layers {span}{run}": count
               for side in ("forward", "backward") for span, count in (("1-5", 5), ("6", 1))}
     series[f"ms per step{run}"] = 2

@@ -640,4 +640,9 @@ def test_a_slowdown_outside_every_node_row_is_flagged_as_the_step_phase_it_is_in
     before = {r.node for c in callback.cycles[:5] for r in (*c.regressions, *c.unconfirmed)}
     after = {r.node for c in callback.cycles[5:] for r in (*c.regressions, *c.unconfirmed)}
     assert "step: data" in after and "step: data" not in before, (before, after)
-    assert not any(name.startswith("step: ") and name != "step: data" for name in after), after
+    # Another phase may be flagged beside it under load (a CI run flagged the optimizer, 30 ms of busy loading later,
+    # caches cold): the data phase is what added the time, many times any other's.
+    added = {}
+    for r in (r for c in callback.cycles[5:] for r in (*c.regressions, *c.unconfirmed) if r.node.startswith("step: ")):
+        added[r.node] = max(added.get(r.node, 0.0), r.now_ms - r.baseline_ms)
+    assert all(added["step: data"] > 5 * ms for name, ms in added.items() if name != "step: data"), added

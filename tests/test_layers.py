@@ -349,7 +349,7 @@ class RowsInAFunction(nn.Module):
 
 
 def scaled(x):
-    return F.softplus(x) * 2
+    return F.softplus(x) * 2 + F.softplus(x)
 
 
 def test_rows_are_named_as_the_code_names_them(tmp_path, capsys):
@@ -364,7 +364,9 @@ def test_rows_are_named_as_the_code_names_them(tmp_path, capsys):
     line = next(text for text in capsys.readouterr().out.splitlines() if text.startswith("Profiler: cycle 0"))
     assert f"; slowest {cycle.nodes[0].layer}: " in line, line
     where = f"scaled (test_layers.py:{scaled.__code__.co_firstlineno + 1})"
-    expected = {"body.0 (Linear)", "body.1 (ReLU)", "body.2 (Linear)", f"F.softplus in {where}", f"x * y in {where}"}
+    # (a label two rows share gets each row's call number)
+    expected = {"body.0 (Linear)", "body.1 (ReLU)", "body.2 (Linear)", f"F.softplus in {where} #1",
+                f"F.softplus in {where} #2", f"x * y in {where}", f"x + y in {where}"}
     assert {n.layer for n in cycle.nodes} == expected
     markdown = cycle.to_markdown()
     assert "| layer | op |" in markdown and "| bound | node |" in markdown and all(f"| `{layer}` |" in markdown for layer in expected)

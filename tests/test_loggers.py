@@ -193,12 +193,12 @@ def test_validation_tracks_the_training_layers_in_custom_scalars_charts_of_five(
               for category in layout.category}
     for stage in ("training", "validation"):
         titles = [t for t in charts[f"fxprof ({stage})"] if t.startswith("forward")]
-        assert titles == ["forward ms per call, tracked layers 1-5 (version_0)",
-                          "forward ms per call, tracked layers 6 (version_0)",
-                          "forward ms per call, layers tracked later (version_0)"], titles
+        assert titles == ["forward ms per call, tracked layers 1-5 (tb/version_0)",
+                          "forward ms per call, tracked layers 6 (tb/version_0)",
+                          "forward ms per call, layers tracked later (tb/version_0)"], titles
     logged = {tag.split("/")[1] for tag in events.Tags()["scalars"] if tag.startswith("fxprof_val_nodes/")}
     assert logged and logged <= {TAG_UNSAFE.sub("_", name) for name in tracked}, (logged, tracked)
-    (regex,) = charts["fxprof (validation)"]["forward ms per call, tracked layers 1-5 (version_0)"]
+    (regex,) = charts["fxprof (validation)"]["forward ms per call, tracked layers 1-5 (tb/version_0)"]
     assert all(re.match(regex, f"fxprof_val_nodes/{TAG_UNSAFE.sub('_', n)}/forward_ms_per_call") for n in tracked[:5])
 
 

@@ -39,6 +39,7 @@ import os
 import random
 import re
 import sys
+import threading
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -682,7 +683,9 @@ class DynamoTimer(NodeTimer):
         state.restore()
         attempt = self._attempt(module, eager, state, args, kwargs, self._way)
         hooks_now_eager = False
-        if (attempt.breaks or attempt.difference) and not self._explored:
+        # (FSDP2: not, since which ways are tried depends on bitwise comparisons that may differ by rank, and each way
+        # tried runs collectives)
+        if (attempt.breaks or attempt.difference) and not self._explored and not self._sharded:
             attempt = self._explore(module, eager, state, args, kwargs, attempt)
         hooks = _hook_functions(module) if not self._way.eager_hooks and not self._way.follow else ()
         in_a_row, in_hooks = self._streak >= RECAPTURES_IN_A_ROW, _guarded_in(hooks, self._guard_failures)
@@ -1089,6 +1092,7 @@ def _checkpoint(timed: fx.GraphModule, captured: fx.GraphModule, kwargs: dict[st
     reentrant = kwargs.get("use_reentrant") is not False
 
     def checkpoint(*operands: Any, **body_kwargs: Any) -> Any:
+        thread = threading.get_ident()  # autograd's sequence numbers count per thread
         held = {i: operands[i] for i in state}
         inputs = [operand for i, operand in enumerate(operands) if i not in held]
 
@@ -1099,7 +1103,8 @@ def _checkpoint(timed: fx.GraphModule, captured: fx.GraphModule, kwargs: dict[st
                 return timed(*args, **passed_kwargs)
             # Run by the autograd engine: backward recomputes the region for the node it is running (and may stop
             # it early with an exception once the saved tensors it needs are back).
-            opened = reentrant and recomputes is not None
+            # (backward on another thread, CUDA's device thread: its nodes' numbers are another count, not opened)
+            opened = reentrant and recomputes is not None and threading.get_ident() == thread
             first, start = sequence_nr_now(), time.perf_counter_ns()
             try:
                 if opened:
@@ -1297,7 +1302,7 @@ def _reentrant_checked_as_not() -> Iterator[None]:
     ``.grad`` is never touched. Both run the region's ops once forward and again in backward, so the comparison
     checks the ops; timed calls (outside this block) checkpoint as the caller asked."""
     function = torch.utils.checkpoint.CheckpointFunction
-    had = "apply" in vars(function)
+    own = vars(function).get("apply")  # (none in any torch we know: ``apply`` is ``autograd.Function``'s)
 
     def apply(run: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
         return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
@@ -1306,8 +1311,8 @@ def _reentrant_checked_as_not() -> Iterator[None]:
     try:
         yield
     finally:
-        if had:  # (not so in any torch we know: ``apply`` is ``autograd.Function``'s)
-            function.apply = vars(function).get("apply")
+        if own is not None:
+            function.apply = own
         else:
             del function.apply
 
@@ -1437,8 +1442,11 @@ def _fsdp_unsharded(module: nn.Module) -> dict[int, torch.Tensor]:
 
 
 def fsdp2_kept() -> bool:
-    """Whether this torch's FSDP2 has the state ``_FsdpKept`` puts back (checked on torch 2.14): without it an FSDP2
-    model is not captured by Dynamo (a checking call would leave its parameters resharded)."""
+    """Whether this torch's FSDP2 has the state ``_FsdpKept`` puts back (FSDP2's private state, as in torch 2.14, the
+    version tested): without it an FSDP2 model is not captured by Dynamo (a checking call would leave its parameters
+    resharded)."""
+    if tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2]) < (2, 14):
+        return False
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
         from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState, _get_module_fsdp_state  # noqa: F401

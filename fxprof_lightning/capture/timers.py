@@ -226,7 +226,8 @@ class Timers:
     def _refused(self, module: nn.Module, training: bool, reason: str) -> None:
         mode = "training" if training else "evaluation"
         # (a graph that is the program eager runs but misses its guards at every call cannot be used either)
-        verdict = "cannot be used" if reason.startswith("the graphs missed Dynamo's guards") else "is not the program eager runs"
+        verdict = ("cannot be used" if reason.startswith("the graphs missed Dynamo's guards") else
+                   "cannot be captured again" if "captured once" in reason else "is not the program eager runs")
         self.warn(
             f"the graph Dynamo captured of {type(module).__name__} ({mode} mode) {verdict}: "
             f"{reason}. That call and every later one run the module's own forward, so training is unchanged; "

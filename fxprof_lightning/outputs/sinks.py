@@ -128,6 +128,13 @@ def cycle_scalars(report: CycleReport) -> dict[str, float]:
     return metrics
 
 
+def _run_name(writer: Any) -> str:
+    """The writer's run as the layout's titles name it: its directory's last two parts (``name/version_N`` for
+    Lightning's ``TensorBoardLogger``), so that experiments of one log dir stay apart too."""
+    directory = getattr(writer, "log_dir", None) or getattr(writer, "logdir", None) or ""
+    return "/".join(Path(directory).parts[-2:])
+
+
 def custom_scalars_layout(validation: bool = False, tracked: list[str] | None = None, run: str = "") -> dict:
     """A TensorBoard CUSTOM SCALARS page: the tracked layers' forward and backward ms per call, and the totals.
 
@@ -234,7 +241,7 @@ def log_to_summary_writer(writer: Any, report: CycleReport, display: Display) ->
     if not getattr(writer, "_fxprof_layout", False):
         writer.add_custom_scalars(custom_scalars_layout(display.validation,
                                                         report.tracked if report.stage == "train" else None,
-                                                        Path(writer.log_dir).name))
+                                                        _run_name(writer)))
         writer._fxprof_layout = True
     for tag, value in cycle_scalars(report).items():
         writer.add_scalar(tag, value, global_step=step)
