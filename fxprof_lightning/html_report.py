@@ -88,10 +88,10 @@ def render(cycles: Sequence[CycleReport], found: dict[int, Verdict], *, run: str
     now = cycles[-1]
     shown = list(cycles[-last:])
     confirmed = sum(len(found[id(c)].regressions) for c in cycles)
-    sections = [  # id, link text, heading, content
+    sections = [  # id, link text, heading, content; the first screen: where the step goes, then the slowest layers
         ("step", "Step", f"The whole step in cycle {now.index}", _phases(now)),
-        ("cycles", "Cycles", "Cycles", _cycles(shown, found, len(cycles))),
         ("slowest", "Slowest layers", f"Slowest layers of cycle {now.index}", _slowest(now)),
+        ("cycles", "Cycles", "Cycles", _cycles(shown, found, len(cycles))),
         ("modules", "Module tree", f"Module tree of cycle {now.index}", _icicle(now)),
         ("trend", "Trend", "Over the cycles", _trend(shown, found, layers)),
         ("regressions", "Regressions", "Regressions", _regressions(cycles, found, options)),

@@ -51,7 +51,7 @@ except ImportError:
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SCREENSHOTS = Path(os.environ.get("FXPROF_SCREENSHOTS", Path(tempfile.gettempdir()) / "fxprof_browser"))
-SECTIONS = ["step", "cycles", "slowest", "modules", "trend", "regressions", "advice", "traces"]
+SECTIONS = ["step", "slowest", "cycles", "modules", "trend", "regressions", "advice", "traces"]
 OPTIONS = {"k": 4.0, "min_relative": 0.15}  # the command line's defaults
 pytestmark = pytest.mark.filterwarnings("ignore:.*look distorted by other load")  # a busy test machine
 
@@ -391,6 +391,7 @@ RENDERED = """(() => {
     rows: Object.fromEntries([...document.querySelectorAll('table')].map((t) => [t.id, t.tBodies[0].rows.length])),
     width: document.documentElement.scrollWidth, height: document.documentElement.scrollHeight,
     viewport: window.innerWidth,
+    slowestFirstRow: document.querySelector('#slowest tbody tr').getBoundingClientRect().bottom,
   };
 })()"""
 
@@ -430,6 +431,7 @@ def test_page_renders_offline_in_chromium(trained, page_of_run, tmp_path):
     assert len(shown["charts"]) == 2 and all(w > 800 and h > 150 for w, h in shown["charts"])
     assert shown["lines"] == 2 + min(6, len(last.nodes))
     assert shown["phaseBar"][0] > 800 and shown["phaseBar"][1] > 20
+    assert shown["slowestFirstRow"] < 1000  # the first screen (1280 x 1000): the step split, then the slowest layer
     assert sum(shown["phaseParts"]) == pytest.approx(shown["phaseBar"][0], abs=2)
     assert shown["rows"]["cycles"] == len(cycles) and shown["rows"]["slowest"] == min(SLOWEST_ROWS, len(last.nodes))
     assert shown["rows"]["trace-files"] == len(cycles)
