@@ -76,6 +76,9 @@ DYNAMO = ("torch._dynamo's graphs, run eagerly by a backend that times each op (
           "eager (outputs, gradients, buffers, random states) before use, captured again when a guard fails")
 
 
+# Why an FSDP2 model is not captured again (a guard failed): its checking calls' collectives would hang the job.
+ONCE = "under FSDP2, which is captured once: capturing again would run collectives on this rank alone"
+
 # Timed calls that miss the guards this many times in a row, each right after a capture: the graphs are refused.
 RECAPTURES_IN_A_ROW = 3
 
@@ -557,8 +560,7 @@ class DynamoTimer(NodeTimer):
         self._gap: tuple[int, int] | None = None  # the row of the code after the last graph's break, and when it began
         self._eager_hooks: tuple[Callable[..., Any], ...] = ()  # hook functions run eagerly (``_Way.eager_hooks``)
         self._inputs_seen: set[int] | None = None  # ids of what the graphs were given, while noted
-        # How Dynamo captures (``_explore`` may change it at the first graph break); FSDP2 (``sharded``): following
-        # torch's own frames, so that a frame run eagerly for a hook's graph break still has its layers captured.
+        # How Dynamo captures (``_explore`` may change it); FSDP2: following torch's frames (a hook's break in a loop)
         self._way, self._sharded = _Way(OPENED, follow=sharded), sharded
         self._explored = False
         self._context = self._new_context()
@@ -643,9 +645,8 @@ class DynamoTimer(NodeTimer):
                 self._pending, self._streak = "a guard failed", self._streak + 1  # captured on this call, its state
                 self._guard_failures.append(missed)
             if self._pending is not None and (missed or self._pending_for in (None, state)):  # (that state's next call)
-                if self._sharded and self.graphs:  # its checking calls' collectives would run on this rank alone
-                    self._refuse(f"{self._pending} under FSDP2, which is captured once: capturing again would run "
-                                 "collectives on this rank alone")
+                if self._sharded and self.graphs:
+                    self._refuse(f"{self._pending} {ONCE}")
                     return own_forward(*args, **kwargs)
                 return self._capture_call(module, own_forward, args, kwargs)
             return self._timed_call(args, kwargs, state, after_capture=False)
@@ -683,8 +684,7 @@ class DynamoTimer(NodeTimer):
         state.restore()
         attempt = self._attempt(module, eager, state, args, kwargs, self._way)
         hooks_now_eager = False
-        # (FSDP2: not, since which ways are tried depends on bitwise comparisons that may differ by rank, and each way
-        # tried runs collectives)
+        # (not under FSDP2: the ways tried hang on bitwise results that may differ by rank, and each runs collectives)
         if (attempt.breaks or attempt.difference) and not self._explored and not self._sharded:
             attempt = self._explore(module, eager, state, args, kwargs, attempt)
         hooks = _hook_functions(module) if not self._way.eager_hooks and not self._way.follow else ()
