@@ -76,6 +76,10 @@ DYNAMO = ("torch._dynamo's graphs, run eagerly by a backend that times each op (
           "eager (outputs, gradients, buffers, random states) before use, captured again when a guard fails")
 
 
+# Frames Dynamo must run eagerly, from our first install on: ``float(tensor)`` breaks the graph and runs
+# ``torch._as_tensor_fullprec`` as a frame; after Mask R-CNN's capture, that frame's compiled code called itself until
+# a ``RecursionError`` (BatchNorm with ``momentum=None`` in the same process: SWA's BatchNorm epoch fell back).
+ALWAYS_EAGER = tuple(f for f in (getattr(torch, "_as_tensor_fullprec", None),) if f is not None)
 # Why an FSDP2 model is not captured again (a guard failed): its checking calls' collectives would hang the job.
 ONCE = "under FSDP2, which is captured once: capturing again would run collectives on this rank alone"
 
@@ -653,7 +657,7 @@ class DynamoTimer(NodeTimer):
 
         module.forward = forward
         _TRACEABLE.enter()
-        _frames_skipped(self._eager_hooks, True)
+        _frames_skipped(self._eager_hooks + ALWAYS_EAGER, True)
 
     def uninstall(self, module: nn.Module) -> None:
         if id(module) in self._saved_forward:
