@@ -51,7 +51,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from fxprof_lightning.capture import side_effects
-from fxprof_lightning.capture.leaves import is_fsdp
+from fxprof_lightning.capture.leaves import is_fsdp, patched
 from fxprof_lightning.nodes import (
     JOINS,
     NESTS,
@@ -1299,26 +1299,16 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-@contextlib.contextmanager
-def _reentrant_checked_as_not() -> Iterator[None]:
+def _reentrant_checked_as_not() -> contextlib.AbstractContextManager[None]:
     """Inside, ``checkpoint(..., use_reentrant=True)`` checkpoints as ``use_reentrant=False`` does, eager and
     captured alike: the reentrant variant refuses ``torch.autograd.grad``, which the checking calls use so that
     ``.grad`` is never touched. Both run the region's ops once forward and again in backward, so the comparison
     checks the ops; timed calls (outside this block) checkpoint as the caller asked."""
-    function = torch.utils.checkpoint.CheckpointFunction
-    own = vars(function).get("apply")  # (none in any torch we know: ``apply`` is ``autograd.Function``'s)
 
     def apply(run: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
         return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
 
-    function.apply = apply
-    try:
-        yield
-    finally:
-        if own is not None:
-            function.apply = own
-        else:
-            del function.apply
+    return patched([(torch.utils.checkpoint.CheckpointFunction, "apply", apply)])
 
 
 _SAVE_INPUTS = getattr(getattr(torch.utils.checkpoint, "_CheckpointFrame", None), "save_inputs", None)

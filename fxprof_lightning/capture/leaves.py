@@ -67,6 +67,7 @@ __all__ = [
     "ModuleState",
     "holds_traced",
     "host_random_functions",
+    "patched",
     "refusing_checkpoint",
     "short_error",
     "slot_names",
@@ -194,12 +195,12 @@ def refusing_checkpoint() -> contextlib.AbstractContextManager[None]:
 
     Calls with real values (a leaf evaluated on an example) pass through untouched.
     """
-    return _patched([(owner, name, _refusing_proxies(getattr(owner, name))) for owner, name in CHECKPOINT_INTERNALS
+    return patched([(owner, name, _refusing_proxies(getattr(owner, name))) for owner, name in CHECKPOINT_INTERNALS
                      if hasattr(owner, name)])
 
 
 @contextlib.contextmanager
-def _patched(replacements: list[tuple[Any, str, Any]]) -> Iterator[None]:
+def patched(replacements: list[tuple[Any, str, Any]]) -> Iterator[None]:
     """Each ``owner.name`` is its replacement inside the block; after it, also on an error, what it was
     (removed again where it was inherited, as ``Function.apply`` is by ``CheckpointFunction``)."""
     saved = [(owner, name, vars(owner).get(name, _ABSENT)) for owner, name, _ in replacements]
@@ -260,7 +261,7 @@ def _host_random_as_nodes(tracer: fx.Tracer, root: Any) -> contextlib.AbstractCo
 
         return node
 
-    return _patched([(module, name, as_node(original)) for module, name, original in host_random_functions(root)])
+    return patched([(module, name, as_node(original)) for module, name, original in host_random_functions(root)])
 
 
 class ModuleState:
@@ -392,7 +393,7 @@ def _functions_as_nodes(tracer: fx.Tracer) -> contextlib.AbstractContextManager[
             return tracer.create_proxy("call_function", FunctionApply(cls), args, kwargs)
         return original.__get__(None, cls)(*args, **kwargs)
 
-    return _patched([(torch.autograd.Function, "apply", classmethod(apply))])
+    return patched([(torch.autograd.Function, "apply", classmethod(apply))])
 
 
 def _grad_mode_as_nodes(tracer: fx.Tracer) -> contextlib.AbstractContextManager[None]:
@@ -434,7 +435,7 @@ def _grad_mode_as_nodes(tracer: fx.Tracer) -> contextlib.AbstractContextManager[
 
         return exited
 
-    return _patched([
+    return patched([
         (no_grad, "__enter__", enter(False, no_grad.__enter__)),
         (enable_grad, "__enter__", enter(True, enable_grad.__enter__)),
         (set_grad_enabled, "__init__", enter(True, set_grad_enabled.__init__)),
@@ -459,7 +460,7 @@ def _compile_marks_ignored() -> contextlib.AbstractContextManager[None]:
 
         return mark
 
-    return _patched([(dynamo, name, ignoring_proxies(getattr(dynamo, name))) for name in names])
+    return patched([(dynamo, name, ignoring_proxies(getattr(dynamo, name))) for name in names])
 
 
 def _recorded_factories(tracer: fx.Tracer) -> contextlib.AbstractContextManager[None]:
@@ -478,7 +479,7 @@ def _recorded_factories(tracer: fx.Tracer) -> contextlib.AbstractContextManager[
 
         return factory
 
-    return _patched([(torch, name, recorded(getattr(torch, name), name in RANDOM_FACTORIES))
+    return patched([(torch, name, recorded(getattr(torch, name), name in RANDOM_FACTORIES))
                      for name in (*FACTORIES, *RANDOM_FACTORIES)])
 
 
