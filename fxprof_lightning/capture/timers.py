@@ -179,13 +179,14 @@ class Timers:
         device = device.device.type if device is not None else "cpu"
         # The node ranges are written into the trace after it is exported (``add_node_ranges``), from the node
         # timestamps; on CUDA the trace's kernels then give each node its device time (``gpu_trace``).
-        if self.capture == "dynamo" and (fsdp2_kept() or not any(is_fsdp(m) for m in module.modules())):
+        sharded = any(is_fsdp(m) for m in module.modules())
+        if self.capture == "dynamo" and (not sharded or fsdp2_kept()):
             # FSDP2's hooks are ``torch._dynamo.disable``d: each breaks the graph, and a break inside a loop (blocks
             # called in a loop) makes Dynamo run that frame eagerly; following torch's own frames then captures the
             # forward of each torch.nn layer that frame calls (the sharded blocks' own forwards are captured anyway).
             timer = DynamoTimer(training, backward=self.backward, device=device, trace_ranges=self.ranges,
                                 on_refused=functools.partial(self._refused, module, training),
-                                sharded=any(is_fsdp(m) for m in module.modules()))
+                                sharded=sharded)
             return timer, Capture("dynamo", error=DYNAMO)
         example = self._examples.pop(training, None)
         started = time.perf_counter()
