@@ -91,13 +91,13 @@ def forwarding_ns(calls: int = 100_000) -> float:
     return statistics.median(samples)
 
 
-def fit(callback: pl.Callback, steps: int) -> dict[str, int]:
+def fit(callback: pl.Callback, steps: int, accelerator: str = "cpu") -> dict[str, int]:
     """One fit of ``steps`` steps with ``callback`` behind a ``Forwarding``; ns per per-step hook."""
     torch.manual_seed(0)
     timed = Forwarding(callback)
     data = torch.utils.data.TensorDataset(torch.randn(8 * steps, 3, 64, 64), torch.randint(0, 10, (8 * steps,)))
     trainer = pl.Trainer(max_steps=steps, callbacks=[timed], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
+                         enable_progress_bar=False, enable_model_summary=False, accelerator=accelerator, devices=1)
     trainer.fit(LitResNet(), torch.utils.data.DataLoader(data, batch_size=8))
     return timed.ns
 
@@ -106,13 +106,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="30 steps: a smoke run")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--accelerator", default="cpu", help="the Trainer's accelerator (default cpu)")
     args = parser.parse_args()
     steps = 30 if args.quick else args.steps
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, lightning {pl.__version__}, {steps} idle steps of ResNet18 (batch 8, 3x64x64, "
-          "CPU, 1 thread) per fit; us per step inside each per-step hook as Lightning calls it")
-    ours = fit(FXProfilerCallback(wait=10 * steps, warmup=1, active=1, pictures=False), steps)
-    empty = fit(pl.Callback(), steps)  # what any callback costs in the same place (cold caches included)
+          f"{args.accelerator}, 1 thread) per fit; us per step inside each per-step hook as Lightning calls it")
+    ours = fit(FXProfilerCallback(wait=10 * steps, warmup=1, active=1, pictures=False), steps, args.accelerator)
+    empty = fit(pl.Callback(), steps, args.accelerator)  # what any callback costs in the same place (cold caches included)
     overhead = forwarding_ns()
     print(f"  {'hook':28s} {'idle callback':>14s} {'empty callback':>15s} {'added':>8s}   (forwarding {overhead:.0f} ns "
           "per call subtracted)")
@@ -123,7 +124,8 @@ def main() -> int:
         print(f"  {name:28s} {a:14.2f} {b:15.2f} {a - b:8.2f}")
     print(f"  {'all hooks, added':28s} {added_total:39.2f} us/step (goal <= 10)")
     # What following the job costs (issue 29): the step-time watch and the look for requests, in on_train_batch_end.
-    unwatched = fit(FXProfilerCallback(wait=10 * steps, warmup=1, active=1, pictures=False, watch_step_time=False), steps)
+    unwatched = fit(FXProfilerCallback(wait=10 * steps, warmup=1, active=1, pictures=False, watch_step_time=False), steps,
+                    args.accelerator)
     watch, bare = (max(result["on_train_batch_end"] / steps - overhead, 0.0) / 1e3 for result in (ours, unwatched))
     print(f"  on_train_batch_end with the step-time watch / without (requests looked for in both): {watch:.2f} / "
           f"{bare:.2f} us, the watch adds {watch - bare:.2f} us/step")

@@ -157,13 +157,13 @@ def data() -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
 
 
-def fit(name: str, loader: DataLoader, keep_weights: bool) -> FitResult:
+def fit(name: str, loader: DataLoader, keep_weights: bool, accelerator: str = "cpu") -> FitResult:
     with tempfile.TemporaryDirectory() as root:
         callbacks, profiler = CONFIGS[name](root)
         clock = StepClock()
         torch.manual_seed(0)
         lit = LitResNet()
-        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
+        trainer = pl.Trainer(accelerator=accelerator, devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                              limit_val_batches=0, callbacks=[clock, *callbacks], profiler=profiler, default_root_dir=root)
         gc.collect()
@@ -207,7 +207,11 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore")
 
 
-def header(quick: bool, rounds_note: str = "") -> str:
+def device(accelerator: str) -> str:
+    return torch.cuda.get_device_name(0) if accelerator in ("cuda", "gpu") else accelerator.upper()
+
+
+def header(quick: bool, accelerator: str) -> str:
     load = " ".join(f"{v:.2f}" for v in os.getloadavg())
     return "\n".join([
         f"fxprof_lightning recorded-step benchmark ({'quick' if quick else 'full'} run)",
@@ -215,7 +219,7 @@ def header(quick: bool, rounds_note: str = "") -> str:
         f"machine   {platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, load avg {load}",
         f"versions  python {platform.python_version()}, torch {torch.__version__}, torchvision {torchvision.__version__}, lightning {lightning.__version__}",
         f"package   {package_state()}",
-        f"workload  ResNet18, batch {BATCH} of 3x64x64, SGD, CPU; {STEPS} steps per fit, recorded 2..{ACTIVE + 1}, "
+        f"workload  ResNet18, batch {BATCH} of 3x64x64, SGD, {device(accelerator)}; {STEPS} steps per fit, recorded 2..{ACTIVE + 1}, "
         f"interior recorded steps 2..{ACTIVE}",
     ])
 
@@ -225,12 +229,12 @@ def main() -> int:
     budget = QUICK if args.quick else FULL
     quiet_lightning()
     began, stall = time.perf_counter(), cpu_stall_us()
-    print(header(args.quick), flush=True)
+    print(header(args.quick, args.accelerator), flush=True)
     loader = data()
     names = list(CONFIGS)
     results: dict[str, list[FitResult]] = {name: [] for name in names}
     for name in names:  # warm-up fits, thrown away (imports, first Dynamo use, allocator)
-        fit(name, loader, keep_weights=False)
+        fit(name, loader, keep_weights=False, accelerator=args.accelerator)
     deadline = time.perf_counter() + budget.seconds
     for r in range(budget.most):
         if r >= budget.least and time.perf_counter() > deadline:
@@ -238,7 +242,7 @@ def main() -> int:
         order = names[:]
         random.Random(r).shuffle(order)
         for name in order:
-            results[name].append(fit(name, loader, keep_weights=r == 0))
+            results[name].append(fit(name, loader, keep_weights=r == 0, accelerator=args.accelerator))
         print(f"round {r + 1}: " + ", ".join(f"{n} {results[n][-1].step_ms:.1f}" for n in names) + " ms", flush=True)
 
     rounds = len(results["none"])

@@ -18,10 +18,12 @@ import fxprof_lightning
 
 
 def parse_args(description: str) -> argparse.Namespace:
-    """``--quick`` and ``--threads N`` (applied here: ``torch.set_num_threads``)."""
+    """``--quick``, ``--threads N`` (applied here: ``torch.set_num_threads``) and ``--accelerator`` (for the
+    benchmarks whose Trainer can run on a GPU)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="smoke run: few repetitions, numbers are rough")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N) first (default: as it is)")
+    parser.add_argument("--accelerator", default="cpu", help="the Trainer's accelerator where it applies (default cpu)")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)

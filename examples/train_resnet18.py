@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--root", default="lightning_logs_example", help="where logs and traces go")
+    parser.add_argument("--accelerator", default="cpu", help="Lightning's accelerator: cpu (default), cuda, auto")
     args = parser.parse_args()
 
     pl.seed_everything(0)
@@ -59,7 +60,7 @@ def main() -> None:
     logger = TensorBoardLogger(save_dir=args.root, name="resnet18")
     trainer = pl.Trainer(
         max_steps=args.max_steps,
-        accelerator="cpu",
+        accelerator=args.accelerator,
         logger=logger,
         callbacks=[profiler],
         log_every_n_steps=5,

@@ -33,7 +33,7 @@ from torch import nn
 
 from fxprof_lightning import FxprofWarning
 from fxprof_lightning.analysis.roofline import Peaks, device_peaks
-from fxprof_lightning.capture.compiled import is_compiled
+from fxprof_lightning.capture.compiled import is_compiled, missing_for_kernels
 from fxprof_lightning.capture.timers import CAPTURES, Timers
 from fxprof_lightning.cycle import Cycle
 from fxprof_lightning.follow import Follow, Trigger
@@ -329,6 +329,11 @@ class Engine:
         if compiled and not self.torch_profiler:
             self.warn(f"{type(self.target).__name__} is torch.compile'd: its per-layer times come from its kernels in "
                       "the torch.profiler trace, and torch_profiler=False turns that off, so node timing is off too")
+            self._fx_on = compiled = False
+        elif compiled and (missing := missing_for_kernels()):
+            self.warn(f"{type(self.target).__name__} is torch.compile'd: its per-layer times come from its kernels, "
+                      f"traced back to its layers by Inductor's {missing}, which torch {torch.__version__} lacks (torch "
+                      "2.14 has it), so node timing is off; the torch.profiler trace is still recorded")
             self._fx_on = compiled = False
         # A compiled module's kernels are followed from before its first call (per-layer times from the trace).
         self.timers.start(self.capture, self.backward_timing, self.torch_profiler and self.node_ranges, compiled)

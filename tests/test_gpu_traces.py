@@ -246,7 +246,7 @@ def test_on_cuda_with_trace_ranges_the_graph_adds_no_event_sync_or_peak_reset():
     assert not any(word in code for word in ("Event", "synchronize", "memory", "reset_peak"))
     assert lean.trace_ranges and lean.uses_backward_events
     fallback = NodeTimer(traced, device="cuda")  # no profiler: CUDA events, the allocator's bytes, no reset
-    assert "memory_allocated" in fallback.graph_module.code and "reset_peak" not in fallback.graph_module.code
+    assert "cuda_allocated" in fallback.graph_module.code and "reset_peak" not in fallback.graph_module.code
     package = Path(__file__).parents[1] / "fxprof_lightning"
     assert not [p.name for p in package.rglob("*.py") if "reset_peak_memory_stats" in p.read_text()]
 

@@ -63,6 +63,18 @@ def is_compiled(module: nn.Module) -> bool:
     return hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None) is not None
 
 
+def missing_for_kernels() -> str | None:
+    """What this torch's Inductor lacks for per-layer times from kernels (None: nothing; torch 2.14 has all of it)."""
+    import torch._inductor.config as inductor_config
+    import torch._inductor.debug as inductor_debug
+
+    if not hasattr(inductor_config.trace, "provenance_tracking_to_timeline"):
+        return "trace.provenance_tracking_to_timeline"
+    if not hasattr(inductor_debug, "get_kernel_information_jsons"):
+        return "debug.get_kernel_information_jsons"
+    return None
+
+
 @dataclass
 class _Kernel:
     """One kernel call of a compiled graph: the event name it has in the trace, and the calls of the model's code it

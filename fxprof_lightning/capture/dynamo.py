@@ -1435,6 +1435,19 @@ def _fsdp_unsharded(module: nn.Module) -> dict[int, torch.Tensor]:
             for group in state._fsdp_param_groups for p in group.fsdp_params if hasattr(p, "_unsharded_param")}
 
 
+def missing_for_dynamo() -> str | None:
+    """What this torch lacks for our Dynamo capture (None: nothing). It needs a Dynamo cache of its own
+    (``torch._dynamo.optimize(..., isolate_recompiles=True)``, in torch 2.14, the version tested; torch 2.11 has none)
+    and the lookup of that cache's entries."""
+    from torch._dynamo import eval_frame
+
+    if "isolate_recompiles" not in inspect.signature(eval_frame._optimize).parameters:
+        return "torch._dynamo.optimize has no isolate_recompiles"
+    if not hasattr(eval_frame, "_get_cache_entries_for_region"):
+        return "torch._dynamo.eval_frame has no _get_cache_entries_for_region"
+    return None
+
+
 def fsdp2_kept() -> bool:
     """Whether this torch's FSDP2 has the state ``_FsdpKept`` puts back (FSDP2's private state, as in torch 2.14, the
     version tested): without it an FSDP2 model is not captured by Dynamo (a checking call would leave its parameters

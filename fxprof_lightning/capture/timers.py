@@ -20,11 +20,12 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from fxprof_lightning.capture.compiled import MECHANISM, CompiledKernels, KernelTimer
-from fxprof_lightning.capture.dynamo import DYNAMO, DynamoTimer, fsdp2_kept
+from fxprof_lightning.capture.dynamo import DYNAMO, DynamoTimer, fsdp2_kept, missing_for_dynamo
 from fxprof_lightning.capture.ladder import capture
 from fxprof_lightning.capture.leaves import is_fsdp
 from fxprof_lightning.capture.module_hooks import ModuleHookTimer
@@ -120,6 +121,7 @@ class Timers:
         self._timers: dict[bool, tuple[Timer, Capture]] = {}
         self._examples: dict[bool, Example] = {}  # a recorded call per mode, until a capture uses it
         self._observers: dict[bool, RemovableHandle] = {}  # recording the first call of a mode
+        self._told_missing = False  # the user was told that this torch cannot capture with Dynamo
 
     def start(self, capture: str, backward: bool, ranges: bool, compiled: bool) -> None:
         """A new run: forget every capture.
@@ -180,7 +182,12 @@ class Timers:
         # The node ranges are written into the trace after it is exported (``add_node_ranges``), from the node
         # timestamps; on CUDA the trace's kernels then give each node its device time (``gpu_trace``).
         sharded = any(is_fsdp(m) for m in module.modules())
-        if self.capture == "dynamo" and (not sharded or fsdp2_kept()):
+        missing = missing_for_dynamo() if self.capture == "dynamo" else None
+        if missing and not self._told_missing:
+            self._told_missing = True
+            self.warn(f"torch {torch.__version__} lacks what the Dynamo capture needs ({missing}; torch 2.14 has it), "
+                      f"so {type(module).__name__} is captured by torch.fx instead")
+        if self.capture == "dynamo" and not missing and (not sharded or fsdp2_kept()):
             # FSDP2's hooks are ``torch._dynamo.disable``d: each breaks the graph, and a break inside a loop (blocks
             # called in a loop) makes Dynamo run that frame eagerly; following torch's own frames then captures the
             # forward of each torch.nn layer that frame calls (the sharded blocks' own forwards are captured anyway).

@@ -68,6 +68,13 @@ BACKWARD_SCOPE = int(torch._C._profiler.RecordScope.BACKWARD_FUNCTION)
 queue_engine_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
+def cuda_allocated() -> int:
+    """The bytes of tensors the CUDA caching allocator holds now: ``torch.cuda.memory_allocated()`` without its
+    flattening of every allocator statistic into a sorted dict (0.24 ms a call on an H200 with torch 2.11; what
+    made node timing without torch.profiler 3.4x the step, 2026-11-26), reading the nested statistics directly."""
+    return torch.cuda.memory_stats_as_nested_dict()["allocated_bytes"]["all"]["current"]
+
+
 class CudaClock:
     """Device time: a CUDA event pair per span on the current stream, converted after the step."""
 
@@ -592,7 +599,7 @@ class NodeTimer(_Samples):
     def _record_cuda_memory(self, index: int, allocated_before: int) -> None:
         # The allocator's counter only: the peak statistics are the user's (DeviceStatsMonitor,
         # max_memory_allocated), never reset here, so no per-node peak (``mem_peak`` stays empty).
-        self.mem_delta[index].append(torch.cuda.memory_allocated() - allocated_before)
+        self.mem_delta[index].append(cuda_allocated() - allocated_before)
 
     def _instrument(self, traced: fx.GraphModule, annotate: bool, hooked: bool) -> fx.GraphModule:
         """The instrumented graph (``instrument``); ``hooked``: backward timed by hooks, else by events."""
@@ -684,7 +691,7 @@ def instrument(self: NodeTimer, traced: fx.GraphModule, annotate: bool, hooked: 
         else:
             if opens:
                 if self._cuda:
-                    allocated = graph.call_function(torch.cuda.memory_allocated)
+                    allocated = graph.call_function(cuda_allocated)
                 if sequence_nr is None:
                     sequence_nr = graph.call_function(sequence_nr_now) if self._backward else -1
                 start = graph.call_function(self._clock.start)
