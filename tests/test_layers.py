@@ -315,6 +315,32 @@ def test_a_compiled_module_without_torch_profiler_gets_a_clear_message(tmp_path)
     assert cycle.nodes == [] and cycle.trace_paths == []
 
 
+@notices("lacks what the Dynamo capture needs")
+def test_a_torch_without_what_dynamo_capture_needs_is_captured_by_torch_fx(tmp_path, monkeypatch, recwarn):
+    # As torch 2.11 on the H200 we were lent (2026-11-26): no isolate_recompiles, and the capture raised TypeError.
+    from fxprof_lightning.capture import timers
+
+    monkeypatch.setattr(timers, "missing_for_dynamo", lambda: "torch._dynamo.optimize has no isolate_recompiles")
+    _, callback = train_both(tmp_path, LitClassifier)
+    (cycle,) = callback.cycles
+    assert cycle.capture.method == "symbolic_trace" and {n.name for n in cycle.nodes} >= {"conv", "bn", "head"}
+    told = [str(w.message) for w in recwarn if "lacks what the Dynamo capture needs" in str(w.message)]
+    assert len(told) == 1 and "has no isolate_recompiles; torch 2.14 has it), so SmallNet is captured by torch.fx" in told[0]
+
+
+@notices("which torch")
+def test_a_compiled_module_without_inductor_provenance_gets_its_trace_alone(tmp_path, monkeypatch):
+    from fxprof_lightning import engine
+
+    monkeypatch.setattr(engine, "missing_for_kernels", lambda: "trace.provenance_tracking_to_timeline")
+    lit = LitClassifier(torch.compile(SmallNet(), backend="eager"))
+    callback = FXProfilerCallback(**ONE_CYCLE, module="model")
+    with pytest.warns(UserWarning, match=r"provenance_tracking_to_timeline, which torch .* lacks .* node timing is off"):
+        make_trainer(tmp_path, [callback], max_steps=4).fit(lit, image_loader())
+    (cycle,) = callback.cycles
+    assert cycle.nodes == [] and len(cycle.trace_paths) == 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_device_time_and_memory_leave_results_unchanged():
     model = SmallNet().cuda()
