@@ -36,7 +36,6 @@ import inspect
 import itertools
 import linecache
 import os
-import random
 import re
 import sys
 import threading
@@ -63,6 +62,7 @@ from fxprof_lightning.nodes import (
     module_stack,
     node_info,
 )
+from fxprof_lightning.timing import random_states
 from fxprof_lightning.timing.autograd_walk import sequence_nr_now
 from fxprof_lightning.timing.flops import NodeCosts, count_costs, float_grouped_mm_meta
 from fxprof_lightning.timing.node_timing import NodeTimer
@@ -1292,7 +1292,7 @@ def _run(forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], 
             grads = torch.autograd.grad(ys, [t for _, t in named], cotangents, allow_unused=True)
             gradients = [(name, g) for (name, _), g in zip(named, grads, strict=True)]
     buffers = [(name, b.detach().clone()) for name, b in module.named_buffers()]
-    return CallResult([t.detach() for t in outputs], gradients, buffers, _random_states(), len(sizes), sum(sizes))
+    return CallResult([t.detach() for t in outputs], gradients, buffers, random_states.save(), len(sizes), sum(sizes))
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
@@ -1382,30 +1382,6 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------- state put back between the checking calls
-
-
-def _random_states() -> dict[str, Any]:
-    states: dict[str, Any] = {"torch CPU": torch.get_rng_state(), "Python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["CUDA"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy
-
-        states["NumPy"] = numpy.random.get_state()
-    except ImportError:
-        pass
-    return states
-
-
-def _set_random_states(states: dict[str, Any]) -> None:
-    torch.set_rng_state(states["torch CPU"])
-    random.setstate(states["Python"])
-    if "CUDA" in states:
-        torch.cuda.set_rng_state_all(states["CUDA"])
-    if "NumPy" in states:
-        import numpy
-
-        numpy.random.set_state(states["NumPy"])
 
 
 def _same_state(a: Any, b: Any) -> bool:
@@ -1513,7 +1489,7 @@ class _State:
     def __init__(self, module: nn.Module) -> None:
         self.buffers = [(owner, name, tensor, tensor.detach().clone()) for owner in module.modules()
                         for name, tensor in owner._buffers.items() if tensor is not None]
-        self.random_states = _random_states()
+        self.random_states = random_states.save()
         self.python = side_effects.kept(module)
         self.fsdp = _FsdpKept(module)
 
@@ -1524,4 +1500,4 @@ class _State:
             for owner, name, tensor, value in self.buffers:
                 owner._buffers[name] = tensor
                 tensor.copy_(value)
-        _set_random_states(self.random_states)
+        random_states.restore(self.random_states)

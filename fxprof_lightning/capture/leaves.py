@@ -50,7 +50,7 @@ import torch.utils.checkpoint
 from torch import fx, nn
 
 from fxprof_lightning.nodes import mark_untimed
-from fxprof_lightning.timing.autograd_walk import random_states_kept
+from fxprof_lightning.timing import random_states
 
 try:
     import numpy
@@ -125,7 +125,7 @@ class LeafTracer(fx.Tracer):
         graph = None
         try:
             with (refusing_checkpoint(), _host_random_as_nodes(self, root), _recorded_factories(self),
-                  _grad_mode_as_nodes(self), _functions_as_nodes(self), _compile_marks_ignored(), random_states_kept()):
+                  _grad_mode_as_nodes(self), _functions_as_nodes(self), _compile_marks_ignored(), random_states.kept()):
                 graph = super().trace(root, concrete_args)
         finally:
             written = state.written(self.same_value) if state is not None else []

@@ -67,7 +67,7 @@ from fxprof_lightning.capture.leaves import (
     trace_with_leaves,
 )
 from fxprof_lightning.nodes import mark_untimed
-from fxprof_lightning.timing.autograd_walk import host_random_state, random_states_kept, set_host_random_state
+from fxprof_lightning.timing import random_states
 from fxprof_lightning.timing.node_timing import NodeTimer
 
 __all__ = ["GUARDS", "Example", "ExampleTracer", "GraphMismatch", "GuardedNodeTimer", "Rebuild", "example_forward",
@@ -420,11 +420,9 @@ class ExampleTracer(LeafTracer):
 
 @contextlib.contextmanager
 def _state_restored(module: nn.Module) -> Iterator[None]:
-    """The random states (torch's on CPU and the module's CUDA devices, NumPy's, Python's) and the module's
-    buffers are as before, after."""
+    """The random states (``random_states``) and the module's buffers are as before, after."""
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-    cuda = sorted({b.device.index or 0 for b in [*module.parameters(), *module.buffers()] if b.is_cuda})
-    with random_states_kept(cuda):
+    with random_states.kept():
         try:
             yield
         finally:
@@ -718,27 +716,17 @@ class GuardedNodeTimer(NodeTimer):
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if self.mismatch is None and module.training is self._traced.training:  # only the graph's errors are caught
-                random_state, grad_mode = self._random_state(), torch.is_grad_enabled()
+                random_state = random_states.save(cuda=self.on_cuda, host=self._host_random)
+                grad_mode = torch.is_grad_enabled()
                 try:
                     return graph_forward(*args, **kwargs)
                 except Exception as error:  # the graph does not fit this call: it must not cost the user anything
-                    self._set_random_state(random_state)
+                    random_states.restore(random_state)
                     torch._C._set_grad_enabled(grad_mode)  # a guard inside a no_grad block
                     self._stop_using_graph(short_error(error))
             return own_forward(*args, **kwargs)
 
         module.forward = forward
-
-    def _random_state(self) -> tuple[Any, ...]:
-        return (torch.get_rng_state(), torch.cuda.get_rng_state() if self.on_cuda else None,
-                host_random_state() if self._host_random else None)
-
-    def _set_random_state(self, state: tuple[Any, ...]) -> None:
-        torch.set_rng_state(state[0])
-        if state[1] is not None:
-            torch.cuda.set_rng_state(state[1])
-        if state[2] is not None:
-            set_host_random_state(state[2])
 
     def _stop_using_graph(self, reason: str) -> None:
         self.mismatch = reason

@@ -1,21 +1,13 @@
-"""Small facts about tensors, the autograd graph and random states that capture, timing and FLOP counting need."""
+"""Small facts about tensors and the autograd graph that capture, timing and FLOP counting need."""
 
 from __future__ import annotations
 
-import contextlib
-import random
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-try:
-    import numpy
-except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
-    numpy = None
-
-__all__ = ["autograd_nodes", "host_random_state", "random_states_kept", "sequence_nr_now", "set_host_random_state",
-           "tensors_in"]
+__all__ = ["autograd_nodes", "sequence_nr_now", "tensors_in"]
 
 sequence_nr_now = torch.autograd._get_sequence_nr  # the sequence number the next autograd node created will get
 
@@ -44,26 +36,3 @@ def autograd_nodes(roots: list[Any], first: int, end: int) -> Iterator[Any]:
                 pending.append(next_fn)
 
 
-def host_random_state() -> tuple[Any, Any]:
-    """Python's and NumPy's random states."""
-    return random.getstate(), numpy.random.get_state() if numpy is not None else None
-
-
-def set_host_random_state(state: tuple[Any, Any]) -> None:
-    random.setstate(state[0])
-    if state[1] is not None:
-        numpy.random.set_state(state[1])
-
-
-@contextlib.contextmanager
-def random_states_kept(cuda_devices: list[int] | tuple[int, ...] = ()) -> Iterator[None]:
-    """Torch's random state on the CPU (and the given CUDA devices), NumPy's and Python's are as before, after.
-
-    For work the user's training must not notice: tracing on an example, the output check, the FLOP pass.
-    """
-    host = host_random_state()
-    with torch.random.fork_rng(devices=list(cuda_devices)):
-        try:
-            yield
-        finally:
-            set_host_random_state(host)

@@ -34,7 +34,8 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxprof_lightning.nodes import is_timed
-from fxprof_lightning.timing.autograd_walk import autograd_nodes, random_states_kept, sequence_nr_now, tensors_in
+from fxprof_lightning.timing import random_states
+from fxprof_lightning.timing.autograd_walk import autograd_nodes, sequence_nr_now, tensors_in
 
 __all__ = ["NodeCosts", "bytes_moved", "count_costs", "input_signature"]
 
@@ -209,7 +210,7 @@ def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool)
             return output
 
     # Host random numbers a leaf or a node draws are put back; tensors the code makes with no device are meta too.
-    with torch.enable_grad(), random_states_kept(), torch.device("meta"), float_grouped_mm_meta(), \
+    with torch.enable_grad(), random_states.kept(), torch.device("meta"), float_grouped_mm_meta(), \
             enable_python_dispatcher():
         interpreter = Counter(meta_module)
         try:
