@@ -18,6 +18,7 @@ CYCLE_PREFIXES = {"train": "cycle_", "val": "val_cycle_"}  # stage -> cycle dire
 NODES_FILE = "fx_nodes.csv"  # the node table (CycleReport.to_csv)
 MODULES_FILE = "fx_modules.csv"  # the module tree (CycleReport.modules_to_csv)
 RANGES_FILE = "fsdp_ranges.csv"  # FSDP2's ranges (CycleReport.ranges_to_csv)
+STEP_FILE = "fx_step.csv"  # the step's phases and the time no row owns (CycleReport.step_to_csv)
 # The rest of the report as one JSON line (CycleReport.to_summary): not ``.json``, because HolisticTraceAnalysis
 # reads every ``.json`` file of a directory as a trace. ``cycle.json`` is read too (older runs).
 SUMMARY_FILE = "cycle.jsonl"

@@ -633,6 +633,21 @@ class CycleReport:
         """The FSDP ranges as CSV, slowest first."""
         return _csv(RangeStats, self.ranges)
 
+    def step_to_csv(self) -> str:
+        """The rest of the step as CSV rows beside the node rows, ms per recorded step: each phase of the whole
+        step (``phases``: ``kind`` phase) and each part of the timed module's forward and backward that no node row
+        owns (``unowned``: ``kind`` unowned, ``side`` forward or backward)."""
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(["kind", "name", "side", "ms_per_step"])
+        for name, ms in self.phases.items():
+            writer.writerow(["phase", name, "", round(ms, 6)])
+        for name, sides in self.unowned().items():
+            for side, ms in zip(("forward", "backward"), sides):
+                if ms is not None:
+                    writer.writerow(["unowned", name, side, round(ms, 6)])
+        return buffer.getvalue()
+
 
 def _csv(record_type: type, records: list) -> str:
     buffer = io.StringIO()

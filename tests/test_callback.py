@@ -87,7 +87,13 @@ def test_cycle_directories_hold_one_trace_and_the_csv(profiled_run):
     for cycle in callback.cycles:
         assert cycle.directory == fxprof / f"cycle_{cycle.index:04d}"
         assert sorted(p.name for p in cycle.directory.iterdir() if not TRACE_NAME.match(p.name) and p.name != "trend.png") == [
-            "cycle.jsonl", "fx_modules.csv", "fx_nodes.csv", "module_tree.png", "slowest_layers.png"]
+            "cycle.jsonl", "fx_modules.csv", "fx_nodes.csv", "fx_step.csv", "module_tree.png", "slowest_layers.png"]
+        # The rest of the step beside the node rows: its phases and what no node row owns, ms per step.
+        step = {(r["kind"], r["name"], r["side"]): float(r["ms_per_step"])
+                for r in csv.DictReader((cycle.directory / "fx_step.csv").read_text().splitlines())}
+        assert {("phase", p, "") for p in ("data", "training_step", "backward", "optimizer")} <= set(step)
+        assert ("unowned", UNOWNED_FORWARD, "forward") in step and all(ms >= 0 for ms in step.values())
+        assert step[("phase", "backward", "")] == pytest.approx(cycle.phases["backward"], abs=1e-6)
         summary = json.loads((cycle.directory / "cycle.jsonl").read_text())
         assert (summary["index"], summary["steps"], summary["trace_files"]) == (cycle.index, cycle.steps,
                                                                                 [cycle.trace_paths[0].name])
@@ -170,7 +176,7 @@ def test_torch_profiler_only_and_fx_only(tmp_path):
     (cycle,) = fx_only.cycles
     assert cycle.trace_paths == [] and {n.name for n in cycle.nodes} == SMALLNET_NODES
     assert sorted(p.name for p in cycle.directory.iterdir()) == [
-        "cycle.jsonl", "fx_modules.csv", "fx_nodes.csv", "module_tree.png", "slowest_layers.png"]  # one cycle: no trend
+        "cycle.jsonl", "fx_modules.csv", "fx_nodes.csv", "fx_step.csv", "module_tree.png", "slowest_layers.png"]  # one cycle: no trend
 
 
 def test_node_ranges_can_be_left_out_of_the_trace(tmp_path):

@@ -35,6 +35,7 @@ from fxprof_lightning.layout import (
     NODES_FILE,
     PICTURE_FILES,
     RANGES_FILE,
+    STEP_FILE,
     SUMMARY_FILE,
     TREND_FILE,
     TREND_TAG,
@@ -260,7 +261,8 @@ def log_trend_to_summary_writer(writer: Any, run: RunSummary) -> None:
 
 
 class CsvSink:
-    """``fx_nodes.csv``, ``fx_modules.csv``, ``cycle.jsonl`` (and ``fsdp_ranges.csv``) in the cycle's directory,
+    """``fx_nodes.csv``, ``fx_modules.csv``, ``cycle.jsonl`` (and ``fsdp_ranges.csv``, and ``fx_step.csv``: the
+    step's phases and the time no row owns) in the cycle's directory,
     written atomically. ``cycle.jsonl`` holds the rest of the report (``CycleReport.to_summary``) as one JSON line:
     not ``.json``, because HolisticTraceAnalysis reads every ``.json`` file of a directory as a trace."""
 
@@ -270,6 +272,8 @@ class CsvSink:
             write_atomically(report.directory / MODULES_FILE, report.modules_to_csv(), display.name)
         if report.ranges:
             write_atomically(report.directory / RANGES_FILE, report.ranges_to_csv(), display.name)
+        if report.phases or report.unowned():
+            write_atomically(report.directory / STEP_FILE, report.step_to_csv(), display.name)
         summary = json.dumps(report.to_summary(), default=str) + "\n"
         write_atomically(report.directory / SUMMARY_FILE, summary, display.name)
 
