@@ -16,7 +16,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from fxprof_lightning import FXProfilerCallback
-from fxprof_lightning.capture.dynamo import fsdp2_kept, missing_for_dynamo
+from fxprof_lightning.capture.dynamo import missing_for_dynamo
+from fxprof_lightning.capture.verify import fsdp2_kept
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="Lightning's FSDP strategies need a CUDA GPU")
 SCHEDULE = {"wait": 1, "warmup": 1, "active": 2, "repeat": 1}

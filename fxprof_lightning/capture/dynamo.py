@@ -37,7 +37,6 @@ import itertools
 import linecache
 import os
 import re
-import sys
 import threading
 import time
 import types
@@ -49,8 +48,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from fxprof_lightning.capture import side_effects
-from fxprof_lightning.capture.leaves import is_fsdp, patched
+from fxprof_lightning.capture import verify
 from fxprof_lightning.nodes import (
     JOINS,
     NESTS,
@@ -62,7 +60,6 @@ from fxprof_lightning.nodes import (
     module_stack,
     node_info,
 )
-from fxprof_lightning.timing import random_states
 from fxprof_lightning.timing.autograd_walk import sequence_nr_now
 from fxprof_lightning.timing.flops import NodeCosts, count_costs, float_grouped_mm_meta
 from fxprof_lightning.timing.node_timing import NodeTimer
@@ -70,7 +67,7 @@ from fxprof_lightning.timing.node_timing import NodeTimer
 if TYPE_CHECKING:
     from fxprof_lightning.nodes import Capture
 
-__all__ = ["DYNAMO", "GRAPH_BREAK", "DynamoTimer", "annotate_rows", "break_row", "fsdp2_kept"]
+__all__ = ["DYNAMO", "GRAPH_BREAK", "DynamoTimer", "annotate_rows", "break_row", "missing_for_dynamo"]
 
 DYNAMO = ("torch._dynamo's graphs, run eagerly by a backend that times each op (no Inductor), checked bitwise against "
           "eager (outputs, gradients, buffers, random states) before use, captured again when a guard fails")
@@ -420,7 +417,7 @@ def _tensor_owners(root: nn.Module) -> dict[int, str]:
                 owners[id(t)] = name
     for ident in shared:
         del owners[ident]
-    for sharded, unsharded in _fsdp_unsharded(root).items():  # FSDP2: the module holds one or the other
+    for sharded, unsharded in verify.fsdp_unsharded(root).items():  # FSDP2: the module holds one or the other
         if sharded in owners:
             owners.setdefault(id(unsharded), owners[sharded])
         elif id(unsharded) in owners:
@@ -680,9 +677,9 @@ class DynamoTimer(NodeTimer):
         self.interruptions += 1
         self._names = {id(m): (name, m) for name, m in module.named_modules(remove_duplicate=False)}
         self._tensor_owners = _Owners(module)
-        state = _State(module)
+        state = verify.State(module)
         try:
-            eager: CallResult | Exception = _run(own_forward, module, args, kwargs)
+            eager: verify.CallResult | Exception = verify.run_checked(own_forward, module, args, kwargs)
         except Exception as error:  # the module's own forward failed: the call below fails as it would without us
             eager = error
         state.restore()
@@ -755,7 +752,7 @@ class DynamoTimer(NodeTimer):
                 self.forward_walls_ns.append(time.perf_counter_ns() - start)
         return out
 
-    def _explore(self, module: nn.Module, eager: CallResult | Exception, state: _State, args: tuple[Any, ...],
+    def _explore(self, module: nn.Module, eager: verify.CallResult | Exception, state: verify.State, args: tuple[Any, ...],
                  kwargs: dict[str, Any], first: _Attempt) -> _Attempt:
         """The first capture broke the graph or was refused: try other ways, each in a fresh Dynamo cache.
 
@@ -785,7 +782,7 @@ class DynamoTimer(NodeTimer):
         self._way = best.way
         return best
 
-    def _attempt(self, module: nn.Module, eager: CallResult | Exception, state: _State, args: tuple[Any, ...],
+    def _attempt(self, module: nn.Module, eager: verify.CallResult | Exception, state: verify.State, args: tuple[Any, ...],
                  kwargs: dict[str, Any], way: _Way) -> _Attempt:
         """One capture through Dynamo (the ``way``), run and compared with ``eager``; the module's state and the
         timer's logs put back after."""
@@ -804,10 +801,10 @@ class DynamoTimer(NodeTimer):
             with (torch._dynamo.config.patch({**GUARD_SETTINGS, "dont_skip_tracing": way.follow}), _opened(way.opening),
                   _not_compiling(way.eager_branches), _hooks_eager(self._eager_hooks if way.eager_hooks else ()),
                   float_grouped_mm_meta()):
-                captured = _run(self._compiled, module, args, kwargs)
+                captured = verify.run_checked(self._compiled, module, args, kwargs)
             attempt.graph_calls = self.calls - before
             attempt.untimed = _untimed_layers(module, eager, self._inputs_seen)
-            attempt.difference = first_difference(eager, captured)
+            attempt.difference = verify.first_difference(eager, captured)
             if attempt.difference is None and attempt.graph_calls == 0:
                 attempt.difference = "Dynamo captured no graph of the forward (it ran the module's code eagerly)"
         except Exception as error:  # Dynamo or the graph failed: refuse, the call runs eagerly
@@ -1238,177 +1235,16 @@ def _hooks_refusal(untimed: list[str]) -> str:
             "frame eagerly)")
 
 
-def _untimed_layers(module: nn.Module, eager: CallResult | Exception, seen: set[int]) -> list[str]:
+def _untimed_layers(module: nn.Module, eager: verify.CallResult | Exception, seen: set[int]) -> list[str]:
     """The modules whose parameters eager's call used (they got gradients; none are known without grad) but no
     graph was given (``seen``: ids of the graphs' inputs): they ran outside the graphs, untimed."""
     if isinstance(eager, Exception):
         return []
-    unsharded = _fsdp_unsharded(module)
+    unsharded = verify.fsdp_unsharded(module)
     parameters = {name: unsharded.get(id(p), p) for name, p in module.named_parameters()}
     used = [name.removeprefix("gradient of ") for name, gradient in eager.gradients if gradient is not None]
     return list(dict.fromkeys(name.rpartition(".")[0] or "(the root)" for name in used
                               if name in parameters and id(parameters[name]) not in seen))
-
-
-@dataclass
-class CallResult:
-    """What one call did: its output tensors, the gradients, the buffers after it, random states, saved tensors."""
-
-    outputs: list[torch.Tensor]
-    gradients: list[tuple[str, torch.Tensor | None]]
-    buffers: list[tuple[str, torch.Tensor]]
-    random_states: dict[str, Any]
-    saved: int
-    saved_bytes: int
-
-
-def _run(forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallResult:
-    """Call ``forward`` and, in grad mode, ``torch.autograd.grad`` of its outputs with fixed cotangents (``.grad``
-    untouched); note what a comparison needs."""
-    sizes: list[int] = []
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if not _checkpoint_inputs_saved():
-            sizes.append(tensor.numel() * tensor.element_size())
-        return tensor
-
-    # The hooks run with Dynamo off: autograd calls them while Dynamo runs, which compiled them as frames of their
-    # own. Following torch's frames, that failed on ``sys._getframe`` (``nn.LSTM`` before ``allow_rnn``); and after
-    # the demo transformer's capture (which follows them), the host-sync test's model, captured in the same
-    # process, timed no node.
-    with (torch.autograd.graph.saved_tensors_hooks(torch._dynamo.disable(pack), torch._dynamo.disable(_unpack)),
-          _reentrant_checked_as_not()):
-        out = forward(*args, **kwargs)
-    outputs = _tensors(out)
-    gradients: list[tuple[str, torch.Tensor | None]] = []
-    if torch.is_grad_enabled():
-        ys = [t for t in outputs if t.requires_grad]
-        unsharded = _fsdp_unsharded(module)  # FSDP2: of the parameter the forward computed with
-        named = [(f"gradient of {name}", unsharded.get(id(p), p)) for name, p in module.named_parameters() if p.requires_grad]
-        named += [(f"gradient of input tensor {i}", t) for i, t in enumerate(_tensors((args, kwargs))) if t.requires_grad]
-        if ys and named:
-            generator = torch.Generator().manual_seed(0)  # its own: the global random state is not drawn from
-            cotangents = [torch.randn(y.shape, generator=generator).to(y.device, y.dtype) for y in ys]
-            grads = torch.autograd.grad(ys, [t for _, t in named], cotangents, allow_unused=True)
-            gradients = [(name, g) for (name, _), g in zip(named, grads, strict=True)]
-    buffers = [(name, b.detach().clone()) for name, b in module.named_buffers()]
-    return CallResult([t.detach() for t in outputs], gradients, buffers, random_states.save(), len(sizes), sum(sizes))
-
-
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-def _reentrant_checked_as_not() -> contextlib.AbstractContextManager[None]:
-    """Inside, ``checkpoint(..., use_reentrant=True)`` checkpoints as ``use_reentrant=False`` does, eager and
-    captured alike: the reentrant variant refuses ``torch.autograd.grad``, which the checking calls use so that
-    ``.grad`` is never touched. Both run the region's ops once forward and again in backward, so the comparison
-    checks the ops; timed calls (outside this block) checkpoint as the caller asked."""
-
-    def apply(run: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
-        return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
-
-    return patched([(torch.utils.checkpoint.CheckpointFunction, "apply", apply)])
-
-
-_SAVE_INPUTS = getattr(getattr(torch.utils.checkpoint, "_CheckpointFrame", None), "save_inputs", None)
-
-
-def _checkpoint_inputs_saved() -> bool:
-    """Whether the tensor being packed is an input a checkpointed region keeps for its recompute (``checkpoint``'s
-    ``_CheckpointFrame.save_inputs``). Those are not counted: eager passes some of a region's inputs as arguments
-    and reads others from a closure (HF passes ``partial(layer, **kwargs)``), the captured graph passes them all,
-    and they are alive in both either way."""
-    if _SAVE_INPUTS is None:
-        return False
-    frame = sys._getframe(2)
-    for _ in range(3):
-        if frame is None:
-            return False
-        if frame.f_code is _SAVE_INPUTS.__code__:
-            return True
-        frame = frame.f_back
-    return False
-
-
-def first_difference(eager: CallResult, captured: CallResult) -> str | None:
-    """The first way the captured call differs from eager (None: bitwise the same)."""
-    if len(eager.outputs) != len(captured.outputs):
-        return f"the captured graph returns {len(captured.outputs)} tensor(s), the module {len(eager.outputs)}"
-    for i, (a, b) in enumerate(zip(eager.outputs, captured.outputs, strict=True)):
-        if not _bitwise_equal(a, b):
-            return f"output tensor {i} differs from eager"
-    if len(eager.gradients) != len(captured.gradients):
-        return "the gradients differ in number"
-    for (name, a), (_, b) in zip(eager.gradients, captured.gradients, strict=True):
-        if not _bitwise_equal(a, b):
-            return f"{name} differs from eager"
-    for (name, a), (_, b) in zip(eager.buffers, captured.buffers, strict=True):
-        if not _bitwise_equal(a, b):
-            return f"buffer {name} after the call differs from eager"
-    for name, state in eager.random_states.items():
-        if not _same_state(state, captured.random_states.get(name)):
-            return f"the {name} random state after the call differs from eager (random numbers drawn differently)"
-    if (eager.saved, eager.saved_bytes) != (captured.saved, captured.saved_bytes):
-        return (f"tensors saved for backward: {captured.saved} ({captured.saved_bytes / 1e6:.2f} MB) against "
-                f"{eager.saved} ({eager.saved_bytes / 1e6:.2f} MB) in eager: the graph computes the same values by "
-                "other ops (a library taking another branch while compiling: torch.compiler.is_compiling(), HF's "
-                "is_torchdynamo_compiling()) or activation checkpointing was not kept")
-    return None
-
-
-def _bitwise_equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
-        return False
-    if a.is_sparse or b.is_sparse:
-        a, b = a.to_dense(), b.to_dense()
-    if a.dtype.is_floating_point or a.dtype.is_complex:  # bit patterns: NaN equals NaN, -0.0 differs from 0.0
-        return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-    return torch.equal(a, b)
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in an output or the arguments: pytree leaves (HF registers its outputs and caches), objects'
-    attributes one level down (other objects)."""
-    found = []
-    for leaf in pytree.tree_leaves(value):
-        if isinstance(leaf, torch.Tensor):
-            found.append(leaf)
-        elif hasattr(leaf, "__dict__") and not isinstance(leaf, nn.Module | type):
-            found += [v for v in pytree.tree_leaves(list(vars(leaf).values())) if isinstance(v, torch.Tensor)]
-    return found
-
-
-# ---------------------------------------------------------------- state put back between the checking calls
-
-
-def _same_state(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, list | tuple):
-        return isinstance(b, list | tuple) and len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b, strict=True))
-    if type(a).__name__ == "ndarray":
-        return type(b).__name__ == "ndarray" and a.shape == b.shape and bool((a == b).all())
-    return a == b
-
-
-def _fsdp_states(module: nn.Module) -> list[Any]:
-    """The FSDP2 states (``fully_shard``) of ``module`` and its submodules, each once (none without FSDP2)."""
-    if not any(is_fsdp(m) for m in module.modules()):
-        return []
-    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
-
-    states = [_get_module_fsdp_state(m) for m in module.modules()]
-    return list({id(s): s for s in states if s is not None}.values())
-
-
-def _fsdp_unsharded(module: nn.Module) -> dict[int, torch.Tensor]:
-    """id of an FSDP2 sharded parameter -> its unsharded parameter, the tensor the forward computes with (one tensor
-    kept for the run, its storage freed at each reshard): the module holds one or the other, by FSDP2's state."""
-    return {id(p.sharded_param): p._unsharded_param for state in _fsdp_states(module)
-            for group in state._fsdp_param_groups for p in group.fsdp_params if hasattr(p, "_unsharded_param")}
 
 
 def missing_for_dynamo() -> str | None:
@@ -1422,82 +1258,3 @@ def missing_for_dynamo() -> str | None:
     if not hasattr(eval_frame, "_get_cache_entries_for_region"):
         return "torch._dynamo.eval_frame has no _get_cache_entries_for_region"
     return None
-
-
-def fsdp2_kept() -> bool:
-    """Whether this torch's FSDP2 has the state ``_FsdpKept`` puts back (FSDP2's private state, as in torch 2.14, the
-    version tested): without it an FSDP2 model is not captured by Dynamo (a checking call would leave its parameters
-    resharded)."""
-    if tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2]) < (2, 14):
-        return False
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState, _get_module_fsdp_state  # noqa: F401
-    except ImportError:
-        return False
-    return all(hasattr(FSDPParamGroup, name) for name in ("unshard", "wait_for_unshard", "reshard", "use_training_state",
-                                                          "is_sharded", "is_unsharded"))
-
-
-class _FsdpKept:
-    """FSDP2's state as a checking call finds it, put back after it. The checking calls' ``torch.autograd.grad`` runs
-    FSDP2's pre-backward hooks (all-gathers, the same on every rank) and the root's post-backward callback, which
-    reshards every group (the root's too, unsharded by the root's pre-forward hook that ran before our forward) and
-    sets the training states to idle. No gradient reaches ``.grad``: ``torch.autograd.grad`` of the unsharded
-    parameters leaves FSDP2's post-backward nothing to reduce-scatter."""
-
-    def __init__(self, module: nn.Module) -> None:
-        states = _fsdp_states(module)
-        self.saved = [(state, state._training_state, set(state._modules_to_run_forward),
-                       [(g, g._sharded_state, g._training_state, list(g._post_forward_indices))
-                        for g in state._fsdp_param_groups]) for state in states]
-        ctx, comm = (states[0]._state_ctx, states[0]._comm_ctx) if states else (None, None)
-        self.ctx = (ctx, ctx.iter_forward_root, ctx.post_backward_final_callback_queued) if ctx is not None else None
-        self.comm = (comm, list(comm.post_forward_order)) if comm is not None else None
-
-    def restore(self) -> None:
-        if not self.saved:
-            return
-        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-        from torch.distributed.fsdp._fully_shard._fsdp_param_group import ShardedState
-
-        for state, training, to_run, groups in self.saved:
-            for group, sharded, group_training, indices in groups:
-                if sharded == ShardedState.UNSHARDED and not group.is_unsharded:
-                    with group.use_training_state(TrainingState.PRE_BACKWARD):  # (the all-gather result freed at once)
-                        group.unshard()
-                        group.wait_for_unshard()
-                elif sharded == ShardedState.SHARDED and not group.is_sharded:
-                    group.reshard()
-                group._training_state = group_training
-                group._post_forward_indices[:] = indices
-            state._training_state = training
-            state._modules_to_run_forward.clear()
-            state._modules_to_run_forward.update(to_run)
-        if self.ctx is not None:
-            ctx, root, queued = self.ctx
-            ctx.iter_forward_root, ctx.post_backward_final_callback_queued = root, queued
-        if self.comm is not None:
-            comm, order = self.comm
-            comm.post_forward_order[:] = order
-
-
-class _State:
-    """The module's buffers (the tensors and their values), the random states and the Python state its forward and
-    hooks can change (``side_effects``), to put back after a checking call."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.buffers = [(owner, name, tensor, tensor.detach().clone()) for owner in module.modules()
-                        for name, tensor in owner._buffers.items() if tensor is not None]
-        self.random_states = random_states.save()
-        self.python = side_effects.kept(module)
-        self.fsdp = _FsdpKept(module)
-
-    def restore(self) -> None:
-        self.fsdp.restore()
-        self.python()
-        with torch.no_grad():
-            for owner, name, tensor, value in self.buffers:
-                owner._buffers[name] = tensor
-                tensor.copy_(value)
-        random_states.restore(self.random_states)

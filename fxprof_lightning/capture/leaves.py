@@ -42,13 +42,14 @@ import inspect
 import operator
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.utils.checkpoint
 from torch import fx, nn
 
+from fxprof_lightning.capture.verify import is_fsdp, patched
 from fxprof_lightning.nodes import mark_untimed
 from fxprof_lightning.timing import random_states
 
@@ -197,23 +198,6 @@ def refusing_checkpoint() -> contextlib.AbstractContextManager[None]:
     """
     return patched([(owner, name, _refusing_proxies(getattr(owner, name))) for owner, name in CHECKPOINT_INTERNALS
                      if hasattr(owner, name)])
-
-
-@contextlib.contextmanager
-def patched(replacements: list[tuple[Any, str, Any]]) -> Iterator[None]:
-    """Each ``owner.name`` is its replacement inside the block; after it, also on an error, what it was
-    (removed again where it was inherited, as ``Function.apply`` is by ``CheckpointFunction``)."""
-    saved = [(owner, name, vars(owner).get(name, _ABSENT)) for owner, name, _ in replacements]
-    for owner, name, replacement in replacements:
-        setattr(owner, name, replacement)
-    try:
-        yield
-    finally:
-        for owner, name, original in reversed(saved):
-            if original is _ABSENT:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
 
 
 def _records(tracer: fx.Tracer, args: Any, kwargs: Any) -> bool:
@@ -512,10 +496,6 @@ def hooks_of(module: nn.Module) -> str:
         return ""
     fsdp = " (fully_shard: FSDP2 unshards and reshards its parameters in them)" if is_fsdp(module) else ""
     return f"has {' and '.join(kinds)}{fsdp}"
-
-
-def is_fsdp(module: nn.Module) -> bool:
-    return any(cls.__name__ == "FSDPModule" and cls.__module__.startswith("torch.distributed") for cls in type(module).__mro__)
 
 
 def short_error(error: BaseException) -> str:
