@@ -639,6 +639,7 @@ class DynamoTimer(NodeTimer):
         def forward(*args: Any, **kwargs: Any) -> Any:
             if module.training is not self.training or self.mismatch is not None:
                 return own_forward(*args, **kwargs)
+            entered = time.perf_counter_ns()  # (the guards asked below are in the call's wall time)
             if self._pending is None and _global_hooks() != self._global_hooks:  # Dynamo does not guard on these
                 self._pending = "a global module hook (torch.nn.modules.module.register_module_*_hook) added or removed"
             state, missed = self._entry.check(args, kwargs) if self._entry is not None else (None, "")
@@ -650,7 +651,7 @@ class DynamoTimer(NodeTimer):
                     self._refuse(f"{self._pending} {ONCE}")
                     return own_forward(*args, **kwargs)
                 return self._capture_call(module, own_forward, args, kwargs)
-            return self._timed_call(args, kwargs, state, after_capture=False)
+            return self._timed_call(args, kwargs, state, after_capture=False, entered=entered)
 
         module.forward = forward
         _TRACEABLE.enter()
@@ -732,10 +733,10 @@ class DynamoTimer(NodeTimer):
         return out
 
     def _timed_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], state: int | None,
-                    after_capture: bool = True) -> Any:
+                    after_capture: bool = True, entered: int | None = None) -> Any:
         """A call through the captured graphs of ``state`` (``_EntryGuards.check``); where a guard fails, that code runs
         eagerly (untimed: fewer graph calls than that state's) and the next call captures again. A call that fits
-        every guard, and was not just captured, ends a streak of misses."""
+        every guard, and was not just captured, ends a streak of misses. Wall time from ``entered`` (guards asked)."""
         before, start, self._gap = self.calls, time.perf_counter_ns(), None
         if self._trace_ranges:
             self.call_starts.append(start)
@@ -749,7 +750,7 @@ class DynamoTimer(NodeTimer):
         else:
             self._streak = self._streak if after_capture else 0
             if not self._cuda:  # the call whole, for the time between the rows (``CycleReport.unowned``)
-                self.forward_walls_ns.append(time.perf_counter_ns() - start)
+                self.forward_walls_ns.append(time.perf_counter_ns() - (entered or start))
         return out
 
     def _explore(self, module: nn.Module, eager: verify.CallResult | Exception, state: verify.State, args: tuple[Any, ...],
