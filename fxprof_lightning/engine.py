@@ -345,7 +345,10 @@ class Engine:
     def prepare(self, stage: str = "train") -> None:
         """Capture the module in its current mode before the stage's first timed step (or start recording a call)."""
         if self._fx_on and self._enabled and (stage == "train" or self.profile_validation):
+            started = time.perf_counter()
             self._safely("capturing the module", self.timers.for_module, self.target)
+            if self.follow is not None:  # (what the budget counts: profiling's time outside its cycles)
+                self.follow.setup_s += time.perf_counter() - started
 
     def begin_step(self, stage: str = "train") -> None:
         """A step of ``stage`` begins: open its cycle if the schedule says so, and install the timer."""
@@ -447,7 +450,7 @@ class Engine:
         if self.follow is not None:
             self.follow.end(self.dirpath)
         if self.rank == 0:
-            cost = (self.follow.cost_s, self.follow.share()) if self.follow is not None else None
+            cost = (self.follow.spent_s(), self.follow.share()) if self.follow is not None else None
             run = RunSummary(self._train.cycles, self.dirpath, self.display(), cost)
             for sink in self.sinks:
                 self._safely("closing a sink", sink.close, run)

@@ -183,6 +183,7 @@ class Follow:
         self.rank, self.world_size, self.budget = rank, world_size, budget
         self.started = time.monotonic()
         self.cost_s, self.costed = 0.0, 0  # what the cycles so far cost, and how many (``closed``)
+        self.setup_s = 0.0  # profiling's time outside cycles: the capture made ready (Dynamo's first use imports ~0.5 s)
         self.opened: tuple[int, int] | None = None  # (perf_counter_ns, step) where the open cycle began
         self.box: RequestBox | None = None
         self.ends: list[int] = []  # (perf_counter_ns) the ends of the idle steps since the last batch
@@ -265,16 +266,19 @@ class Follow:
             _append(self.box.dirpath / INDEX_FILE, line)
 
     def share(self) -> float:
-        """The cost of the cycles so far, as a share of the wall time since the run began."""
-        return self.cost_s / max(time.monotonic() - self.started, 1e-9)
+        """What profiling cost so far (its cycles and ``setup_s``), as a share of the wall time since the run began."""
+        return self.spent_s() / max(time.monotonic() - self.started, 1e-9)
+
+    def spent_s(self) -> float:
+        return self.cost_s + self.setup_s
 
     def allows(self) -> bool:
-        """Whether a scheduled cycle may run within ``budget``: the cycles so far and one more (at their mean cost)
-        within that share of the wall time since the run began. Every rank gets rank 0's answer: call it where
+        """Whether a scheduled cycle may run within ``budget``: what profiling spent so far and one more cycle (at their
+        mean cost) within that share of the wall time since the run began. Every rank gets rank 0's answer: call it where
         every rank is, at a cycle's first step."""
         expected = self.cost_s / self.costed if self.costed else 0.0
         elapsed = max(time.monotonic() - self.started, 1e-9)
-        allowed = self.budget is None or self.cost_s + expected <= self.budget * elapsed
+        allowed = self.budget is None or self.spent_s() + expected <= self.budget * elapsed
         if self.world_size > 1:
             import torch.distributed as dist
 

@@ -86,7 +86,7 @@ class RunSummary:
     cycles: list[CycleReport]
     dirpath: Path
     display: Display = field(default_factory=Display)
-    cost: tuple[float, float] | None = None  # what the cycles cost: seconds, share of the run's wall time
+    cost: tuple[float, float] | None = None  # what profiling cost (its cycles, the capture made ready): s, share of wall
 
 
 class Sink(Protocol):
@@ -375,7 +375,7 @@ def summary(cycles: list[CycleReport], name: str, out_dir: Path, logdir: str | o
     last = cycles[-1]
     lines = [f"{name}: {len(cycles)} cycle(s) recorded; output in {out_dir}"]
     if cost is not None:
-        lines[0] += f"; they cost {cost[0]:.2f} s, {100 * cost[1]:.2f}% of the run's wall time"
+        lines[0] += f"; profiling cost {cost[0]:.2f} s, {100 * cost[1]:.2f}% of the run's wall time"
     if last.nodes:
         partial = ", partial" if last.partial else ""
         lines.append(
