@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,13 @@ from typing_extensions import override
 
 from fxprof_lightning import FxprofWarning
 from fxprof_lightning.analysis.roofline import Peaks
-from fxprof_lightning.engine import Profiler
+from fxprof_lightning.engine import Profiler, checked_sinks
 from fxprof_lightning.layout import DEFAULT_DIRPATH
 from fxprof_lightning.outputs.sinks import (
     ConsoleSink,
     CsvSink,
     PictureSink,
+    Sink,
 )
 from fxprof_lightning.outputs.trackers import LoggerSink
 from fxprof_lightning.report import CycleReport
@@ -64,6 +66,8 @@ class FXProfilerCallback(Callback):
             use_gzip, keep_cycles, module_depth, backward_timing, node_ranges, ranks, peaks, pictures,
             verbose, capture, watch_step_time, overhead_budget: as for
             ``Profiler`` (see the options table in docs/usage.md).
+        sinks: more places each cycle's report goes (``outputs.sinks.Sink``: ``write_cycle`` and ``close``), after
+            the callback's own: the CSV and ``cycle.jsonl``, the pictures, the Trainer's loggers, the console.
 
     Example:
         >>> profiler = FXProfilerCallback(wait=5, warmup=1, active=3, module="model")
@@ -99,6 +103,7 @@ class FXProfilerCallback(Callback):
         capture: str = "dynamo",
         watch_step_time: bool = True,
         overhead_budget: float | None = None,
+        sinks: Sequence[Sink] = (),
     ) -> None:
         if module is not None and (not isinstance(module, str) or not module):
             raise ValueError(f"module must be a dotted attribute path such as 'model.backbone' or None, got {module!r}")
@@ -113,6 +118,7 @@ class FXProfilerCallback(Callback):
             overhead_budget=overhead_budget,
         )
         self.profiler.name = type(self).__name__
+        self.extra_sinks = checked_sinks(sinks)  # after the callback's own (CSV, pictures, the loggers, the console)
         self._pl_module: pl.LightningModule | None = None
         self._clock: PhaseClock | None = None  # times the phases of the whole step while a cycle records
         self._idle = _Idle()  # the idle steps ahead whose hooks are skipped (``_go_idle``)
@@ -149,7 +155,8 @@ class FXProfilerCallback(Callback):
         out_dir = self.dirpath if self.dirpath is not None else Path(trainer.log_dir or trainer.default_root_dir) / DEFAULT_DIRPATH
         self.profiler.dirpath = out_dir
         logdir = next((lg.root_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), out_dir)
-        self.profiler.sinks = [CsvSink(), PictureSink(), LoggerSink(trainer.loggers), ConsoleSink(logdir=logdir)]
+        self.profiler.sinks = [CsvSink(), PictureSink(), LoggerSink(trainer.loggers), ConsoleSink(logdir=logdir),
+                               *self.extra_sinks]
         if not trainer.loggers:
             rank_zero_warn("FXProfilerCallback: the Trainer has no logger, so no scalars or text are logged; "
                            f"the per-cycle CSV and traces are still written under {out_dir}", category=FxprofWarning)

@@ -45,7 +45,7 @@ from fxprof_lightning.report import CycleReport, merge_ranks
 from fxprof_lightning.schedule import ProfilerAction, Schedule
 from fxprof_lightning.timing.torch_trace import CycleTrace, check_profiler_kwargs
 
-__all__ = ["DEFAULT_DIRPATH", "Engine", "Profiler", "cycle_name"]
+__all__ = ["DEFAULT_DIRPATH", "Engine", "Profiler", "checked_sinks", "cycle_name"]
 
 RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 # The lifecycle in one table, as torch.profiler keeps its own (``profile.action_map``): what a stage does at an edge
@@ -282,7 +282,7 @@ class Engine:
         self.peaks = peaks
         self.pictures = pictures
         self.verbose = verbose
-        self.sinks: list[Sink] = list(sinks) if sinks is not None else [CsvSink(), PictureSink(), ConsoleSink()]
+        self.sinks: list[Sink] = checked_sinks(sinks) if sinks is not None else [CsvSink(), PictureSink(), ConsoleSink()]
 
         self.target: nn.Module | None = None  # the module, once resolved (begin_run)
         self._train, self._val = _Stage("train"), _Stage("val")
@@ -902,6 +902,16 @@ def _all_gather(value: Any) -> list[Any]:
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, value)
     return gathered
+
+
+def checked_sinks(sinks: Sequence[Sink]) -> list[Sink]:
+    """The sinks as a list, or a ValueError naming one that is not a sink (``write_cycle`` and ``close``)."""
+    sinks = list(sinks)
+    for sink in sinks:
+        if not (callable(getattr(sink, "write_cycle", None)) and callable(getattr(sink, "close", None))):
+            raise ValueError(f"sinks: {sink!r} is not a sink: a sink has write_cycle(report, display) and close(run) "
+                             "methods (see fxprof_lightning.outputs.sinks.Sink and the CsvSink there)")
+    return sinks
 
 
 def _broadcast(value: Any) -> Any:

@@ -249,11 +249,39 @@ def test_missing_module_path_raises_at_setup_listing_children(tmp_path):
         ({"top_k": 0}, "top_k must be an int >= 1"),
         ({"module": ""}, "module must be a dotted attribute path"),
         ({"keep_cycles": 0}, r"keep_cycles must be an int >= 1 or None"),
+        ({"sinks": [print]}, r"sinks: <built-in function print> is not a sink: a sink has write_cycle"),
     ],
 )
 def test_bad_arguments_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         FXProfilerCallback(**kwargs)
+
+
+class JsonLinesSink:
+    """A sink of the user's own, written here with no package file changed: one JSON line per cycle."""
+
+    def __init__(self, path) -> None:
+        self.path, self.closed = path, None
+
+    def write_cycle(self, report, display) -> None:
+        line = {"cycle": report.label, "steps": report.steps, "forward_ms": report.forward_ms_per_step,
+                "slowest": report.nodes[0].layer, "by": display.name}
+        with open(self.path, "a") as file:
+            file.write(json.dumps(line) + "\n")
+
+    def close(self, run) -> None:
+        self.closed = len(run.cycles)
+
+
+def test_a_sink_of_the_users_own_gets_every_cycle_after_the_callbacks_own(tmp_path):
+    sink = JsonLinesSink(tmp_path / "cycles.jsonl")
+    callback = FXProfilerCallback(skip_first=1, wait=1, warmup=1, active=2, module="model", sinks=[sink])
+    _train(tmp_path, [callback])
+    lines = [json.loads(line) for line in (tmp_path / "cycles.jsonl").read_text().splitlines()]
+    assert [(line["cycle"], line["steps"]) for line in lines] == [(c.label, c.steps) for c in callback.cycles]
+    assert all(line["forward_ms"] > 0 and line["by"] == "FXProfilerCallback" for line in lines)
+    assert lines[0]["slowest"] == callback.cycles[0].nodes[0].layer and sink.closed == len(callback.cycles) == 2
+    assert (callback.cycles[0].directory / "fx_nodes.csv").exists()  # the callback's own sinks still ran
 
 
 class BuiltInConfigureModel(LitClassifier):
