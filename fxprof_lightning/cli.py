@@ -413,7 +413,7 @@ def run_report(path: Path, stage: str, last: int, layers: int, options: dict,
         for item in advice:
             lines += textwrap.wrap(str(item), WIDTH, initial_indent="  - ", subsequent_indent="    ")
     if html is not None:
-        from fxprof_lightning.html_report import write_page  # it builds on this module's helpers
+        from fxprof_lightning.outputs.html_report import write_page  # it builds on this module's helpers
 
         try:
             write_page(html, cycles, found, run=path, title=title, options=options, last=last, layers=layers)

@@ -32,12 +32,12 @@ import torch
 from torch import nn
 
 from fxprof_lightning import FxprofWarning
+from fxprof_lightning.analysis.history import StageHistory
 from fxprof_lightning.analysis.roofline import Peaks, device_peaks
 from fxprof_lightning.capture.compiled import is_compiled, missing_for_kernels
 from fxprof_lightning.capture.timers import CAPTURES, Timers
 from fxprof_lightning.cycle import Cycle
 from fxprof_lightning.follow import Follow, Trigger
-from fxprof_lightning.history import StageHistory
 from fxprof_lightning.layout import CYCLE_PREFIXES, DEFAULT_DIRPATH
 from fxprof_lightning.loop_phases import LoopClock
 from fxprof_lightning.outputs.sinks import ConsoleSink, CsvSink, Display, PictureSink, RunSummary, Sink

@@ -9,11 +9,16 @@ nodes under ``fxprof_nodes/`` (validation: ``fxprof_val/``, ``fxprof_val_nodes/`
 
 from __future__ import annotations
 
-__all__ = ["CYCLE_PREFIXES", "DEFAULT_DIRPATH", "HTML_FILE", "MODULES_FILE", "NODES_FILE", "PICTURE_FILES", "RANGES_FILE",
-           "SUMMARY_FILE", "SUMMARY_FILES", "TREND_FILE", "TREND_TAG", "stage_tag"]
+__all__ = ["CYCLE_PREFIXES", "DEFAULT_DIRPATH", "HTML_FILE", "LOOP_PHASES", "MODULES_FILE", "NODES_FILE", "PHASES",
+           "PICTURE_FILES", "RANGES_FILE", "STEP_FILE", "SUMMARY_FILE", "SUMMARY_FILES", "TREND_FILE", "TREND_TAG",
+           "stage_tag"]
 
 DEFAULT_DIRPATH = "fxprof"  # relative to the working directory, as torch.utils.tensorboard's "runs"
 CYCLE_PREFIXES = {"train": "cycle_", "val": "val_cycle_"}  # stage -> cycle directory prefix
+
+# The phases of a whole step (``step_phases``; tags ``fxprof_step/<phase>``, rows of ``fx_step.csv``), in order.
+PHASES = ("data", "training_step", "zero_grad", "backward", "optimizer", "callbacks", "fxprof", "other")
+LOOP_PHASES = ("forward", "backward", "other")  # a plain loop's (``loop_phases.LoopClock``)
 
 NODES_FILE = "fx_nodes.csv"  # the node table (CycleReport.to_csv)
 MODULES_FILE = "fx_modules.csv"  # the module tree (CycleReport.modules_to_csv)

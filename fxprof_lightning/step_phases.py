@@ -23,10 +23,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from fxprof_lightning.layout import LOOP_PHASES, PHASES
+
 __all__ = ["LOOP_PHASES", "PHASES", "PhaseClock", "phase_of"]
 
-PHASES = ("data", "training_step", "zero_grad", "backward", "optimizer", "callbacks", "fxprof", "other")
-LOOP_PHASES = ("forward", "backward", "other")  # a plain loop's (``loop_phases.LoopClock``)
 _BY_SUFFIX = (("_dataloader_next", "data"), (".training_step", "training_step"), (".optimizer_zero_grad", "zero_grad"),
               (".backward", "backward"), (".optimizer_step", "optimizer"))
 

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).parents[1] / "fxprof_lightning"
 
 def test_reading_runs_loads_no_torch():
     """``fxprof report``/``compare`` read CSV and JSON files: starting them must not pay for importing torch."""
-    code = ("import sys, fxprof_lightning.cli, fxprof_lightning.outputs.runs, fxprof_lightning.html_report\n"
+    code = ("import sys, fxprof_lightning.cli, fxprof_lightning.outputs.runs, fxprof_lightning.outputs.html_report\n"
             "print(sorted(m for m in ('torch', 'lightning', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

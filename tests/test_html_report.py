@@ -40,8 +40,8 @@ from torch import nn
 
 from fxprof_lightning import FXProfilerCallback
 from fxprof_lightning.cli import check_cycles, main
-from fxprof_lightning.html_report import SLOWEST_ROWS, write_page
 from fxprof_lightning.outputs.formats import median_step_ms, ms_text, per_step
+from fxprof_lightning.outputs.html_report import SLOWEST_ROWS, write_page
 from fxprof_lightning.outputs.runs import load_run
 
 try:

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from fxprof_lightning.analysis.regressions import Regression, Verdict
 from fxprof_lightning.analysis.trust import step_spread
+from fxprof_lightning.layout import PHASES
 from fxprof_lightning.outputs.formats import legend_report, median_step_ms, ms_text, per_step, ratio_text, steps_text
 from fxprof_lightning.outputs.plots import _tree
 from fxprof_lightning.report import CycleReport, describe_phases, shorten
-from fxprof_lightning.step_phases import PHASES
 
 __all__ = ["render", "write_page"]
 
