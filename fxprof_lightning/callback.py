@@ -44,7 +44,7 @@ IDLE_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward")
 # The engine's settings, checked when the callback is made: read them on ``callback.profiler``, never set afterwards.
 ENGINE_SETTINGS = frozenset({"schedule", "torch_profiler", "fx_timing", "profiler_kwargs", "top_k", "use_gzip", "keep_cycles",
                              "profile_validation", "module_depth", "backward_timing", "node_ranges", "ranks", "peaks",
-                             "pictures", "verbose", "capture", "watch_step_time", "overhead_budget"})
+                             "pictures", "verbose", "capture", "watch_step_time", "overhead_budget", "sinks"})
 
 
 class FXProfilerCallback(Callback):
@@ -67,7 +67,8 @@ class FXProfilerCallback(Callback):
             verbose, capture, watch_step_time, overhead_budget: as for
             ``Profiler`` (see the options table in docs/usage.md).
         sinks: more places each cycle's report goes (``outputs.sinks.Sink``: ``write_cycle`` and ``close``), after
-            the callback's own: the CSV and ``cycle.jsonl``, the pictures, the Trainer's loggers, the console.
+            the callback's own: the CSV and ``cycle.jsonl``, the pictures, the Trainer's loggers, the console. The
+            same objects serve every ``fit`` and ``validate``: ``close`` ends each, and ``write_cycle`` may follow.
 
     Example:
         >>> profiler = FXProfilerCallback(wait=5, warmup=1, active=3, module="model")
@@ -103,7 +104,7 @@ class FXProfilerCallback(Callback):
         capture: str = "dynamo",
         watch_step_time: bool = True,
         overhead_budget: float | None = None,
-        sinks: Sequence[Sink] = (),
+        sinks: Sequence[Sink] | None = None,
     ) -> None:
         if module is not None and (not isinstance(module, str) or not module):
             raise ValueError(f"module must be a dotted attribute path such as 'model.backbone' or None, got {module!r}")
@@ -118,7 +119,7 @@ class FXProfilerCallback(Callback):
             overhead_budget=overhead_budget,
         )
         self.profiler.name = type(self).__name__
-        self.extra_sinks = checked_sinks(sinks)  # after the callback's own (CSV, pictures, the loggers, the console)
+        self.extra_sinks = checked_sinks(sinks or ())  # after the callback's own (CSV, pictures, loggers, console)
         self._pl_module: pl.LightningModule | None = None
         self._clock: PhaseClock | None = None  # times the phases of the whole step while a cycle records
         self._idle = _Idle()  # the idle steps ahead whose hooks are skipped (``_go_idle``)

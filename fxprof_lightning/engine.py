@@ -347,7 +347,7 @@ class Engine:
         if self._fx_on and self._enabled and (stage == "train" or self.profile_validation):
             started = time.perf_counter()
             self._safely("capturing the module", self.timers.for_module, self.target)
-            if self.follow is not None:  # (what the budget counts: profiling's time outside its cycles)
+            if self.follow is not None and self.follow.opened is None:  # (outside a training cycle, whose cost has it)
                 self.follow.setup_s += time.perf_counter() - started
 
     def begin_step(self, stage: str = "train") -> None:
@@ -906,8 +906,12 @@ def _all_gather(value: Any) -> list[Any]:
 
 def checked_sinks(sinks: Sequence[Sink]) -> list[Sink]:
     """The sinks as a list, or a ValueError naming one that is not a sink (``write_cycle`` and ``close``)."""
+    if callable(getattr(sinks, "write_cycle", None)) or isinstance(sinks, str | bytes):
+        raise ValueError(f"sinks must be a list of sinks, got {sinks!r}: pass sinks=[{type(sinks).__name__}(...)]")
     sinks = list(sinks)
     for sink in sinks:
+        if isinstance(sink, type):
+            raise ValueError(f"sinks: {sink.__name__} is a class: pass an instance, {sink.__name__}(...)")
         if not (callable(getattr(sink, "write_cycle", None)) and callable(getattr(sink, "close", None))):
             raise ValueError(f"sinks: {sink!r} is not a sink: a sink has write_cycle(report, display) and close(run) "
                              "methods (see fxprof_lightning.outputs.sinks.Sink and the CsvSink there)")

@@ -258,7 +258,7 @@ class Follow:
         report.cost_s = cost
         if report.directory is not None:
             self._index({"cycle": report.directory.name, "trigger": report.trigger, "steps": report.steps,
-                         "cost_s": round(cost, 4), "run_share": round(self.share(), 5)})
+                         "cost_s": round(cost, 4), "setup_s": round(self.setup_s, 4), "run_share": round(self.share(), 5)})
 
     def _index(self, line: dict[str, Any]) -> None:
         """A line of the run's index of cycles and notes (rank 0)."""

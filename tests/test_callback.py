@@ -14,7 +14,7 @@ from helpers import LitClassifier, SmallNet, image_loader, make_trainer, notices
 from tensorboard.util import tensor_util
 from torch import nn
 
-from fxprof_lightning import FXProfilerCallback
+from fxprof_lightning import CsvSink, FXProfilerCallback
 from fxprof_lightning.outputs.runs import load_cycle
 from fxprof_lightning.report import UNOWNED_ENGINE, UNOWNED_FORWARD, UNOWNED_OUTSIDE
 
@@ -250,6 +250,8 @@ def test_missing_module_path_raises_at_setup_listing_children(tmp_path):
         ({"module": ""}, "module must be a dotted attribute path"),
         ({"keep_cycles": 0}, r"keep_cycles must be an int >= 1 or None"),
         ({"sinks": [print]}, r"sinks: <built-in function print> is not a sink: a sink has write_cycle"),
+        ({"sinks": [CsvSink]}, r"sinks: CsvSink is a class: pass an instance, CsvSink\(...\)"),
+        ({"sinks": CsvSink()}, r"sinks must be a list of sinks, got .*: pass sinks=\[CsvSink\(...\)\]"),
     ],
 )
 def test_bad_arguments_are_refused_at_construction(kwargs, message):

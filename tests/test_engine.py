@@ -72,7 +72,7 @@ def test_skip_first_defaults_to_zero_as_in_torch_profiler(tmp_path):
     callback_defaults = {name: p.default for name, p in inspect.signature(FXProfilerCallback).parameters.items()}
     assert (defaults["skip_first"], defaults["repeat"]) == (0, 0)
     shared = set(defaults) & set(callback_defaults)
-    assert shared == set(defaults) - {"sinks"} and all(defaults[k] == callback_defaults[k] for k in shared - {"module"})
+    assert shared == set(defaults) and all(defaults[k] == callback_defaults[k] for k in shared - {"module"})
 
 
 def test_training_is_bitwise_unchanged(tmp_path):

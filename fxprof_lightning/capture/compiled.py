@@ -65,9 +65,11 @@ def is_compiled(module: nn.Module) -> bool:
 
 def missing_for_kernels() -> str | None:
     """What this torch's Inductor lacks for per-layer times from kernels (None: nothing; torch 2.14 has all of it)."""
-    import torch._inductor.config as inductor_config
-    import torch._inductor.debug as inductor_debug
-
+    try:
+        import torch._inductor.config as inductor_config
+        import torch._inductor.debug as inductor_debug
+    except ImportError as error:
+        return f"torch._inductor ({error})"
     if not hasattr(inductor_config.trace, "provenance_tracking_to_timeline"):
         return "trace.provenance_tracking_to_timeline"
     if not hasattr(inductor_debug, "get_kernel_information_jsons"):

@@ -1254,7 +1254,12 @@ def missing_for_dynamo() -> str | None:
     and the lookup of that cache's entries."""
     from torch._dynamo import eval_frame
 
-    if "isolate_recompiles" not in inspect.signature(eval_frame._optimize).parameters:
+    optimize = getattr(eval_frame, "_optimize", None)
+    try:
+        parameters = inspect.signature(optimize).parameters if optimize is not None else {}
+    except (TypeError, ValueError):
+        parameters = {}
+    if "isolate_recompiles" not in parameters:
         return "torch._dynamo.optimize has no isolate_recompiles"
     if not hasattr(eval_frame, "_get_cache_entries_for_region"):
         return "torch._dynamo.eval_frame has no _get_cache_entries_for_region"

@@ -137,7 +137,7 @@ class Timers:
             raise ValueError(f"capture must be one of {', '.join(map(repr, CAPTURES))}, got {capture!r}")
         self.stop()
         self.capture, self.backward, self.ranges = capture, backward, ranges
-        self._timers, self._examples = {}, {}
+        self._timers, self._examples, self._told_missing = {}, {}, False
         if compiled:
             self._kernels = self._kernels or CompiledKernels()
             self._kernels.start()

@@ -716,7 +716,7 @@ class GuardedNodeTimer(NodeTimer):
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if self.mismatch is None and module.training is self._traced.training:  # only the graph's errors are caught
-                random_state = random_states.save(cuda=self.on_cuda, host=self._host_random)
+                random_state = random_states.save(cuda=self.on_cuda, host=self._host_random, every_device=False)
                 grad_mode = torch.is_grad_enabled()
                 try:
                     return graph_forward(*args, **kwargs)

@@ -20,13 +20,17 @@ except ImportError:  # pragma: no cover - torch installs it in practice
 __all__ = ["kept", "restore", "save"]
 
 
-def save(cuda: bool = True, host: bool = True) -> dict[str, Any]:
-    """Every generator's state, by a name a message can show: ``torch CPU``, ``CUDA`` (every device, where CUDA is
-    in use and ``cuda``), ``Python`` and ``NumPy`` (with ``host``; NumPy's costs about 10 us, so a call made at every
-    step leaves them out where nothing draws from them)."""
+def save(cuda: bool = True, host: bool = True, every_device: bool = True) -> dict[str, Any]:
+    """Every generator's state, by a name a message can show: ``torch CPU``, ``CUDA`` (where CUDA is in use and
+    ``cuda``: every device's, or the current device's alone without ``every_device``, for a call made at every step),
+    ``Python`` and ``NumPy`` (with ``host``; NumPy's costs about 10 us, so a call made at every step leaves them out
+    where nothing draws from them)."""
     states: dict[str, Any] = {"torch CPU": torch.get_rng_state()}
     if cuda and torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["CUDA"] = torch.cuda.get_rng_state_all()
+        if every_device:
+            states["CUDA"] = torch.cuda.get_rng_state_all()
+        else:
+            states["CUDA (current device)"] = (torch.cuda.current_device(), torch.cuda.get_rng_state())
     if host:
         states["Python"] = random.getstate()
         if numpy is not None:
@@ -39,6 +43,9 @@ def restore(states: dict[str, Any]) -> None:
     torch.set_rng_state(states["torch CPU"])
     if "CUDA" in states:
         torch.cuda.set_rng_state_all(states["CUDA"])
+    if "CUDA (current device)" in states:
+        device, state = states["CUDA (current device)"]
+        torch.cuda.set_rng_state(state, device)
     if "Python" in states:
         random.setstate(states["Python"])
     if "NumPy" in states:
