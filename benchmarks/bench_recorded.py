@@ -67,7 +67,7 @@ from bench_idle import LitResNet
 from run_info import contention, cpu_stall_us, median_ci, package_state, parse_args, quiet_stderr
 
 from fxprof_lightning import FXProfilerCallback
-from fxprof_lightning.step_phases import PHASES, PhaseClock
+from fxprof_lightning.engine.step_phases import PHASES, PhaseClock
 
 ACTIVE = 12  # recorded steps per cycle (interior: 2..ACTIVE)
 STEPS = ACTIVE + 4  # 0 idle, 1 warm-up, 2..A+1 recorded, then idle steps

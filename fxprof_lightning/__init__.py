@@ -12,7 +12,7 @@ __all__ = ["ConsoleSink", "CsvSink", "CycleReport", "FXProfilerCallback", "Fxpro
            "Profiler", "Schedule", "TensorBoardSink"]
 __version__ = "0.1.0"
 
-_HOMES = {"Profiler": "engine", "FXProfilerCallback": "callback", "CycleReport": "report",
+_HOMES = {"Profiler": "engine.profiler", "FXProfilerCallback": "callback", "CycleReport": "report",
           "NodeStats": "report", "Schedule": "schedule", "ConsoleSink": "outputs.sinks", "CsvSink": "outputs.sinks",
           "PictureSink": "outputs.sinks", "TensorBoardSink": "outputs.sinks"}
 

@@ -25,7 +25,8 @@ from typing_extensions import override
 
 from fxprof_lightning import FxprofWarning
 from fxprof_lightning.analysis.roofline import Peaks
-from fxprof_lightning.engine import Profiler, checked_sinks
+from fxprof_lightning.engine.profiler import Profiler, checked_sinks
+from fxprof_lightning.engine.step_phases import PhaseClock
 from fxprof_lightning.layout import DEFAULT_DIRPATH
 from fxprof_lightning.outputs.sinks import (
     ConsoleSink,
@@ -36,7 +37,6 @@ from fxprof_lightning.outputs.sinks import (
 from fxprof_lightning.outputs.trackers import LoggerSink
 from fxprof_lightning.report import CycleReport
 from fxprof_lightning.schedule import Schedule
-from fxprof_lightning.step_phases import PhaseClock
 
 __all__ = ["FXProfilerCallback"]
 

@@ -46,7 +46,7 @@ from fxprof_lightning.analysis.regressions import (
     step_rows,
 )
 from fxprof_lightning.analysis.trust import step_spread
-from fxprof_lightning.follow import INDEX_FILE, read_lines, request_cycle
+from fxprof_lightning.engine.follow import INDEX_FILE, read_lines, request_cycle
 from fxprof_lightning.layout import HTML_FILE
 from fxprof_lightning.outputs.formats import (
     BASELINE_CYCLES,

@@ -23,8 +23,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from fxprof_lightning import FXProfilerCallback, Profiler
+from fxprof_lightning.engine.step_phases import PHASES
 from fxprof_lightning.outputs.sinks import cycle_line
-from fxprof_lightning.step_phases import PHASES
 
 
 class Heavy(nn.Module):

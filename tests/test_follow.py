@@ -25,7 +25,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from fxprof_lightning import FXProfilerCallback, Profiler
-from fxprof_lightning.follow import JOB_FILE, StepWatch
+from fxprof_lightning.engine.follow import JOB_FILE, StepWatch
 from fxprof_lightning.outputs.runs import load_cycle
 
 JOB = Path(__file__).with_name("follow_job.py")
@@ -193,7 +193,7 @@ def test_a_budget_must_be_a_share():
 def test_a_request_taken_before_a_checkpoint_is_answered_after_the_restart(tmp_path):
     # The request is taken at step 8 (the steps' times go to the watch, and a request is looked for, every 8 steps)
     # and its cycle planned from step 9; the job stops there and resumes from the state saved after step 8.
-    from fxprof_lightning.follow import write_request
+    from fxprof_lightning.engine.follow import write_request
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
@@ -222,7 +222,7 @@ def test_a_request_taken_before_a_checkpoint_is_answered_after_the_restart(tmp_p
 def _train_asking(tmp_path, steps: int, ask_at: int | None, **options) -> tuple[Profiler, nn.Module]:
     """A plain loop of ``steps`` steps of 10 ms (time for the job to look for requests), asking for a cycle at
     ``ask_at`` as ``fxprof trigger`` does (without waiting for the answer)."""
-    from fxprof_lightning.follow import write_request
+    from fxprof_lightning.engine.follow import write_request
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
@@ -263,7 +263,7 @@ class AskAt(pl.Callback):
         self.dirpath, self.step = dirpath, step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        from fxprof_lightning.follow import write_request
+        from fxprof_lightning.engine.follow import write_request
 
         if trainer.global_step == self.step:
             write_request(self.dirpath, {"id": "asked", "active": None, "reason": "a test", "asked": time.time()})

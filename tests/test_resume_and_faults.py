@@ -166,6 +166,7 @@ FULL_DISK_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # (7-8 s: the quick loop stays under 3 minutes)
 def test_a_full_disk_warns_and_training_goes_on(tmp_path):
     tests_dir = Path(__file__).parent
     run = subprocess.run(

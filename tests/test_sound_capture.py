@@ -476,6 +476,7 @@ def checkpointed_llama(reentrant: bool | None = None):
     return model
 
 
+@pytest.mark.slow  # (4-6 s each: the quick loop stays under 3 minutes)
 @pytest.mark.parametrize("reentrant", [None, True])
 def test_hf_gradient_checkpointing_is_kept_and_opened(tmp_path, reentrant):
     from test_transformers import LitHF, lm_loader
@@ -587,6 +588,7 @@ def test_checkpointed_regions_under_the_users_own_profiler(tmp_path):
     assert all(c.capture.method == "dynamo" and not c.capture.recaptures and c.nodes for c in prof.cycles)
 
 
+@pytest.mark.slow  # (7 s)
 @notices("FLOPs not counted")
 def test_wav2vec2_with_its_numpy_masks(tmp_path):
     """SpecAugment draws its masks with NumPy's random functions: they must draw from NumPy's own state, as in eager
@@ -620,6 +622,7 @@ def unpadded_lm_loader():
     return DataLoader(batches, batch_size=None)
 
 
+@pytest.mark.slow  # (6 s)
 def test_llama_without_padding_is_captured_on_the_branches_eager_takes(tmp_path):
     """The first capture keeps the mask, saves other tensors than eager and is refused; the capture made again
     with is_compiling() answered False takes eager's branches (the mask check breaks the graph) and is used."""

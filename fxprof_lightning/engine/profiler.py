@@ -36,10 +36,10 @@ from fxprof_lightning.analysis.history import StageHistory
 from fxprof_lightning.analysis.roofline import Peaks, device_peaks
 from fxprof_lightning.capture.compiled import is_compiled, missing_for_kernels
 from fxprof_lightning.capture.timers import CAPTURES, Timers
-from fxprof_lightning.cycle import Cycle
-from fxprof_lightning.follow import Follow, Trigger
+from fxprof_lightning.engine.cycle import Cycle
+from fxprof_lightning.engine.follow import Follow, Trigger
+from fxprof_lightning.engine.loop_phases import LoopClock
 from fxprof_lightning.layout import CYCLE_PREFIXES, DEFAULT_DIRPATH
-from fxprof_lightning.loop_phases import LoopClock
 from fxprof_lightning.outputs.sinks import ConsoleSink, CsvSink, Display, PictureSink, RunSummary, Sink
 from fxprof_lightning.report import CycleReport, merge_ranks
 from fxprof_lightning.schedule import ProfilerAction, Schedule
