@@ -11,9 +11,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from fxprof_lightning.analysis.trust import cpu_per_wall, step_spread
 from fxprof_lightning.nodes import NodeInfo
 
-__all__ = ["CycleReport", "ModuleStats", "NodeStats", "RangeStats", "cpu_per_wall", "layer_label", "merge_ranks", "step_spread",
+__all__ = ["CycleReport", "ModuleStats", "NodeStats", "RangeStats", "layer_label", "merge_ranks",
            "summarize_modules", "summarize_nodes", "summarize_ranges"]
 
 NS_PER_MS = 1e6
@@ -665,24 +666,3 @@ def _num(value: float | None, spec: str) -> str:
 def _md(text: str) -> str:
     """A code span that is safe inside a Markdown table cell."""
     return "`" + text.replace("|", "\\|").replace("`", "'") + "`"
-
-
-# The recorded steps' signature of load (read by ``analysis.trust``) ------------------------------------------------
-
-
-def step_spread(step_ms: list[float]) -> float | None:
-    """``(max - min) / median`` of the recorded steps' wall times (None for fewer than 2 steps).
-
-    >>> step_spread([10.0, 11.0, 12.0])
-    0.18181818181818182
-    """
-    if len(step_ms) < 2:
-        return None
-    middle = statistics.median(step_ms)
-    return (max(step_ms) - min(step_ms)) / middle if middle > 0 else None
-
-
-def cpu_per_wall(step_ms: list[float], step_cpu_ms: list[float]) -> float | None:
-    """The process's CPU time over the wall time of the recorded steps (None without steps)."""
-    wall = sum(step_ms)
-    return sum(step_cpu_ms) / wall if wall > 0 and step_cpu_ms else None

@@ -18,14 +18,30 @@ from __future__ import annotations
 
 import statistics
 
-from fxprof_lightning.report import cpu_per_wall, step_spread
-
 __all__ = ["CPU_DROP", "JUMP_LIMIT", "SHARED_LOAD", "SPREAD_LIMIT", "cpu_per_wall", "distortion", "step_spread"]
 
 SPREAD_LIMIT = 0.5
 JUMP_LIMIT = 2.0
 CPU_DROP = 0.6
 SHARED_LOAD = 1.5
+
+
+def step_spread(step_ms: list[float]) -> float | None:
+    """``(max - min) / median`` of the recorded steps' wall times (None for fewer than 2 steps).
+
+    >>> step_spread([10.0, 11.0, 12.0])
+    0.18181818181818182
+    """
+    if len(step_ms) < 2:
+        return None
+    middle = statistics.median(step_ms)
+    return (max(step_ms) - min(step_ms)) / middle if middle > 0 else None
+
+
+def cpu_per_wall(step_ms: list[float], step_cpu_ms: list[float]) -> float | None:
+    """The process's CPU time over the wall time of the recorded steps (None without steps)."""
+    wall = sum(step_ms)
+    return sum(step_cpu_ms) / wall if wall > 0 and step_cpu_ms else None
 
 
 def distortion(step_ms: list[float], earlier_medians: list[float], shared: float = 1.0,
