@@ -29,7 +29,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.util import tensor_util
 
 from fxprof_lightning import FXProfilerCallback, NodeStats
-from fxprof_lightning.report import merge_ranks
+from fxprof_lightning.engine.statistics import merge_ranks
 
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("torch.distributed with the gloo backend is needed", allow_module_level=True)

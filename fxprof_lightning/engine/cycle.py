@@ -21,15 +21,9 @@ from typing import Any
 from torch import nn
 
 from fxprof_lightning.capture.timers import Timer
+from fxprof_lightning.engine.statistics import summarize_modules, summarize_nodes, summarize_ranges
 from fxprof_lightning.nodes import Capture
-from fxprof_lightning.report import (
-    CycleReport,
-    NodeStats,
-    layer_label,
-    summarize_modules,
-    summarize_nodes,
-    summarize_ranges,
-)
+from fxprof_lightning.report import CycleReport, NodeStats, layer_label
 from fxprof_lightning.timing.autograd_walk import sequence_nr_now
 from fxprof_lightning.timing.gpu_trace import node_device_times
 from fxprof_lightning.timing.gpu_trace import summary as device_summary

@@ -39,9 +39,10 @@ from fxprof_lightning.capture.timers import CAPTURES, Timers
 from fxprof_lightning.engine.cycle import Cycle
 from fxprof_lightning.engine.follow import Follow, Trigger
 from fxprof_lightning.engine.loop_phases import LoopClock
+from fxprof_lightning.engine.statistics import merge_ranks
 from fxprof_lightning.layout import CYCLE_PREFIXES, DEFAULT_DIRPATH
 from fxprof_lightning.outputs.sinks import ConsoleSink, CsvSink, Display, PictureSink, RunSummary, Sink
-from fxprof_lightning.report import CycleReport, merge_ranks
+from fxprof_lightning.report import CycleReport
 from fxprof_lightning.schedule import ProfilerAction, Schedule
 from fxprof_lightning.timing.torch_trace import CycleTrace, check_profiler_kwargs
 
