@@ -145,7 +145,7 @@ def first_difference(eager: CallResult, captured: CallResult) -> str | None:
         if not _bitwise_equal(a, b):
             return f"buffer {name} after the call differs from eager"
     for name, state in eager.random_states.items():
-        if not _same_state(state, captured.random_states.get(name)):
+        if not random_states.same(state, captured.random_states.get(name)):
             return f"the {name} random state after the call differs from eager (random numbers drawn differently)"
     if (eager.saved, eager.saved_bytes) != (captured.saved, captured.saved_bytes):
         return (f"tensors saved for backward: {captured.saved} ({captured.saved_bytes / 1e6:.2f} MB) against "
@@ -180,16 +180,6 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------- state put back between the checking calls
-
-
-def _same_state(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, list | tuple):
-        return isinstance(b, list | tuple) and len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b, strict=True))
-    if type(a).__name__ == "ndarray":
-        return type(b).__name__ == "ndarray" and a.shape == b.shape and bool((a == b).all())
-    return a == b
 
 
 def _fsdp_states(module: nn.Module) -> list[Any]:

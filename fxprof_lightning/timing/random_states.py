@@ -17,7 +17,7 @@ try:
 except ImportError:  # pragma: no cover - torch installs it in practice
     numpy = None
 
-__all__ = ["kept", "restore", "save"]
+__all__ = ["kept", "restore", "same", "save"]
 
 
 def save(cuda: bool = True, host: bool = True, every_device: bool = True) -> dict[str, Any]:
@@ -60,3 +60,14 @@ def kept() -> Iterator[None]:
         yield
     finally:
         restore(states)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Whether two saved states (or one generator's, from ``save``) are equal: tensors, NumPy arrays, nested tuples."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, list | tuple):
+        return isinstance(b, list | tuple) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if type(a).__name__ == "ndarray":
+        return type(b).__name__ == "ndarray" and a.shape == b.shape and bool((a == b).all())
+    return a == b
