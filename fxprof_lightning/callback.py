@@ -8,10 +8,9 @@ engine's.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +23,8 @@ from torch import nn
 from typing_extensions import override
 
 from fxprof_lightning import FxprofWarning
-from fxprof_lightning.analysis.roofline import Peaks
 from fxprof_lightning.engine.profiler import Profiler, checked_sinks
+from fxprof_lightning.engine.settings import Settings, takes_settings
 from fxprof_lightning.engine.step_phases import PhaseClock
 from fxprof_lightning.layout import DEFAULT_DIRPATH
 from fxprof_lightning.outputs.sinks import (
@@ -42,9 +41,7 @@ __all__ = ["FXProfilerCallback"]
 
 IDLE_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward")  # empty in idle steps
 # The engine's settings, checked when the callback is made: read them on ``callback.profiler``, never set afterwards.
-ENGINE_SETTINGS = frozenset({"schedule", "torch_profiler", "fx_timing", "profiler_kwargs", "top_k", "use_gzip", "keep_cycles",
-                             "profile_validation", "module_depth", "backward_timing", "node_ranges", "ranks", "peaks",
-                             "pictures", "verbose", "capture", "watch_step_time", "overhead_budget", "sinks"})
+ENGINE_SETTINGS = frozenset({f.name for f in fields(Settings)} - {"dirpath"} | {"schedule", "sinks", "settings"})
 
 
 class FXProfilerCallback(Callback):
@@ -62,13 +59,11 @@ class FXProfilerCallback(Callback):
         dirpath: output directory (None: ``<trainer.log_dir>/fxprof``).
         profile_validation: also profile validation batches, with their own schedule position,
             ``val_cycle_NNNN`` directories, ``fxprof_val/...`` tags and ``val_cycles`` reports.
-        skip_first, wait, warmup, active, repeat, torch_profiler, fx_timing, profiler_kwargs, top_k,
-            use_gzip, keep_cycles, module_depth, backward_timing, node_ranges, ranks, peaks, pictures,
-            verbose, capture, watch_step_time, overhead_budget: as for
-            ``Profiler`` (see the options table in docs/usage.md).
         sinks: more places each cycle's report goes (``outputs.sinks.Sink``: ``write_cycle`` and ``close``), after
             the callback's own: the CSV and ``cycle.jsonl``, the pictures, the Trainer's loggers, the console. The
             same objects serve every ``fit`` and ``validate``: ``close`` ends each, and ``write_cycle`` may follow.
+        **options: the settings, as for ``Profiler`` (``Settings``: ``wait=``, ``active=``, ``top_k=``...; the table
+            of docs/usage.md#options), held by the engine: read them as ``callback.profiler.settings``.
 
     Example:
         >>> profiler = FXProfilerCallback(wait=5, warmup=1, active=3, module="model")
@@ -77,47 +72,14 @@ class FXProfilerCallback(Callback):
         >>> print(profiler.cycles[-1].to_markdown())
     """
 
-    def __init__(
-        self,
-        *,
-        skip_first: int = 0,
-        wait: int = 100,
-        warmup: int = 1,
-        active: int = 3,
-        repeat: int = 0,
-        module: str | None = None,
-        torch_profiler: bool = True,
-        fx_timing: bool = True,
-        profiler_kwargs: dict[str, Any] | None = None,
-        dirpath: str | os.PathLike | None = None,
-        top_k: int = 20,
-        use_gzip: bool = True,
-        keep_cycles: int | None = None,
-        profile_validation: bool = False,
-        module_depth: int = 3,
-        backward_timing: bool = True,
-        node_ranges: bool = True,
-        ranks: list[int] | None = None,
-        peaks: Peaks | None = None,
-        pictures: bool = True,
-        verbose: bool = False,
-        capture: str = "dynamo",
-        watch_step_time: bool = True,
-        overhead_budget: float | None = None,
-        sinks: Sequence[Sink] | None = None,
-    ) -> None:
+    @takes_settings
+    def __init__(self, *, module: str | None = None, sinks: Sequence[Sink] | None = None, **options: Any) -> None:
         if module is not None and (not isinstance(module, str) or not module):
             raise ValueError(f"module must be a dotted attribute path such as 'model.backbone' or None, got {module!r}")
         self.module_path = module
-        self.dirpath = Path(dirpath) if dirpath is not None else None
-        self.profiler = Profiler(
-            self._resolve_target, skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat,
-            torch_profiler=torch_profiler, fx_timing=fx_timing, profiler_kwargs=profiler_kwargs, dirpath=dirpath,
-            top_k=top_k, use_gzip=use_gzip, keep_cycles=keep_cycles, profile_validation=profile_validation,
-            module_depth=module_depth, backward_timing=backward_timing, node_ranges=node_ranges, ranks=ranks, peaks=peaks,
-            pictures=pictures, verbose=verbose, sinks=[], capture=capture, watch_step_time=watch_step_time,
-            overhead_budget=overhead_budget,
-        )
+        self.dirpath = Path(options["dirpath"]) if options.get("dirpath") is not None else None
+        Settings.of(type(self).__name__, options)  # an unknown option named as the callback's
+        self.profiler = Profiler(self._resolve_target, sinks=[], **options)
         self.profiler.name = type(self).__name__
         self.extra_sinks = checked_sinks(sinks or ())  # after the callback's own (CSV, pictures, loggers, console)
         self._pl_module: pl.LightningModule | None = None
@@ -127,7 +89,8 @@ class FXProfilerCallback(Callback):
     def __setattr__(self, name: str, value: Any) -> None:
         if name in ENGINE_SETTINGS and "profiler" in self.__dict__:
             raise AttributeError(f"{type(self).__name__}.{name} is a setting of its engine, checked when the callback is "
-                                 f"made: pass {name}=... to {type(self).__name__}(...) (read it as callback.profiler.{name})")
+                                 f"made: pass {name}=... to {type(self).__name__}(...) (read it as "
+                                 f"callback.profiler.settings.{name})")
         super().__setattr__(name, value)
 
     @property
@@ -182,7 +145,7 @@ class FXProfilerCallback(Callback):
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.profiler.profile_validation:
+        if self.profiler.settings.profile_validation:
             if self.profiler.target is None:  # trainer.validate
                 self.profiler.begin_run()
             self.profiler.prepare("val")  # eval mode: its own capture
@@ -268,20 +231,20 @@ class FXProfilerCallback(Callback):
     def on_validation_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        if self.profiler.profile_validation and not trainer.sanity_checking:
+        if self.profiler.settings.profile_validation and not trainer.sanity_checking:
             self.profiler.begin_step("val")
 
     @override
     def on_validation_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        if self.profiler.profile_validation and not trainer.sanity_checking:
+        if self.profiler.settings.profile_validation and not trainer.sanity_checking:
             self.profiler.end_step("val")
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A validation cycle never stays open over training steps: the rest of it becomes a new piece.
-        if self.profiler.profile_validation and not trainer.sanity_checking:
+        if self.profiler.settings.profile_validation and not trainer.sanity_checking:
             self.profiler.end_stage("val")
 
     @override

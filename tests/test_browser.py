@@ -355,10 +355,10 @@ def page(tmp_path_factory: pytest.TempPathFactory):
 def test_text_tab_renders_the_node_table_and_the_module_tree(served: Served, page: Page):
     page.open(f"{served.base}/#text")
     # per cycle: the node table, the time no row owns, the whole step by phase
-    expected_tables = [t for c in served.cycles for t in markdown_tables(c.to_markdown(served.callback.profiler.top_k))]
+    expected_tables = [t for c in served.cycles for t in markdown_tables(c.to_markdown(served.callback.profiler.settings.top_k))]
     assert {tuple(header) for header, _ in expected_tables[1::3]} == {("where", "fwd ms/step", "bwd ms/step")}
     assert {tuple(header) for header, _ in expected_tables[2::3]} == {("phase", "ms/step", "% of the step")}
-    expected_trees = [code_block(c.modules_to_text(served.callback.profiler.module_depth)) for c in served.cycles]
+    expected_trees = [code_block(c.modules_to_text(served.callback.profiler.settings.module_depth)) for c in served.cycles]
 
     def rendered():
         cards = {card["tag"].split("/")[1]: card for card in page.evaluate(TEXT_CARDS) or []

@@ -81,8 +81,8 @@ def test_callback_from_yaml_profiles_the_fit(tmp_path):
     (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, FXProfilerCallback)]
     assert callback.schedule == Schedule(skip_first=1, wait=0, warmup=1, active=2, repeat=1)
     engine = callback.profiler
-    assert (callback.module_path, engine.top_k, engine.profiler_kwargs) == ("model", 3, {"record_shapes": True})
-    assert (engine.torch_profiler, engine.fx_timing, callback.dirpath, engine.use_gzip) == (True, True, None, True)
+    assert (callback.module_path, engine.settings.top_k, engine.settings.profiler_kwargs) == ("model", 3, {"record_shapes": True})
+    assert (engine.settings.torch_profiler, engine.settings.fx_timing, callback.dirpath, engine.settings.use_gzip) == (True, True, None, True)
 
     (cycle,) = callback.cycles
     assert (cycle.index, cycle.steps, cycle.partial) == (0, [2, 3], False)

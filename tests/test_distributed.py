@@ -90,7 +90,7 @@ class RankReport(pl.Callback):
                     "directory": str(c.directory),
                     "trace_paths": [str(p) for p in c.trace_paths],
                     "nodes": [[n.name, n.mean_ms, n.slowest_rank, n.slowest_rank_ms] for n in c.nodes],
-                    "markdown": c.to_markdown(self.profiler.profiler.top_k),
+                    "markdown": c.to_markdown(self.profiler.profiler.settings.top_k),
                 }
                 for c in self.profiler.cycles
             ],

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import gzip
 import inspect
 import json
+import re
 import statistics
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from torch.nn import functional as F
 from torch.utils.tensorboard import SummaryWriter
 
 from fxprof_lightning import ConsoleSink, CsvSink, FXProfilerCallback, Profiler, TensorBoardSink
+from fxprof_lightning.engine.settings import Settings
 
 
 def train(steps: int, profiler: Profiler | None = None, model: torch.nn.Module | None = None, seed: int = 0):
@@ -316,12 +320,38 @@ def test_an_error_of_the_own_forward_in_the_other_mode_is_the_users_and_runs_onc
 
 def test_the_callbacks_settings_are_its_engines_checked_once_never_set_afterwards():
     callback = FXProfilerCallback(top_k=3, keep_cycles=2)
-    assert (callback.profiler.top_k, callback.profiler.keep_cycles, callback.schedule) == (3, 2, callback.profiler.schedule)
+    assert (callback.profiler.settings.top_k, callback.profiler.settings.keep_cycles, callback.schedule) == (3, 2, callback.profiler.schedule)
     with pytest.raises(AttributeError, match=r"pass top_k=\.\.\. to FXProfilerCallback\(\.\.\.\)"):
         callback.top_k = -5  # would skip the check the constructor makes
-    assert callback.profiler.top_k == 3
+    assert callback.profiler.settings.top_k == 3
     with pytest.raises(AttributeError):
-        callback.top_k  # noqa: B018  (no forwarding: read callback.profiler.top_k)
+        callback.top_k  # noqa: B018  (no forwarding: read callback.profiler.settings.top_k)
+
+
+def test_each_option_is_declared_once_and_the_docs_table_has_it_with_its_default():
+    """``Settings`` declares the options; both constructors show them in their signatures (help(), LightningCLI) and
+    docs/usage.md's table lists exactly them, with the same defaults, beside ``module`` and ``sinks``."""
+    options = {f.name: f.default for f in dataclasses.fields(Settings)}
+    for constructor in (Profiler, FXProfilerCallback):
+        parameters = inspect.signature(constructor).parameters
+        assert {n: p.default for n, p in parameters.items() if n not in ("module", "sinks")} == options
+    table = (Path(__file__).parents[1] / "docs" / "usage.md").read_text().split("## Options", 1)[1]
+    rows = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", table, flags=re.M))
+    assert set(rows) == {*options, "module"}
+    assert all(rows[name] == repr(default).replace("'", '"') for name, default in options.items()), rows
+
+
+def test_an_unknown_option_is_named_with_the_nearest_one():
+    with pytest.raises(TypeError, match=r"FXProfilerCallback\(\) got an unknown option 'wiat': did you mean 'wait'"):
+        FXProfilerCallback(wiat=5)
+    with pytest.raises(TypeError, match=r"Profiler\(\) got an unknown option 'topk': did you mean 'top_k'"):
+        Profiler(SmallNet(), topk=5)
+    with pytest.raises(ValueError, match="top_k must be an int >= 1"):
+        Profiler(SmallNet(), top_k=0)
+    settings = Profiler(SmallNet(), wait=5, ranks=[0]).settings
+    assert (settings.wait, settings.tracing_ranks, settings.profiler_kwargs) == (5, frozenset({0}), {})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.wait = 6  # checked once: a setting is not changed afterwards
 
 
 def test_a_plain_loops_step_splits_into_forward_backward_and_the_rest(tmp_path):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import shutil
 import time
 import warnings
@@ -35,16 +34,17 @@ from fxprof_lightning import FxprofWarning
 from fxprof_lightning.analysis.history import StageHistory
 from fxprof_lightning.analysis.roofline import Peaks, device_peaks
 from fxprof_lightning.capture.compiled import is_compiled, missing_for_kernels
-from fxprof_lightning.capture.timers import CAPTURES, Timers
+from fxprof_lightning.capture.timers import Timers
 from fxprof_lightning.engine.cycle import Cycle
 from fxprof_lightning.engine.follow import Follow, Trigger
 from fxprof_lightning.engine.loop_phases import LoopClock
+from fxprof_lightning.engine.settings import Settings, takes_settings
 from fxprof_lightning.engine.statistics import merge_ranks
 from fxprof_lightning.layout import CYCLE_PREFIXES, DEFAULT_DIRPATH
 from fxprof_lightning.outputs.sinks import ConsoleSink, CsvSink, Display, PictureSink, RunSummary, Sink
 from fxprof_lightning.report import CycleReport
 from fxprof_lightning.schedule import ProfilerAction, Schedule
-from fxprof_lightning.timing.torch_trace import CycleTrace, check_profiler_kwargs
+from fxprof_lightning.timing.torch_trace import CycleTrace
 
 __all__ = ["DEFAULT_DIRPATH", "Engine", "Profiler", "checked_sinks", "cycle_name"]
 
@@ -235,54 +235,16 @@ class Engine:
 
     name = "Profiler"  # starts every warning (the Lightning callback sets its own)
 
-    def __init__(
-        self,
-        module: nn.Module | Callable[[], nn.Module] | None,
-        *,
-        skip_first: int = 0,
-        wait: int = 100,
-        warmup: int = 1,
-        active: int = 3,
-        repeat: int = 0,
-        torch_profiler: bool = True,
-        fx_timing: bool = True,
-        profiler_kwargs: dict[str, Any] | None = None,
-        dirpath: str | os.PathLike | None = None,
-        top_k: int = 20,
-        use_gzip: bool = True,
-        keep_cycles: int | None = None,
-        profile_validation: bool = False,
-        module_depth: int = 3,
-        backward_timing: bool = True,
-        node_ranges: bool = True,
-        ranks: Sequence[int] | None = None,
-        peaks: Peaks | None = None,
-        pictures: bool = True,
-        verbose: bool = False,
-        sinks: Sequence[Sink] | None = None,
-        capture: str = "dynamo",
-        watch_step_time: bool = True,
-        overhead_budget: float | None = None,
-    ) -> None:
-        self.schedule = Schedule(skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat)
-        _check_settings(module, torch_profiler, fx_timing, top_k, keep_cycles, module_depth, ranks, capture, peaks)
-        self.capture = capture
+    @takes_settings
+    def __init__(self, module: nn.Module | Callable[[], nn.Module] | None, *, sinks: Sequence[Sink] | None = None,
+                 **options: Any) -> None:
+        self.settings = Settings.of(type(self).__name__, options)
+        if module is None or not (isinstance(module, nn.Module) or callable(module)):
+            raise ValueError(f"module must be the nn.Module to profile (or a function returning it), got {module!r}")
         self.module = module
-        self.torch_profiler = torch_profiler
-        self.fx_timing = fx_timing
-        self.profiler_kwargs = check_profiler_kwargs(profiler_kwargs)
-        self.dirpath = Path(dirpath if dirpath is not None else DEFAULT_DIRPATH)
-        self.top_k = top_k
-        self.use_gzip = use_gzip
-        self.keep_cycles = keep_cycles
-        self.profile_validation = profile_validation
-        self.module_depth = module_depth
-        self.backward_timing = backward_timing
-        self.node_ranges = node_ranges
-        self.ranks = None if ranks is None else frozenset(ranks)
-        self.peaks = peaks
-        self.pictures = pictures
-        self.verbose = verbose
+        self.schedule = self.settings.schedule
+        self.dirpath = Path(self.settings.dirpath if self.settings.dirpath is not None else DEFAULT_DIRPATH)
+        self.peaks: Peaks | bool | None = self.settings.peaks  # measured at the first report (False: could not be)
         self.sinks: list[Sink] = checked_sinks(sinks) if sinks is not None else [CsvSink(), PictureSink(), ConsoleSink()]
 
         self.target: nn.Module | None = None  # the module, once resolved (begin_run)
@@ -290,12 +252,11 @@ class Engine:
         self._current = self._train  # the stage step() advances
         self._running = False
         self._enabled = True  # False after a failure inside the profiler
-        self._fx_on = fx_timing  # False when the target cannot be traced
+        self._fx_on = self.settings.fx_timing  # False when the target cannot be traced
         self.timers = Timers(self.warn)  # which timer times the module (set up at each begin_run)
         self._backward_start: int | None = None
         self._clock: LoopClock | None = None  # the plain loop's phases (``Profiler``; the callback has its own)
         self._taken: set[str] = set()  # directory names in dirpath from earlier runs
-        self.watch_step_time, self.overhead_budget = watch_step_time, _check_budget(overhead_budget)
         self.follow: Follow | None = None  # cycles out of the schedule: on request, on a jump of the step time
 
     @property
@@ -325,9 +286,9 @@ class Engine:
     def begin_run(self) -> None:
         """Resolve the module, forget captures, and list the names in ``dirpath`` that earlier runs took."""
         self.target = self.module if isinstance(self.module, nn.Module) else self.module()
-        self._enabled, self._fx_on = True, self.fx_timing
+        self._enabled, self._fx_on = True, self.settings.fx_timing
         compiled = self._fx_on and is_compiled(self.target)
-        if compiled and not self.torch_profiler:
+        if compiled and not self.settings.torch_profiler:
             self.warn(f"{type(self.target).__name__} is torch.compile'd: its per-layer times come from its kernels in "
                       "the torch.profiler trace, and torch_profiler=False turns that off, so node timing is off too")
             self._fx_on = compiled = False
@@ -337,15 +298,17 @@ class Engine:
                       "2.14 has it), so node timing is off; the torch.profiler trace is still recorded")
             self._fx_on = compiled = False
         # A compiled module's kernels are followed from before its first call (per-layer times from the trace).
-        self.timers.start(self.capture, self.backward_timing, self.torch_profiler and self.node_ranges, compiled)
+        settings = self.settings
+        self.timers.start(settings.capture, settings.backward_timing, settings.torch_profiler and settings.node_ranges,
+                          compiled)
         taken = sorted(p.name for p in self.dirpath.glob("*cycle_*")) if self.rank == 0 and self.dirpath.is_dir() else []
         self._taken = set(_broadcast(taken))
-        self.follow = Follow(self.watch_step_time, self.rank, self.world_size, self.overhead_budget)
+        self.follow = Follow(self.settings.watch_step_time, self.rank, self.world_size, self.settings.overhead_budget)
         self.follow.start(self.dirpath)
 
     def prepare(self, stage: str = "train") -> None:
         """Capture the module in its current mode before the stage's first timed step (or start recording a call)."""
-        if self._fx_on and self._enabled and (stage == "train" or self.profile_validation):
+        if self._fx_on and self._enabled and (stage == "train" or self.settings.profile_validation):
             started = time.perf_counter()
             self._safely("capturing the module", self.timers.for_module, self.target)
             if self.follow is not None and self.follow.opened is None:  # (outside a training cycle, whose cost has it)
@@ -458,7 +421,9 @@ class Engine:
 
     def display(self) -> Display:
         """What the sinks show, from the settings now (``sinks.Display``)."""
-        return Display(self.name, self.top_k, self.module_depth, self.pictures, self.verbose, self.profile_validation,
+        settings = self.settings
+        return Display(self.name, settings.top_k, settings.module_depth, settings.pictures, settings.verbose,
+                       settings.profile_validation,
                        self.warn)
 
     def backward_started(self) -> None:
@@ -491,7 +456,7 @@ class Engine:
         """The stage's state, or None for validation without ``profile_validation`` (nothing to do)."""
         if name not in CYCLE_PREFIXES:
             raise ValueError(f"stage must be 'train' or 'val', got {name!r}")
-        if name == "val" and not self.profile_validation:
+        if name == "val" and not self.settings.profile_validation:
             return None
         return self._train if name == "train" else self._val
 
@@ -594,14 +559,14 @@ class Engine:
         if stage is self._train and self.follow is not None:
             self.follow.closed(stage.step - 1, report)
         stage.cycles.append(report)
-        stage.forget_old_cycles(self.keep_cycles, self.rank)
+        stage.forget_old_cycles(self.settings.keep_cycles, self.rank)
 
     def _analyse(self, stage: _Stage, report: CycleReport) -> None:
         """What the report says beyond its tables: tracked nodes (validation's: training's, once known), roofline,
         trust, regressions, advice (rank 0). A raised peak: a measured one a node beat was too low."""
         tracked = self._train.history.tracked if stage is self._val else None
         self.peaks = _device_peaks(self.target, self.peaks, self.warn)
-        self.peaks = stage.history.analyse(report, self.peaks or None, self.top_k, tracked) or self.peaks
+        self.peaks = stage.history.analyse(report, self.peaks or None, self.settings.top_k, tracked) or self.peaks
 
     # ------------------------------------------------------------ failures
 
@@ -638,39 +603,10 @@ class Profiler(Engine):
     Args:
         module: the ``nn.Module`` to time node by node (or a function returning it, called at
             ``start()``). Its forward is replaced by the timed graph during traced steps only.
-        skip_first, wait, warmup, active, repeat: the schedule (see above).
-        torch_profiler: trace the cycle's steps with ``torch.profiler``.
-        fx_timing: time every FX node of ``module``'s forward.
-        profiler_kwargs: more ``torch.profiler.profile`` arguments (activities, record_shapes, ...).
-        dirpath: output directory (default ``./fxprof``).
-        top_k: how many of the slowest nodes get scalars and table rows.
-        use_gzip: write traces as ``.pt.trace.json.gz`` (else plain ``.pt.trace.json``).
-        keep_cycles: keep only the newest N cycle directories (and reports); None keeps all.
-        profile_validation: also profile the steps inside ``with profiler.validation():``.
-        module_depth: deepest level of the module tree in the modules text (root = 0).
-        backward_timing: time each node's backward too.
-        node_ranges: with ``torch_profiler``, a range per node call in the trace (written into the exported
-            trace from the node timestamps; on CUDA they tie each kernel to its node; under module hooks a
-            ``record_function`` per module call), and around them a range per module call that the TensorBoard
-            plugin's Module view reads.
-        ranks: global ranks that write traces (None: all). The others still time nodes and take
-            part in the gather.
-        peaks: the device's peak GFLOP/s and GB/s for the roofline columns (``roofline.Peaks``); None
-            measures them once per device with a short micro-benchmark and caches them.
-        pictures: draw the slowest layers, the module tree and the trend (needs matplotlib).
-        verbose: the console sink prints every cycle's full tables, not one line.
         sinks: where cycle reports go (default ``[CsvSink(), PictureSink(), ConsoleSink()]``); see ``sinks``.
-        overhead_budget: the share of the run's wall time profiling may cost (0.01: 1%; None, the default: the
-            schedule as given). A scheduled cycle whose first step comes while the cycles so far cost more is left
-            out (its steps idle), and so is a cycle the step time would start. ``CycleReport.cost_s`` and
-            ``fxprof_cycles.jsonl`` say what each cost.
-        watch_step_time: start a cycle out of the schedule when the step time jumps (``follow.StepWatch``: several
-            steps in a row beyond the noise of the last few hundred; never a single slow step). A request from
-            another shell (``python -m fxprof_lightning trigger DIR``) starts one whatever this says.
-        capture: how the module's forward becomes a timed graph: ``"dynamo"`` (the default: Dynamo captures it,
-            each capture verified against eager forward and backward, recaptured when a guard fails;
-            ``dynamo_capture``; FSDP2-sharded models too, captured once) or ``"fx"`` (the torch.fx capture ladder,
-            ``capture``).
+        **options: the settings, as keywords (``Settings``: ``wait=``, ``active=``, ``top_k=``, ``capture=``...), each
+            in the table of docs/usage.md#options. An unknown name raises ``TypeError``, a value that cannot work
+            ``ValueError``; read them back as ``profiler.settings``.
 
     Example:
         >>> with Profiler(model, wait=5, warmup=1, active=3, repeat=2) as prof:
@@ -805,39 +741,6 @@ def cycle_name(prefix: str, index: int, piece: int, taken: set[str], triggered: 
     return f"{name}-r{run}" if run else name
 
 
-def _check_settings(module: Any, torch_profiler: bool, fx_timing: bool, top_k: Any, keep_cycles: Any, module_depth: Any,
-                    ranks: Any, capture: Any, peaks: Any) -> None:
-    """A clear error for each setting ``Profiler`` cannot work with."""
-    if not torch_profiler and not fx_timing:
-        raise ValueError("torch_profiler and fx_timing are both False: turn at least one on")
-    if module is None or not (isinstance(module, nn.Module) or callable(module)):
-        raise ValueError(f"module must be the nn.Module to profile (or a function returning it), got {module!r}")
-    _check_int("top_k", top_k, 1)
-    if keep_cycles is not None:
-        _check_int("keep_cycles", keep_cycles, 1, "or None (keep all)")
-    _check_int("module_depth", module_depth, 0)
-    if ranks is not None and (isinstance(ranks, str | bytes) or not isinstance(ranks, Sequence)
-                              or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)):
-        raise ValueError(f"ranks must be a list of global ranks (ints >= 0) or None (all ranks), got {ranks!r}")
-    if capture not in CAPTURES:
-        raise ValueError(f"capture must be one of {', '.join(map(repr, CAPTURES))}, got {capture!r}")
-    if peaks is not None and not isinstance(peaks, Peaks):
-        raise ValueError(f"peaks must be a fxprof_lightning.analysis.roofline.Peaks(gflops_per_s=..., gbytes_per_s=...) or "
-                         f"None (measure them), got {peaks!r}")
-
-
-def _check_budget(budget: Any) -> float | None:
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 < budget < 1):
-        raise ValueError(f"overhead_budget must be a share of the run's wall time between 0 and 1 (0.01: 1%) or None "
-                         f"(no budget: the schedule as given), got {budget!r}")
-    return budget
-
-
-def _check_int(name: str, value: Any, minimum: int, alternative: str = "") -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}{' ' + alternative if alternative else ''}, got {value!r}")
-
-
 def _nothing_recorded(schedule: Schedule, steps: int) -> str | None:
     """Why a run of ``steps`` training steps has no cycle, when it stopped before the first recorded step (a cycle
     that counted no step says so itself)."""
@@ -851,7 +754,8 @@ def _nothing_recorded(schedule: Schedule, steps: int) -> str | None:
 
 def _trace_for(engine: Engine, stage: _Stage, other: _Stage, index: int, directory: Path, timer: Any) -> CycleTrace | None:
     """The cycle's torch.profiler session, when this rank traces and no other profiler runs (``Engine._open_cycle``)."""
-    if not engine.torch_profiler or (engine.ranks is not None and engine.rank not in engine.ranks):
+    settings = engine.settings
+    if not settings.torch_profiler or (settings.tracing_ranks is not None and engine.rank not in settings.tracing_ranks):
         return None
     if other.open is not None and (other.open.trace is not None or other.open.backward_events is not None):
         engine.warn(f"a {other.name} cycle's profiler is still running, so {stage.name} steps {stage.step}+ get "
@@ -864,7 +768,7 @@ def _trace_for(engine: Engine, stage: _Stage, other: _Stage, index: int, directo
     # The cycle opens at whichever of its traced steps comes first (normally its first).
     actions = {s: action for s, action in stage.traced(engine.schedule, index).items() if s >= stage.step}
     from_trace = timer is not None and timer.reads_trace_events  # rows from all the events, not autograd nodes
-    return CycleTrace(actions, directory, f"rank{engine.rank}", engine.use_gzip, engine.profiler_kwargs,
+    return CycleTrace(actions, directory, f"rank{engine.rank}", settings.use_gzip, settings.profiler_kwargs,
                       backward_events=engine._fx_on and not from_trace, keep_events=from_trace)
 
 
