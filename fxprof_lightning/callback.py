@@ -23,7 +23,7 @@ from torch import nn
 from typing_extensions import override
 
 from fxprof_lightning import FxprofWarning
-from fxprof_lightning.engine.profiler import Profiler, checked_sinks
+from fxprof_lightning.engine.profiler import Profiler
 from fxprof_lightning.engine.settings import Settings, takes_settings
 from fxprof_lightning.engine.step_phases import PhaseClock
 from fxprof_lightning.layout import DEFAULT_DIRPATH
@@ -32,6 +32,7 @@ from fxprof_lightning.outputs.sinks import (
     CsvSink,
     PictureSink,
     Sink,
+    checked_sinks,
 )
 from fxprof_lightning.outputs.trackers import LoggerSink
 from fxprof_lightning.report import CycleReport

@@ -22,7 +22,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -416,3 +416,17 @@ def write_atomically(path: Path, data: str | bytes, name: str = "fxprof") -> Non
     except OSError as error:
         partial.unlink(missing_ok=True)
         warnings.warn(f"{name}: could not write {path}: {error}", FxprofWarning, stacklevel=2)
+
+
+def checked_sinks(sinks: Sequence[Sink]) -> list[Sink]:
+    """The sinks as a list, or a ValueError naming one that is not a sink (``write_cycle`` and ``close``)."""
+    if callable(getattr(sinks, "write_cycle", None)) or isinstance(sinks, str | bytes):
+        raise ValueError(f"sinks must be a list of sinks, got {sinks!r}: pass sinks=[{type(sinks).__name__}(...)]")
+    sinks = list(sinks)
+    for sink in sinks:
+        if isinstance(sink, type):
+            raise ValueError(f"sinks: {sink.__name__} is a class: pass an instance, {sink.__name__}(...)")
+        if not (callable(getattr(sink, "write_cycle", None)) and callable(getattr(sink, "close", None))):
+            raise ValueError(f"sinks: {sink!r} is not a sink: a sink has write_cycle(report, display) and close(run) "
+                             "methods (see fxprof_lightning.outputs.sinks.Sink and the CsvSink there)")
+    return sinks

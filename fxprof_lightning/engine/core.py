@@ -1,0 +1,491 @@
+"""``Engine``: the profiling engine under ``Profiler`` (``profiler.py``) and the Lightning callback.
+
+Data flows one way: step -> schedule -> cycle -> statistics -> gather -> report -> sinks.
+
+* ``begin_step``/``end_step`` end a step and begin the next, as ``torch.profiler.profile.step`` does; the schedule
+  (``schedule.Schedule``) and the stage (``stage.Stage``) say what each step is;
+* a cycle (``cycle.Cycle``) opens at its first traced step, in a directory of its own, with a
+  ``torch.profiler`` session (``torch_trace.CycleTrace``) and a node timer (``timers``);
+* at its last recorded step the timer's samples become per-node statistics (``statistics``), the
+  ranks' tables are gathered and merged, and rank 0 hands the ``CycleReport`` to the sinks (``sinks``).
+
+Decided in one place each: which timer times the module (``timers.Timers``), where backward times
+come from (``Cycle.choose_backward``), what the analysis remembers (``history.StageHistory``), the name of a
+cycle's directory (``stage.cycle_name``). Nothing here knows Lightning: ``callback.FXProfilerCallback`` maps
+Trainer hooks onto ``begin_run``/``prepare``/``begin_step``/``end_step``/``end_stage``/``abort``.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxprof_lightning import FxprofWarning
+from fxprof_lightning.analysis.roofline import Peaks, device_peaks
+from fxprof_lightning.capture.compiled import is_compiled, missing_for_kernels
+from fxprof_lightning.capture.timers import Timers
+from fxprof_lightning.engine.cycle import Cycle
+from fxprof_lightning.engine.follow import Follow, Trigger
+from fxprof_lightning.engine.loop_phases import LoopClock
+from fxprof_lightning.engine.ranks import all_gather, broadcast, global_rank, world_size
+from fxprof_lightning.engine.settings import Settings, takes_settings
+from fxprof_lightning.engine.stage import RECORDING, Stage
+from fxprof_lightning.engine.statistics import merge_ranks
+from fxprof_lightning.layout import CYCLE_PREFIXES, DEFAULT_DIRPATH
+from fxprof_lightning.outputs.sinks import ConsoleSink, CsvSink, Display, PictureSink, RunSummary, Sink, checked_sinks
+from fxprof_lightning.report import CycleReport, NodeStats
+from fxprof_lightning.schedule import ProfilerAction, Schedule
+from fxprof_lightning.timing.torch_trace import CycleTrace
+
+__all__ = ["LIFECYCLE", "Engine"]
+
+# The lifecycle in one table, as torch.profiler keeps its own (``profile.action_map``): what a stage does at an edge
+# of a step ("begin", "end"; "stage end": its loop stopped after the step), by the schedule's action for that step.
+#   collect: open the stage's cycle if none is open, install the timer and start the step (while profiling is on);
+#   stop: end the open cycle's step (when one is open);
+#   close: gather the ranks' tables and write the cycle. Decided by the schedule alone, so that every rank takes
+#     part in the gather, even one whose profiling failed; at "stage end", with what the cut-short cycle recorded.
+LIFECYCLE: dict[tuple[str, ProfilerAction], tuple[str, ...]] = {
+    ("begin", ProfilerAction.WARMUP): ("collect",),
+    ("begin", ProfilerAction.RECORD): ("collect",),
+    ("begin", ProfilerAction.RECORD_AND_SAVE): ("collect",),
+    ("end", ProfilerAction.NONE): ("stop",),
+    ("end", ProfilerAction.WARMUP): ("stop",),
+    ("end", ProfilerAction.RECORD): ("stop",),
+    ("end", ProfilerAction.RECORD_AND_SAVE): ("stop", "close"),
+    ("stage end", ProfilerAction.WARMUP): ("close",),
+    ("stage end", ProfilerAction.RECORD): ("close",),
+}
+
+
+class Engine:
+    """The profiling engine under ``Profiler`` and the Lightning callback: the schedule, the two stages (training
+    and validation steps), their cycles, the cross-rank gather and the failure policy, driven by
+    ``begin_run``/``prepare``/``begin_step``/``end_step``/``end_stage``/``abort``/``end_run``. See ``Profiler`` for the
+    settings.
+    """
+
+    name = "Profiler"  # starts every warning (the Lightning callback sets its own)
+
+    @takes_settings
+    def __init__(self, module: nn.Module | Callable[[], nn.Module] | None, *, sinks: Sequence[Sink] | None = None,
+                 **options: Any) -> None:
+        self.settings = Settings.of(type(self).__name__, options)
+        if module is None or not (isinstance(module, nn.Module) or callable(module)):
+            raise ValueError(f"module must be the nn.Module to profile (or a function returning it), got {module!r}")
+        self.module = module
+        self.schedule = self.settings.schedule
+        self.dirpath = Path(self.settings.dirpath if self.settings.dirpath is not None else DEFAULT_DIRPATH)
+        self.peaks: Peaks | bool | None = self.settings.peaks  # measured at the first report (False: could not be)
+        self.sinks: list[Sink] = checked_sinks(sinks) if sinks is not None else [CsvSink(), PictureSink(), ConsoleSink()]
+
+        self.target: nn.Module | None = None  # the module, once resolved (begin_run)
+        self._train, self._val = Stage("train"), Stage("val")
+        self._current = self._train  # the stage step() advances
+        self._running = False
+        self._enabled = True  # False after a failure inside the profiler
+        self._fx_on = self.settings.fx_timing  # False when the target cannot be traced
+        self.timers = Timers(self.warn)  # which timer times the module (set up at each begin_run)
+        self._backward_start: int | None = None
+        self._clock: LoopClock | None = None  # the plain loop's phases (``Profiler``; the callback has its own)
+        self._taken: set[str] = set()  # directory names in dirpath from earlier runs
+        self.follow: Follow | None = None  # cycles out of the schedule: on request, on a jump of the step time
+
+    @property
+    def cycles(self) -> list[CycleReport]:
+        """One report per completed (or cut-short) training cycle."""
+        return self._train.cycles
+
+    @property
+    def val_cycles(self) -> list[CycleReport]:
+        """Like ``cycles``, for validation steps (``profile_validation=True``)."""
+        return self._val.cycles
+
+    @property
+    def step_num(self) -> int:
+        """The number of the training step in progress (or the next one), counted from 0."""
+        return self._train.step
+
+    # ------------------------------------------------------------ the driver API (the Lightning callback)
+
+    def reset(self, train: bool = True) -> None:
+        """Forget the cycles and schedule position of validation (and of training, with ``train``)."""
+        if train:
+            self._train = Stage("train")
+        self._val = Stage("val")
+        self._current = self._train
+
+    def begin_run(self) -> None:
+        """Resolve the module, forget captures, and list the names in ``dirpath`` that earlier runs took."""
+        self.target = self.module if isinstance(self.module, nn.Module) else self.module()
+        self._enabled, self._fx_on = True, self.settings.fx_timing
+        compiled = self._fx_on and is_compiled(self.target)
+        if compiled and (why_not := _kernels_unreadable(self.target, self.settings.torch_profiler)):
+            self.warn(why_not)
+            self._fx_on = compiled = False
+        # A compiled module's kernels are followed from before its first call (per-layer times from the trace).
+        settings = self.settings
+        self.timers.start(settings.capture, settings.backward_timing, settings.torch_profiler and settings.node_ranges,
+                          compiled)
+        taken = sorted(p.name for p in self.dirpath.glob("*cycle_*")) if self.rank == 0 and self.dirpath.is_dir() else []
+        self._taken = set(broadcast(taken))
+        self.follow = Follow(self.settings.watch_step_time, self.rank, self.world_size, self.settings.overhead_budget)
+        self.follow.start(self.dirpath)
+
+    def prepare(self, stage: str = "train") -> None:
+        """Capture the module in its current mode before the stage's first timed step (or start recording a call)."""
+        if self._fx_on and self._enabled and (stage == "train" or self.settings.profile_validation):
+            started = time.perf_counter()
+            self._safely("capturing the module", self.timers.for_module, self.target)
+            if self.follow is not None and self.follow.opened is None:  # (outside a training cycle, whose cost has it)
+                self.follow.setup_s += time.perf_counter() - started
+
+    def begin_step(self, stage: str = "train") -> None:
+        """A step of ``stage`` begins: open its cycle if the schedule says so, and install the timer."""
+        state = self._stage(stage)
+        if state is None:
+            return
+        state.in_step = True
+        self._lifecycle(state, "begin", state.step)
+
+    def recording(self, stage: str = "train") -> bool:
+        """Whether the step in progress of ``stage`` (between ``end_step`` calls: the next one) is a recorded step."""
+        state = self._stage(stage)
+        return state is not None and self._enabled and state.action(self.schedule, state.step) in RECORDING
+
+    def idle_steps_ahead(self, stage: str = "train") -> int:
+        """How many steps from the next one need nothing of the profiler (a driver may skip their begin_step/end_step
+        calls and count them with ``skip_idle_steps``); 0 while a cycle is open or a step is in progress."""
+        state = self._stage(stage)
+        return state.idle_steps_ahead(self.schedule) if state is not None else 0
+
+    def skip_idle_steps(self, count: int, stage: str = "train") -> None:
+        """Count ``count`` steps that ended without ``begin_step``/``end_step`` (at most ``idle_steps_ahead``)."""
+        state = self._stage(stage)
+        if state is not None:
+            state.step += count
+
+    def add_batch_size(self, samples: int | None, stage: str = "train") -> None:
+        """The samples in the recorded step in progress (``CycleReport.batch_size``: their mean); before ``end_step``."""
+        cycle = self._recording_cycle(stage)
+        if samples is not None and cycle is not None:
+            cycle.batch_sizes.append(int(samples))
+
+    def add_step_phases(self, phases_ns: dict[str, int], stage: str = "train") -> None:
+        """Where the recorded step in progress went, ns per phase (``step_phases.PhaseClock.lap``); before ``end_step``."""
+        cycle = self._recording_cycle(stage)
+        if cycle is not None:
+            cycle.phases.append(phases_ns)
+
+    def _recording_cycle(self, stage: str) -> Cycle | None:
+        """The stage's open cycle while its step in progress is a recorded step, else None."""
+        state = self._stage(stage)
+        return state.open if state is not None and state.open is not None and self.recording(stage) else None
+
+    def end_step(self, stage: str = "train") -> None:
+        """A step of ``stage`` ends: count it, and write the cycle at its last recorded step."""
+        state = self._stage(stage)
+        if state is None:
+            return
+        state.in_step = False
+        step, state.step = state.step, state.step + 1
+        self._lifecycle(state, "end", step)
+        if state is self._train:
+            self.step_watched(step)
+
+    def step_watched(self, step: int) -> bool:
+        """The end of training step ``step`` for ``follow.Follow``; True when it planned a cycle out of the schedule.
+        (A driver that skips idle steps' ``end_step`` calls gives each to ``follow.tick`` and its trigger to ``plan``.)"""
+        return self.follow is not None and self._train.watched(self.schedule, self.follow, step)
+
+    def plan(self, trigger: Trigger, step: int) -> None:
+        """A cycle out of the schedule from the step after ``step`` (``follow.Follow.tick``'s trigger; also where
+        profiling failed: the cycle's last step is a gather every rank takes part in)."""
+        self._train.plan(self.schedule, trigger, step + 1)
+
+    def end_stage(self, stage: str = "train") -> None:
+        """The loop of ``stage`` stopped (or paused): write a cycle it left before its last recorded step."""
+        state = self._stage(stage)
+        if state is None:
+            return
+        if state.step > 0:
+            self._lifecycle(state, "stage end", state.step - 1)
+        if state.open is not None:  # a step that opened a cycle and never ended
+            self._safely("writing a cycle left open", self._close_cycle, state, gather=False)
+
+    def abort(self) -> None:
+        """Training stopped with an exception: write this rank's open cycles (no collective) and remove every hook.
+
+        The step the exception stopped counts as recorded if the module ran in it (its samples are in the timer).
+        """
+        self.timers.stop()
+        for state in (self._train, self._val):
+            cycle = state.open
+            if state.in_step and cycle is not None and cycle.ran_in_step and state.action(self.schedule, state.step) in RECORDING:
+                cycle.count_step(state.step)  # its samples are in: the step the exception stopped counts (unless dropped)
+            state.in_step = False
+            if state.open is not None:
+                # Other ranks may not get here: no collective, this rank's data only.
+                self._safely("writing the cycle cut short by an exception", self._close_cycle, state, gather=False)
+
+    def end_run(self) -> None:
+        """Profiling ends: remove the first-call recorders, put Inductor's settings back and let the sinks finish (rank 0)."""
+        self.timers.stop()
+        if self.rank == 0 and not self._train.cycles and (why := _nothing_recorded(self.schedule, self._train.step)):
+            self.warn(why)
+        if self.follow is not None:
+            self.follow.end(self.dirpath)
+        if self.rank == 0:
+            cost = (self.follow.spent_s(), self.follow.share()) if self.follow is not None else None
+            run = RunSummary(self._train.cycles, self.dirpath, self.display(), cost)
+            for sink in self.sinks:
+                self._safely("closing a sink", sink.close, run)
+
+    def display(self) -> Display:
+        """What the sinks show, from the settings now (``sinks.Display``)."""
+        settings = self.settings
+        return Display(self.name, settings.top_k, settings.module_depth, settings.pictures, settings.verbose,
+                       settings.profile_validation,
+                       self.warn)
+
+    def backward_started(self) -> None:
+        """Mark the start of a recorded step's backward (measures ``CycleReport.backward_wall_ms``)."""
+        if self._train.open is not None and self._train.action(self.schedule, self._train.step) in RECORDING:
+            self._backward_start = time.perf_counter_ns()
+
+    def backward_ended(self) -> None:
+        start, self._backward_start = self._backward_start, None
+        if start is not None and self._train.open is not None:
+            self._train.open.backward_wall_ns.append(time.perf_counter_ns() - start)
+
+    @property
+    def rank(self) -> int:
+        """Global rank from ``torch.distributed`` (0 when it is not initialised)."""
+        return global_rank()
+
+    @property
+    def world_size(self) -> int:
+        return world_size()
+
+    def warn(self, message: str) -> None:
+        """A warning on rank 0, naming the profiler."""
+        if self.rank == 0:
+            warnings.warn(f"{self.name}: {message}", FxprofWarning, stacklevel=3)
+
+    # ------------------------------------------------------------ steps and cycles
+
+    def _stage(self, name: str) -> Stage | None:
+        """The stage's state, or None for validation without ``profile_validation`` (nothing to do)."""
+        if name not in CYCLE_PREFIXES:
+            raise ValueError(f"stage must be 'train' or 'val', got {name!r}")
+        if name == "val" and not self.settings.profile_validation:
+            return None
+        return self._train if name == "train" else self._val
+
+    def _finish_step(self, stage: Stage) -> None:
+        """The step in progress when a loop stops: counted if the module ran in it, else dropped."""
+        if not stage.in_step:
+            return
+        if stage.open is not None and stage.open.ran_in_step:
+            self.end_step(stage.name)
+            return
+        stage.in_step = False
+        if stage.open is not None:
+            stage.open.pause(self.target)
+
+    def _lifecycle(self, stage: Stage, edge: str, step: int) -> None:
+        """Do what ``LIFECYCLE`` says for this edge of ``step``, each part under the failure policy."""
+        action = stage.action(self.schedule, step)
+        if edge == "begin" and action is not ProfilerAction.NONE and not stage.within(self.follow, self.schedule, step):
+            action = ProfilerAction.NONE
+        for work in LIFECYCLE.get((edge, action), ()):
+            if work == "collect" and self._enabled:
+                self._safely("starting a profiled step", self._start_collecting, stage, action)
+            elif work == "stop":  # (every rank: a cycle's last step may extend it, as every rank must agree)
+                if stage.open is not None:
+                    self._safely("ending a profiled step", stage.open.end_step, self.target, step, action in RECORDING)
+                self._safely("ending a profiled step", stage.step_ended, self.schedule, step, action)
+            elif work == "close" and edge == "end" and stage.extra and step < stage.extra[-1]:
+                continue  # the cycle goes on with the steps it records in place of dropped ones
+            elif work == "close":
+                what = "writing a cycle" if edge == "end" else "writing a partial cycle"
+                self._safely(what, self._close_cycle, stage, gather=True)
+
+    def _start_collecting(self, stage: Stage, action: ProfilerAction) -> None:
+        if stage.open is None:
+            stage.open = self._open_cycle(stage)
+        cycle = stage.open
+        if cycle.timer is not None and not cycle.timer.usable and not cycle.recorded:  # nothing recorded is lost: switch
+            cycle.timer, cycle.capture = self.timers.for_module(self.target)
+            cycle.captures_before = len(cycle.timer.capture_s)
+        recording = action in RECORDING
+        cycle.begin_step(self.target, recording, stage is self._train and recording, self.warn)
+
+    def _open_cycle(self, stage: Stage) -> Cycle:
+        index = stage.index_at(self.schedule, stage.step)
+        directory = stage.directory_for(self.dirpath, index, self._taken)
+        # Capture first: tracing on a recorded call runs the module, which no trace should record.
+        timer, how = self.timers.for_module(self.target) if self._fx_on else (None, None)
+        other = self._val if stage is self._train else self._train
+        if timer is not None and other.open is not None and other.open.timer is timer:  # one timer, one cycle
+            self.warn(f"the {stage.name} cycle from step {stage.step} would share the open {other.name} cycle's timer "
+                      f"(the module is in {'training' if self.target.training else 'eval'} mode for both): its nodes are "
+                      "not timed. Switch the module to eval mode before entering validation().")
+            timer, how = None, None
+        trace = _trace_for(self, stage, other, index, directory, timer)
+        stage.opened(self.follow, self.schedule, index, directory)
+        if how is not None and self.timers.waiting_for_first_call(self.target.training):
+            self.warn(f"torch.fx could not trace {type(self.target).__name__} whole, so it is timed by "
+                      f"{how.describe()} in this cycle, which starts at its first call; later cycles are traced on "
+                      "that call")
+        cycle = Cycle(index, directory, trace, timer, how, self.target.training)
+        if trace is not None:
+            trace.node_ranges = functools.partial(cycle.node_ranges, functools.partial(_type_name, self.target))
+        return cycle
+
+    def _close_cycle(self, stage: Stage, gather: bool) -> None:
+        cycle, stage.open = stage.open, None
+        extra, stage.extra = stage.extra, []
+        recorded = len(stage.recorded(self.schedule, cycle.index)) if cycle is not None else 0
+        trigger, stage.trigger, stage.planned = stage.trigger, None, {}
+        nodes = None
+        if cycle is not None:
+            cycle.stop_trace(self.warn)
+            if cycle.timer is not None:
+                nodes = cycle.measure(self.target, self.warn)
+        ranges = [cycle.trace.ranges] if cycle is not None and cycle.trace is not None else []
+        ranks = 1
+        if gather and self.world_size > 1:
+            nodes, ranges, ranks = _gathered(nodes, ranges)
+        if cycle is None:
+            return
+        nothing = cycle.nothing_timed(stage.name, type(self.target).__name__, nodes)
+        if nothing is not None:
+            self.warn(nothing)
+        if not cycle.recorded:
+            stage.drop(cycle)
+            return
+        report = cycle.report(stage.name, nodes or [], ranges, max(ranks, 1),
+                              partial=cycle.cut_short(recorded + len(extra)),
+                              type_name=functools.partial(_type_name, self.target))
+        report.trigger = trigger.text() if trigger is not None else "schedule"
+        if report.nodes and self.rank == 0:
+            self._safely("analysing a cycle", self._analyse, stage, report)
+            display = self.display()
+            for sink in self.sinks:
+                sink.write_cycle(report, display)
+            report.pictures.clear()  # written: a long run keeps no image bytes
+        if stage is self._train and self.follow is not None:
+            self.follow.closed(stage.step - 1, report)
+        stage.cycles.append(report)
+        stage.forget_old_cycles(self.settings.keep_cycles, self.rank)
+
+    def _analyse(self, stage: Stage, report: CycleReport) -> None:
+        """What the report says beyond its tables: tracked nodes (validation's: training's, once known), roofline,
+        trust, regressions, advice (rank 0). A raised peak: a measured one a node beat was too low."""
+        tracked = self._train.history.tracked if stage is self._val else None
+        self.peaks = _device_peaks(self.target, self.peaks, self.warn)
+        self.peaks = stage.history.analyse(report, self.peaks or None, self.settings.top_k, tracked) or self.peaks
+
+    # ------------------------------------------------------------ failures
+
+    def _safely(self, what: str, work: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Run profiler work; on failure warn, clean up and stop profiling, never break training."""
+        try:
+            work(*args, **kwargs)
+        except Exception as error:
+            message = (f"{self.name} failed while {what}: {type(error).__name__}: {error}. "
+                       "Profiling is off for the rest of this run; training goes on.")
+            # Every rank says so: a failure on one rank only must not pass unnoticed.
+            self._disable()  # first: a warning filtered into an error must not leave profiling half on
+            warnings.warn(f"[rank: {self.rank}] {message}" if self.world_size > 1 else message, FxprofWarning,
+                          stacklevel=3)
+
+    def _disable(self) -> None:
+        self._enabled = False
+        self.timers.stop()
+        for stage in (self._train, self._val):
+            cycle, stage.open = stage.open, None
+            if cycle is not None:
+                cycle.abandon(self.target)
+
+
+def _nothing_recorded(schedule: Schedule, steps: int) -> str | None:
+    """Why a run of ``steps`` training steps has no cycle, when it stopped before the first recorded step (a cycle
+    that counted no step says so itself)."""
+    first = schedule.recorded_steps(0)
+    if first and steps > first[0]:
+        return None
+    return (f"stopped after {steps} step(s), before any recorded step (the first is step {first[0] if first else '?'}: "
+            f"skip_first={schedule.skip_first}, wait={schedule.wait}, warmup={schedule.warmup}), so .cycles is empty; "
+            "run more steps or lower wait/skip_first")
+
+
+def _gathered(nodes: list[NodeStats] | None, ranges: list[Any]) -> tuple[list[NodeStats], list[Any], int]:
+    """Every rank's node table merged, every rank's ranges, and how many ranks timed nodes (a collective)."""
+    gathered = all_gather((nodes, ranges))
+    merged = merge_ranks([table for table, _ in gathered])
+    return merged, [r for _, rank_ranges in gathered for r in rank_ranges], sum(1 for table, _ in gathered if table)
+
+
+def _kernels_unreadable(target: nn.Module, torch_profiler: bool) -> str | None:
+    """Why a torch.compile'd module's per-layer times cannot come from its kernels in this run, or None."""
+    if not torch_profiler:
+        return (f"{type(target).__name__} is torch.compile'd: its per-layer times come from its kernels in the "
+                "torch.profiler trace, and torch_profiler=False turns that off, so node timing is off too")
+    if missing := missing_for_kernels():
+        return (f"{type(target).__name__} is torch.compile'd: its per-layer times come from its kernels, traced back "
+                f"to its layers by Inductor's {missing}, which torch {torch.__version__} lacks (torch 2.14 has it), so "
+                "node timing is off; the torch.profiler trace is still recorded")
+    return None
+
+
+def _trace_for(engine: Engine, stage: Stage, other: Stage, index: int, directory: Path, timer: Any) -> CycleTrace | None:
+    """The cycle's torch.profiler session, when this rank traces and no other profiler runs (``Engine._open_cycle``)."""
+    settings = engine.settings
+    if not settings.torch_profiler or (settings.tracing_ranks is not None and engine.rank not in settings.tracing_ranks):
+        return None
+    if other.open is not None and (other.open.trace is not None or other.open.backward_events is not None):
+        engine.warn(f"a {other.name} cycle's profiler is still running, so {stage.name} steps {stage.step}+ get "
+                    "node timing only (one profiler runs at a time)")
+        return None
+    if torch._C._autograd._profiler_enabled():
+        engine.warn("another profiler is running, so this cycle writes no trace (starting one would cancel it); "
+                    "node timing goes on")
+        return None
+    # The cycle opens at whichever of its traced steps comes first (normally its first).
+    actions = {s: action for s, action in stage.traced(engine.schedule, index).items() if s >= stage.step}
+    from_trace = timer is not None and timer.reads_trace_events  # rows from all the events, not autograd nodes
+    return CycleTrace(actions, directory, f"rank{engine.rank}", settings.use_gzip, settings.profiler_kwargs,
+                      backward_events=engine._fx_on and not from_trace, keep_events=from_trace)
+
+
+def _device_peaks(target: nn.Module | None, peaks: Peaks | bool | None, warn: Callable[[str], None]) -> Peaks | bool | None:
+    """The given peaks, or the target's device's, measured once (and cached across runs; False: could not be). A
+    known GPU starts from its spec sheet's peaks (no micro-benchmark before the first cycle's report); the next
+    cycle measures them."""
+    spec_sheet = peaks is not None and peaks is not False and peaks.source == "spec sheet"
+    if peaks is None or spec_sheet:
+        parameter = next(target.parameters(), None) if target is not None else None
+        device = parameter.device if parameter is not None and parameter.device.type != "meta" else torch.device("cpu")
+        try:
+            return device_peaks(device, calibrate=spec_sheet)
+        except Exception as error:  # no roofline, the rest goes on
+            warn(f"could not measure the device's peaks for the roofline ({type(error).__name__}: {error}); "
+                 "give them as peaks=Peaks(gflops_per_s=..., gbytes_per_s=...)")
+            return False
+    return peaks
+
+
+def _type_name(module: nn.Module, path: str) -> str:
+    try:
+        return type(module.get_submodule(path)).__name__
+    except AttributeError:
+        return ""
