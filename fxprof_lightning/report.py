@@ -1,18 +1,13 @@
-"""Per-cycle results: the node, module and range statistics of a cycle (``CycleReport``), and their Markdown and CSV
-forms. They are made from the timers' samples by ``engine.statistics``."""
+"""Per-cycle results: the node, module and range statistics of a cycle (``CycleReport``). They are made from the
+timers' samples by ``engine.statistics``; their Markdown and CSV forms are drawn by ``outputs.tables``."""
 
 from __future__ import annotations
 
-import csv
-import io
 import re
-import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-
-from fxprof_lightning.analysis.trust import cpu_per_wall, step_spread
 
 __all__ = ["CycleReport", "ModuleStats", "NodeStats", "RangeStats", "layer_label"]
 
@@ -358,152 +353,25 @@ class CycleReport:
             rows[UNOWNED_ENGINE] = (None, max(rest, 0.0))
         return rows
 
+    # The report's views, drawn by ``outputs.tables`` (imported when asked: the record knows no renderer).
+
     def to_markdown(self, top_k: int | None = None) -> str:
         """The cycle as Markdown: header, node table (slowest first, ``top_k`` rows at most), trust line,
-        regressions, advice and FSDP ranges."""
-        shown = self.nodes if top_k is None else self.nodes[:top_k]
-        steps = max(len(self.steps), 1)
-        step_range = f"steps {self.steps[0]}-{self.steps[-1]}" if self.steps else "no recorded step"
-        stage = "Validation cycle" if self.stage == "val" else "Cycle"
-        over_ranks = f", mean over {self.ranks} ranks" if self.ranks > 1 else ""
-        straggler = self.ranks > 1
-        header = f"{stage} {self.label}{' (partial)' if self.partial else ''}, {step_range}"
-        header += f" ({self.trigger})" if self.trigger != "schedule" else ""
-        header += f": node rows summed, forward {self.forward_ms_per_step:.3f} ms"
-        if self.backward_ms_per_step:
-            header += f", backward {self.backward_ms_per_step:.3f} ms"
-            if self.backward_wall_ms:
-                header += f" ({self.backward_account()})"
-        header += f" per step (mean) over {len(self.nodes)} nodes{over_ranks}"
-        if self.capture is not None and self.capture.method != "symbolic_trace":
-            header += f"; captured by {self.capture.describe()}"
-            if self.capture.leaves or self.capture.method == "module_hooks":
-                header += f"; {self.whole_share:.0f}% of node time in blocks timed whole"
-        if self.device is not None:
-            d = self.device
-            header += (f". GPU time from the trace's {d['kernels']:.0f} kernels/memcpys/memsets ({d['device_ms']:.3f} ms): "
-                       f"{d['in_nodes_ms']:.3f} ms launched by nodes, {d['outside_ms']:.3f} ms outside them")
-            if d["unlaunched"] or d["orphan_flows"]:
-                header += f", {d['unlaunched']:.0f} with no launch in the trace, {d['orphan_flows']:.0f} flows naming no launch"
-        if self.peaks is not None:
-            header += f". Roofline peaks: {self.peaks}"
-        if self.dropped_steps or self.capture_s:
-            header += f". Left out of the numbers: {self.dropped_text()}"
-        grand = sum(n.total_ms + n.bwd_total_ms for n in self.nodes) or 1.0
-        lines = [
-            header,
-            "",
-            "| layer | op | fwd ms/call | bwd ms/call | fwd+bwd ms/step | % of fwd+bwd | calls/step "
-            "| fwd GFLOP/s | % of peak | bound | node |" + (" slowest rank fwd ms/call | slowest rank |" if straggler else ""),
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|" + ("---:|---:|" if straggler else ""),
-        ]
-        for n in shown:  # (the node's name last: the key of its scalar series, and of the CSV's rows)
-            row = (
-                f"| {_md(n.layer or n.name)} | {n.op.removeprefix('call_')} | {n.mean_ms:.3f} | {n.bwd_mean_ms:.3f} "
-                f"| {(n.total_ms + n.bwd_total_ms) / steps:.3f} | {100 * (n.total_ms + n.bwd_total_ms) / grand:.1f} "
-                f"| {n.calls / steps:g} | {_num(n.fwd_gflops_per_s, '.1f')} | {_num(n.pct_of_peak, '.0f')} | {n.bound} "
-                f"| {_md(n.name)} |"
-            )
-            if straggler:
-                row += f" {n.slowest_rank_ms:.3f} | {n.slowest_rank} |"
-            lines.append(row)
-        if len(shown) < len(self.nodes):
-            lines.append(f"\n{len(self.nodes) - len(shown)} faster nodes not shown (the CSV has every node, with its target).")
-        lines.append("")
-        unowned = self.unowned()
-        if unowned:
-            measured = [f"{side} {wall:.3f} ms" for side, wall in (("forward", self.forward_wall_ms),
-                                                                   ("backward", self.backward_wall_ms)) if wall]
-            lines += [f"Time no row owns, ms per step (with the rows: the measured {' and '.join(measured)}):", "",
-                      "| where | fwd ms/step | bwd ms/step |", "|---|---:|---:|"]
-            lines += [f"| {name} | {_num(fwd, '.3f')} | {_num(bwd, '.3f')} |" for name, (fwd, bwd) in unowned.items()]
-            lines.append("")
-        if self.phases:
-            total = sum(self.phases.values()) or 1.0
-            lines += [f"The whole step: {total:.1f} ms per step (measured; the mean of the recorded steps), by phase:", "",
-                      "| phase | ms/step | % of the step |", "|---|---:|---:|"]
-            lines += [f"| {phase} | {ms:.3f} | {100 * ms / total:.0f} |"
-                      for phase, ms in sorted(self.phases.items(), key=lambda item: -item[1])]
-            lines.append("")
-        if self.step_ms:
-            trust = f"Recorded steps took {statistics.median(self.step_ms):.1f} ms (median)"
-            spread, cpu = step_spread(self.step_ms), cpu_per_wall(self.step_ms, self.step_cpu_ms)
-            if spread is not None:
-                trust += f", spread {100 * spread:.0f}%"
-            if cpu is not None:
-                trust += f", {cpu:.2f} CPU s per wall s"
-            lines += [trust + ".", ""]
-        if self.distortion:
-            lines += [f"**These numbers look distorted by other load:** {self.distortion}.", ""]
-        if self.regressions:
-            lines += ["Regressions, slower than in the earlier cycles beyond the noise (median ms per call):", ""]
-            lines += [f"- {_md(r.node)} {r.direction}: {r.baseline_ms:.3f} -> {r.now_ms:.3f} ms ({r.ratio:.2f}x, "
-                      f"noise {r.noise_ms:.3f} ms)" for r in self.regressions]
-            lines.append("")
-        if self.advice:
-            lines += ["What to try:", "", *(f"- {text}" for text in self.advice), ""]
-        if self.ranges:
-            lines += ["FSDP ranges in the trace (ms per step, inside the nodes above):", "",
-                      "| range | module | ms per step | calls per step |", "|---|---|---:|---:|"]
-            lines += [f"| {_md(r.name)} | {_md(r.module or '(root)')} | {r.ms_per_step:.3f} | {r.calls_per_step:g} |"
-                      for r in self.ranges]
-        return "\n".join(lines).rstrip("\n")
+        regressions, advice and FSDP ranges (``outputs.tables.markdown``)."""
+        from fxprof_lightning.outputs import tables
+        return tables.markdown(self, top_k)
 
     def modules_to_text(self, depth: int | None = None) -> str:
-        """The module tree, indented like torchprof's, as a Markdown code block (ms per step)."""
-        shown = [m for m in self.modules if depth is None or m.depth <= depth]
-        rows = [(("  " * m.depth) + (m.path.rsplit(".", 1)[-1] or "(root)") + f" ({m.type_name})", m) for m in shown]
-        width = max((len(label) for label, _ in rows), default=10)
-        lines = ["Module tree, ms per step (self: the module's own nodes; total: with its submodules):", "",
-                 "```", f"{'module':<{width}}  self fwd  total fwd   self bwd  total bwd  calls/step"]
-        for label, m in rows:
-            lines.append(
-                f"{label:<{width}}  {m.self_fwd_ms:8.3f}  {m.total_fwd_ms:9.3f}  {m.self_bwd_ms:9.3f}  {m.total_bwd_ms:9.3f}  {m.calls_per_step:10g}"
-            )
-        lines.append("```")
-        return "\n".join(lines)
+        """The module tree, indented like torchprof's, as a Markdown code block (``outputs.tables.modules_text``)."""
+        from fxprof_lightning.outputs import tables
+        return tables.modules_text(self, depth)
 
     def to_csv(self) -> str:
-        """All node statistics as CSV, one row per node, slowest first."""
-        return _csv(NodeStats, self.nodes)
+        """All node statistics as CSV, one row per node, slowest first (``outputs.tables.nodes_csv``)."""
+        from fxprof_lightning.outputs import tables
+        return tables.nodes_csv(self)
 
     def modules_to_csv(self) -> str:
-        """The module tree as CSV, depth first."""
-        return _csv(ModuleStats, self.modules)
-
-    def ranges_to_csv(self) -> str:
-        """The FSDP ranges as CSV, slowest first."""
-        return _csv(RangeStats, self.ranges)
-
-    def step_to_csv(self) -> str:
-        """The rest of the step as CSV rows beside the node rows, ms per recorded step: each phase of the whole
-        step (``phases``: ``kind`` phase) and each part of the timed module's forward and backward that no node row
-        owns (``unowned``: ``kind`` unowned, ``side`` forward or backward)."""
-        buffer = io.StringIO()
-        writer = csv.writer(buffer, lineterminator="\n")
-        writer.writerow(["kind", "name", "side", "ms_per_step"])
-        for name, ms in self.phases.items():
-            writer.writerow(["phase", name, "", round(ms, 6)])
-        for name, sides in self.unowned().items():
-            for side, ms in zip(("forward", "backward"), sides):
-                if ms is not None:
-                    writer.writerow(["unowned", name, side, round(ms, 6)])
-        return buffer.getvalue()
-
-
-def _csv(record_type: type, records: list) -> str:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=[f.name for f in fields(record_type)], lineterminator="\n")
-    writer.writeheader()
-    for record in records:
-        writer.writerow({k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(record).items()})
-    return buffer.getvalue()
-
-
-def _num(value: float | None, spec: str) -> str:
-    return "" if value is None else format(value, spec)
-
-
-def _md(text: str) -> str:
-    """A code span that is safe inside a Markdown table cell."""
-    return "`" + text.replace("|", "\\|").replace("`", "'") + "`"
+        """The module tree as CSV, depth first (``outputs.tables.modules_csv``)."""
+        from fxprof_lightning.outputs import tables
+        return tables.modules_csv(self)

@@ -330,7 +330,7 @@ def test_a_torch_without_what_dynamo_capture_needs_is_captured_by_torch_fx(tmp_p
 
 @notices("which torch")
 def test_a_compiled_module_without_inductor_provenance_gets_its_trace_alone(tmp_path, monkeypatch):
-    from fxprof_lightning.engine import profiler as engine
+    from fxprof_lightning.engine import core as engine
 
     monkeypatch.setattr(engine, "missing_for_kernels", lambda: "trace.provenance_tracking_to_timeline")
     lit = LitClassifier(torch.compile(SmallNet(), backend="eager"))

@@ -41,6 +41,7 @@ from fxprof_lightning.layout import (
     TREND_TAG,
     stage_tag,
 )
+from fxprof_lightning.outputs import tables
 from fxprof_lightning.report import CycleReport, shorten
 
 # What TensorBoard's summary writer would replace in a tag (with a warning each time): all but letters, digits, _ - . /
@@ -173,9 +174,9 @@ def custom_scalars_layout(validation: bool = False, tracked: list[str] | None = 
 def cycle_texts(report: CycleReport, top_k: int, module_depth: int) -> dict[str, str]:
     """The cycle's text entries: the node table (Markdown) and, when there is one, the module tree."""
     prefix = tag_prefix(report)
-    texts = {f"{prefix}/layers": report.to_markdown(top_k)}
+    texts = {f"{prefix}/layers": tables.markdown(report, top_k)}
     if report.modules:
-        texts[f"{prefix}/modules"] = report.modules_to_text(module_depth)
+        texts[f"{prefix}/modules"] = tables.modules_text(report, module_depth)
     return texts
 
 
@@ -267,13 +268,13 @@ class CsvSink:
     not ``.json``, because HolisticTraceAnalysis reads every ``.json`` file of a directory as a trace."""
 
     def write_cycle(self, report: CycleReport, display: Display) -> None:
-        write_atomically(report.directory / NODES_FILE, report.to_csv(), display.name)
+        write_atomically(report.directory / NODES_FILE, tables.nodes_csv(report), display.name)
         if report.modules:
-            write_atomically(report.directory / MODULES_FILE, report.modules_to_csv(), display.name)
+            write_atomically(report.directory / MODULES_FILE, tables.modules_csv(report), display.name)
         if report.ranges:
-            write_atomically(report.directory / RANGES_FILE, report.ranges_to_csv(), display.name)
+            write_atomically(report.directory / RANGES_FILE, tables.ranges_csv(report), display.name)
         if report.phases or report.unowned():
-            write_atomically(report.directory / STEP_FILE, report.step_to_csv(), display.name)
+            write_atomically(report.directory / STEP_FILE, tables.step_csv(report), display.name)
         summary = json.dumps(report.to_summary(), default=str) + "\n"
         write_atomically(report.directory / SUMMARY_FILE, summary, display.name)
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from fxprof_lightning.layout import MODULES_FILE, NODES_FILE, TREND_FILE
+from fxprof_lightning.outputs import tables
 from fxprof_lightning.outputs.sinks import (
     Display,
     RunSummary,
@@ -151,13 +152,13 @@ def _csv_parts(logger: Any, report: CycleReport) -> list[tuple[str, Callable[[],
             shutil.copytree(report.directory, target, dirs_exist_ok=True,
                             ignore=shutil.ignore_patterns(".*"))  # not the half-written ``.name.partial``
 
-    def tables() -> None:
+    def csv_tables() -> None:
         target.mkdir(parents=True, exist_ok=True)
-        (target / NODES_FILE).write_text(report.to_csv())
+        (target / NODES_FILE).write_text(tables.nodes_csv(report))
         if report.modules:
-            (target / MODULES_FILE).write_text(report.modules_to_csv())
+            (target / MODULES_FILE).write_text(tables.modules_csv(report))
 
-    return [("cycle's files", files), ("node and module tables", tables)]
+    return [("cycle's files", files), ("node and module tables", csv_tables)]
 
 
 # ---------------------------------------------------------------- MLFlowLogger
