@@ -103,7 +103,7 @@ def test_the_plain_loop_profiler_on_cuda_times_every_layer_and_its_memory(tmp_pa
 
 
 def test_the_allocator_reading_per_node_is_memory_allocated():
-    from fxprof_lightning.timing.node_timing import cuda_allocated
+    from fxprof_lightning.timing.clocks import cuda_allocated
 
     held = torch.empty(1 << 20, device="cuda")
     assert cuda_allocated() == torch.cuda.memory_allocated() >= held.numel() * 4

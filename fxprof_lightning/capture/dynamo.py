@@ -28,46 +28,31 @@ function Dynamo saw and the module that called it (``layer1_0_iadd``, ``self_att
 
 from __future__ import annotations
 
-import bisect
-import contextlib
-import copy
 import functools
 import inspect
-import itertools
-import linecache
 import os
 import re
-import threading
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx, nn
-from torch.utils import _pytree as pytree
 
 from fxprof_lightning.capture import verify
-from fxprof_lightning.nodes import (
-    JOINS,
-    NESTS,
-    ROW,
-    NodeInfo,
-    describe_target,
-    is_timed,
-    mark_untimed,
-    module_stack,
-    node_info,
-)
-from fxprof_lightning.timing.autograd_walk import sequence_nr_now
-from fxprof_lightning.timing.flops import NodeCosts, count_costs, float_grouped_mm_meta
-from fxprof_lightning.timing.node_timing import NodeTimer
+from fxprof_lightning.capture.dynamo_rules import _frames_skipped, _hooks_eager, _not_compiling, _opened
+from fxprof_lightning.capture.dynamo_timing import DynamoGraphs
+from fxprof_lightning.capture.graph_breaks import _graph_break_counter, _graph_break_reasons, host_reads
+from fxprof_lightning.capture.row_names import _Owners
+from fxprof_lightning.nodes import ROW, is_timed
+from fxprof_lightning.timing.flops import float_grouped_mm_meta
 
 if TYPE_CHECKING:
     from fxprof_lightning.nodes import Capture
 
-__all__ = ["DYNAMO", "GRAPH_BREAK", "DynamoTimer", "annotate_rows", "break_row", "missing_for_dynamo"]
+__all__ = ["DYNAMO", "DynamoTimer", "missing_for_dynamo"]
 
 DYNAMO = ("torch._dynamo's graphs, run eagerly by a backend that times each op (no Inductor), checked bitwise against "
           "eager (outputs, gradients, buffers, random states) before use, captured again when a guard fails")
@@ -108,29 +93,6 @@ OPENED = (torch.nn.functional.multi_head_attention_forward,)
 OPENED_BY = (nn.MultiheadAttention,)  # the modules that call them
 
 
-@contextlib.contextmanager
-def _traced_as(functions: tuple[Callable[..., Any], ...], rule: type | None) -> Iterator[None]:
-    """Inside the block, Dynamo's trace rule for each of ``functions`` is ``rule`` (None: none, so that Dynamo traces
-    into it as into the user's code); the rules there were before are put back after."""
-    from torch._dynamo import trace_rules
-
-    rules = trace_rules.get_torch_obj_rule_map()
-    saved = {f: rules.pop(f) for f in functions if f in rules}
-    if rule is not None:
-        rules.update(dict.fromkeys(functions, rule))
-    try:
-        yield
-    finally:
-        for function in functions:
-            rules.pop(function, None)
-        rules.update(saved)
-
-
-def _opened(functions: tuple[Callable[..., Any], ...]) -> contextlib.AbstractContextManager[None]:
-    """Let Dynamo trace into ``functions`` (rather than keep each call whole) inside the block."""
-    return _traced_as(functions, None)
-
-
 def _hook_functions(root: nn.Module) -> tuple[Callable[..., Any], ...]:
     """The Python functions of the forward hooks and pre-hooks on ``root`` and its submodules, as Dynamo inlines them
     (a bound method's function, a partial's, a callable object's ``__call__``)."""
@@ -147,26 +109,6 @@ def _hook_functions(root: nn.Module) -> tuple[Callable[..., Any], ...]:
             if isinstance(hook, types.FunctionType) and not getattr(hook, "_torchdynamo_disable", False):
                 found.append(hook)
     return tuple(dict.fromkeys(found))
-
-
-def _frames_skipped(functions: tuple[Callable[..., Any], ...], skipped: bool) -> None:
-    """Whether Dynamo leaves the frames of ``functions``, and the frames they call, to run eagerly (an eager hook's
-    own frame, run after its graph break, would otherwise be captured as a graph of its own)."""
-    from torch._dynamo.eval_frame import set_code_exec_strategy
-    from torch._dynamo.types import FrameAction, FrameExecStrategy
-
-    action = FrameAction.SKIP if skipped else FrameAction.DEFAULT
-    for function in functions:
-        set_code_exec_strategy(function.__code__, FrameExecStrategy(action, action))
-
-
-def _hooks_eager(functions: tuple[Callable[..., Any], ...]) -> contextlib.AbstractContextManager[None]:
-    """Inside the block, Dynamo breaks its graph at each call of ``functions`` (the model's hooks) and runs it eagerly,
-    as a function of its own rules marks skipped: code that changes what Dynamo would guard on at every call (a hook
-    that appends to a list: its length) then runs as eager runs it, and the graphs around it keep their guards."""
-    from torch._dynamo.variables import SkipFunctionVariable
-
-    return _traced_as(functions, SkipFunctionVariable)
 
 
 def _check_key_padding_mask(key_padding_mask: torch.Tensor, src_len: int, bsz: int) -> None:
@@ -202,110 +144,6 @@ class _TraceableChecks:
 
 
 _TRACEABLE = _TraceableChecks()
-
-
-# What Dynamo answers for "are we compiling?" while it traces (constant-folded: no guard on it).
-COMPILING = (torch.compiler.is_compiling, torch.compiler.is_dynamo_compiling, torch._dynamo.external_utils.is_compiling,
-             torch._utils.is_compiling)
-
-
-@contextlib.contextmanager
-def _not_compiling(on: bool) -> Iterator[None]:
-    """Inside the block (``on``), Dynamo answers ``torch.compiler.is_compiling()`` and its aliases with False, so the
-    traced code takes the branches eager takes (or breaks the graph where those cannot be traced)."""
-    if not on:
-        yield
-        return
-    from torch._dynamo.variables.torch import tracing_state_functions
-
-    answers = tracing_state_functions()
-    saved = {f: answers[f] for f in COMPILING if f in answers}
-    answers.update(dict.fromkeys(saved, False))
-    try:
-        yield
-    finally:
-        answers.update(saved)
-
-
-def annotate_rows(graph_module: fx.GraphModule, names: dict[int, tuple[str, nn.Module]], frame: str = "") -> None:
-    """Give every node of a Dynamo graph its row (``ROW``) and join the ops of one layer call (``JOINS``).
-
-    ``names`` maps ``id(module)`` to its qualified name and the module (``nn_module_stack`` keys are
-    ``str(id(module))``, with ``@N`` for its N-th extra call in the graph). ``frame``: the path of the module whose
-    forward the graph's frame runs (its own ops have no ``nn_module_stack``), "" for the root.
-    """
-    taken: dict[str, int] = {}
-    outer = module_stack(frame)  # the frame's module and those around it
-    previous_layer: str | None = None
-    for node in graph_module.graph.nodes:
-        if node.op not in ("call_function", "call_method", "call_module"):
-            continue
-        if not _makes_tensors(node):  # sizes and other Python values: bookkeeping, no row
-            mark_untimed(node)
-            continue
-        stack = []
-        for key, (source, _cls) in (node.meta.get("nn_module_stack") or {}).items():
-            ident, _, call = str(key).partition("@")
-            path = names[int(ident)][0] if ident.isdigit() and int(ident) in names else _path_of(source)
-            stack.append((path, call, int(ident) if ident.isdigit() else None, str(key)))
-        path, call, ident, key = stack[-1] if stack else (frame, "", None, "")
-        module = names[ident][1] if ident in names else None
-        if not stack and frame:  # the graph of a layer's own forward (Dynamo caught its frame): the layer's row
-            module = next((m for p, m in names.values() if p == frame), None)
-        inside = outer + tuple(p + (f"@{c}" if c else "") for p, c, _, _ in stack if p and p not in outer)
-        if module is not None and path and _is_layer(module):
-            name = path.replace(".", "_") + (f"_{call}" if call else "")
-            node.meta[ROW] = NodeInfo(name, "call_module", path, path, inside)
-            if previous_layer == key:
-                node.meta[JOINS] = True
-            previous_layer = key
-            continue
-        previous_layer = None
-        functions = node.meta.get("source_fn_stack") or []
-        function = functions[-1][0] if functions else node.name
-        function = re.sub(r"_\d+$", "", str(function))
-        source, caller = ("", "") if path else _user_line(node)  # outside every submodule: the user's function
-        base = f"{path.replace('.', '_')}_{function}" if path else f"{caller}_{function}" if caller else function
-        count = taken.get(base, 0)
-        taken[base] = count + 1
-        name = base if count == 0 else f"{base}_{count}"
-        node.meta[ROW] = NodeInfo(name, node.op, describe_target(node), path, inside, source)
-
-
-def _user_line(node: fx.Node) -> tuple[str, str]:
-    """The innermost frame of a node's stack trace as ``function (file:line)``, and the function when it is not a
-    ``forward`` (a helper the forward called: its name starts the row's), else ''."""
-    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', node.meta.get("stack_trace") or "")
-    if not frames:
-        return "", ""
-    file, line, _ = frames[-1]
-    named = [f for _, _, f in frames if not f.startswith("<")]  # a comprehension's frame is its function's
-    function = _resumed_from(named[-1] if named else frames[-1][2])
-    return f"{function} ({file.rsplit('/', 1)[-1]}:{line})", "" if function in ("forward", "<module>") else function
-
-
-def _resumed_from(function: str) -> str:
-    """The user's function a Dynamo frame runs: a frame resumed after a graph break is named
-    ``torch_dynamo_resume_in_<function>_at_<line>``."""
-    return re.sub(r"^torch_dynamo_resume_in_(.+)_at_\d+$", r"\1", function)
-
-
-def _makes_tensors(node: fx.Node) -> bool:
-    value = node.meta.get("example_value")
-    return value is None or any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(value))
-
-
-def _is_layer(module: nn.Module) -> bool:
-    """A ``torch.nn`` module with no children: its ops are one row, as ``torch.fx`` times such a module."""
-    return type(module).__module__.startswith("torch.nn.") and next(module.children(), None) is None
-
-
-def _path_of(source: str) -> str:
-    """``"L['self'].layer1[0].conv1"`` (Dynamo's name of a module) as ``"layer1.0.conv1"``."""
-    path = re.sub(r"^L\['(self|fn)'\](\.__self__)?", "", source)
-    path = re.sub(r"\[(\d+)\]", r".\1", path)
-    path = re.sub(r"\['([^']+)'\]", r".\1", path)
-    return re.sub(r"\._modules\.", ".", path).strip(".")
 
 
 @dataclass(frozen=True)
@@ -344,118 +182,6 @@ def _placed(node: fx.Node, first: bool) -> int:
     if info is not None and info.module_stack:
         return 1
     return 0 if first else -1
-
-
-@dataclass
-class _Anchor:
-    """Which module a graph of a submodule's forward runs for. Dynamo passes that module's parameters and buffers as
-    graph inputs, so one graph serves every module of the same code (wav2vec2's encoder layers, Mask R-CNN's heads,
-    where a graph break made each layer's forward a frame of its own); the rows are named for the module of the
-    capture. The ``index``-th input is ``tensor`` in that module (at ``frame``), at ``inner`` below it."""
-
-    index: int
-    tensor: torch.Tensor
-    inner: str
-    frame: str
-    names: dict[int, tuple[str, nn.Module]]  # the timer's module names at the capture
-
-
-@dataclass
-class _Graph:
-    """One graph Dynamo captured: as captured, and instrumented (events) and hooked (CUDA, or another profiler); and
-    its copies for the other modules that run it, with their own rows (by the module's path)."""
-
-    captured: fx.GraphModule
-    lean: fx.GraphModule
-    hooked: fx.GraphModule | None = None
-    anchor: _Anchor | None = None
-    inputs: list[Any] = field(default_factory=list)  # the capture's inputs for counting FLOPs (``_meta_input``)
-    others: dict[str, _Graph] = field(default_factory=dict)
-
-
-def _anchor(captured: fx.GraphModule, example_inputs: list[Any], owners: dict[int, str],
-            names: dict[int, tuple[str, nn.Module]]) -> _Anchor | None:
-    """The first input of ``captured`` that is a parameter or buffer of the module whose forward the graph's frame
-    runs, unless that module is the root (``owners``: a tensor's id -> the path of its module)."""
-    placeholders = [node for node in captured.graph.nodes if node.op == "placeholder"]
-    for index, (node, value) in enumerate(zip(placeholders, example_inputs, strict=False)):
-        source = getattr(node.meta.get("grapharg"), "source", None)
-        match = re.fullmatch(r"L\['self'\](.*?)\._(?:parameters|buffers)\['[^']+'\]", getattr(source, "name", "") or "")
-        owner = owners.get(id(value))
-        if match is None or owner is None:
-            continue
-        inner = _path_of(f"L['self']{match.group(1)}")
-        frame = _frame_of(owner, inner)
-        return _Anchor(index, value, inner, frame, names) if frame else None
-    return None
-
-
-def _frame_of(owner: str, inner: str) -> str | None:
-    """The path of the module a frame runs for, from the path of a tensor's module (``owner``) and that module's path
-    below the frame's (``inner``); None where ``owner`` does not end in ``inner``."""
-    if not inner:
-        return owner
-    if owner != inner and not owner.endswith(f".{inner}"):
-        return None
-    return owner[:len(owner) - len(inner)].rstrip(".")
-
-
-def _tensor_owners(root: nn.Module) -> dict[int, str]:
-    """id of a parameter or buffer -> the path of its module. Left out: a tensor whose module is shared by different
-    parents (one norm given to every block), or that several modules hold (tied): it does not tell which module a
-    graph runs for. A module reachable by two paths through the same parents (an alias) is kept."""
-    owners: dict[int, str] = {}
-    parents: dict[int, int] = {}
-    shared: set[int] = set()
-    modules = dict(root.named_modules(remove_duplicate=False))
-    for name, module in modules.items():
-        parent = id(modules[name.rpartition(".")[0]]) if name else 0
-        for t in (*module._parameters.values(), *module._buffers.values()):
-            if t is not None:
-                if parents.setdefault(id(t), parent) != parent:
-                    shared.add(id(t))
-                owners[id(t)] = name
-    for ident in shared:
-        del owners[ident]
-    for sharded, unsharded in verify.fsdp_unsharded(root).items():  # FSDP2: the module holds one or the other
-        if sharded in owners:
-            owners.setdefault(id(unsharded), owners[sharded])
-        elif id(unsharded) in owners:
-            owners.setdefault(sharded, owners[id(unsharded)])
-    return owners
-
-
-class _Owners:
-    """The module path of each parameter and buffer of ``root`` (``_tensor_owners``), looked at again once when a
-    tensor no module owned is asked about (a module replaced since the capture, which Dynamo's guards let pass)."""
-
-    def __init__(self, root: nn.Module | None) -> None:
-        self.root = root
-        self.owners = _tensor_owners(root) if root is not None else {}
-        self.unowned: set[int] = set()  # ids of tensors no module owned at the last look
-
-    def of(self, tensor: Any) -> str | None:
-        owner = self.owners.get(id(tensor))
-        if owner is None and self.root is not None and id(tensor) not in self.unowned:
-            self.owners, self.unowned = _tensor_owners(self.root), set()
-            owner = self.owners.get(id(tensor))
-            if owner is None:
-                self.unowned.add(id(tensor))
-        return owner
-
-
-def _names_moved(anchor: _Anchor, frame: str, root: nn.Module) -> dict[int, tuple[str, nn.Module]] | None:
-    """The capture's module names (``anchor.names``) with the modules at and below ``anchor.frame`` given the names
-    and modules at and below ``frame`` (None where the structure there differs)."""
-    names = dict(anchor.names)
-    for ident, (path, _module) in anchor.names.items():
-        if path == anchor.frame or path.startswith(f"{anchor.frame}."):
-            moved = frame + path[len(anchor.frame):]
-            try:
-                names[ident] = (moved, root.get_submodule(moved))
-            except AttributeError:
-                return None
-    return names
 
 
 @dataclass
@@ -509,22 +235,16 @@ class _EntryGuards:
         return None, re.sub(r"L\['([^']+)'\]", r"\1", str(failed[0]).strip()) if failed else "a guard failed"  # as Dynamo says it
 
 
-def _separate_copy(graph_module: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``graph_module`` (and of its checkpointed regions) whose nodes' ``meta`` can be changed apart."""
-    copied = fx.GraphModule(graph_module, copy.deepcopy(graph_module.graph), class_name=type(graph_module).__name__)
-    for node in copied.graph.nodes:
-        if _is_checkpoint(node):
-            setattr(copied, node.args[0].target, _separate_copy(getattr(graph_module, node.args[0].target)))
-    return copied
-
-
-class DynamoTimer(NodeTimer):
+class DynamoTimer(DynamoGraphs):
     """Times the graphs Dynamo captures of a module's forward; see the module docstring.
 
     Args:
         training: the train/eval mode it times (a call in the other mode runs the module's own forward).
         on_refused: called once, with the reason, when a capture is refused.
         The rest as ``NodeTimer``.
+
+    This class is the capture side (each capture verified against eager, and the other ways of capturing it tries:
+    ``_explore``); the timing of the graphs is its base's, ``dynamo_timing.DynamoGraphs``.
 
     Attributes:
         mismatch: why the captured graphs were refused (None while they are trusted).
@@ -535,91 +255,23 @@ class DynamoTimer(NodeTimer):
     def __init__(self, training: bool, *, backward: bool = True, device: str = "cpu", annotate: bool = False,
                  trace_ranges: bool = False, on_refused: Callable[[str], None] | None = None,
                  sharded: bool = False) -> None:
-        super().__init__(None, annotate=annotate, backward=backward, device=device, trace_ranges=trace_ranges)
-        self.training = training
-        self.graphs: list[_Graph] = []
+        super().__init__(training, annotate=annotate, backward=backward, device=device, trace_ranges=trace_ranges)
         self.mismatch: str | None = None
         self.recaptures: list[str] = []
         self.capture_s: list[float] = []
         self._on_refused = on_refused
-        self._uncounted: list[tuple[fx.GraphModule, list[Any]]] = []  # graphs captured since the last ``costs()``
-        self._row_costs: dict[int, list[int | None]] = {}  # row -> fwd FLOPs, bwd FLOPs, out bytes, bytes moved (per call)
-        self.costs_error: str | None = None
-        self._pending: str | None = "first call"  # capture (and verify) at the next call, for this reason
-        self._pending_for: int | None = None  # at the next call of this state only (a miss after a graph break)
-        self._expected: dict[int | None, int] = {}  # graph calls in one forward call, as verified, per state (entry)
         self._entry: _EntryGuards | None = None  # asks the guards of the forward's own frame before a call
-        self._hooks_now = False
-        self._names: dict[int, tuple[str, nn.Module]] = {}
-        self._tensor_owners = _Owners(None)  # the module of each parameter and buffer
         self._guard_failures: list[str] = []
         self._graph_breaks: dict[str, int] = {}
         self.outside_graphs: list[str] = []  # layers that ran outside the graphs of the last capture (``Capture.untimed``)
         self.host_reads: dict[str, str] = {}  # module path -> where its forward reads a tensor's value (``host_reads``)
         self._global_hooks: tuple[tuple[int, ...], ...] = ()  # the global module hooks at the last capture
-        self._streak = 0  # calls in a row that missed the guards
-        self._gap: tuple[int, int] | None = None  # the row of the code after the last graph's break, and when it began
         self._eager_hooks: tuple[Callable[..., Any], ...] = ()  # hook functions run eagerly (``_Way.eager_hooks``)
-        self._inputs_seen: set[int] | None = None  # ids of what the graphs were given, while noted
         # How Dynamo captures (``_explore`` may change it); FSDP2: following torch's frames (a hook's break in a loop)
         self._way, self._sharded = _Way(OPENED, follow=sharded), sharded
         self._explored = False
         self._context = self._new_context()
-        self._compiled: Callable[..., Any] | None = None  # the installed module's forward under our Dynamo context
-        self._own_forward: Callable[..., Any] | None = None  # and its own
-
-    def _backend(self, captured: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        anchor = _anchor(captured, example_inputs, self._tensor_owners.owners, self._names)
-        for graph_module in (captured, *_checkpointed_bodies(captured)):
-            annotate_rows(graph_module, self._names, anchor.frame if anchor else "")
-        graph = _Graph(captured, self._instrument(captured, self._annotate, hooked=self._cuda), anchor=anchor,
-                       inputs=[_meta_input(t) for t in example_inputs])
-        self.graphs.append(graph)
-        # Counted when asked (``costs``, after the cycle), not here inside the capture's checked calls.
-        self._uncounted.append((inline_checkpoints(captured), graph.inputs))
-        info = None if self._cuda else break_row(getattr(captured, "compile_subgraph_reason", None), self._root)
-        after = self._row_of(info) if info is not None else None  # the code run eagerly after the graph's break
-
-        def run(*args: Any) -> Any:
-            if self._inputs_seen is not None:
-                self._inputs_seen.update(id(a) for a in args)
-            if self._gap is not None:  # the code since the last graph of this call, from its break on
-                row, end = self._gap
-                self._fwd[row].append(time.perf_counter_ns() - end)
-                self._starts[row].append(end)
-                self._gap = None
-            chosen = graph if anchor is None or args[anchor.index] is anchor.tensor else self._run_for(graph, args)
-            if self._hooks_now and not self._cuda:
-                if chosen.hooked is None:
-                    chosen.hooked = self._instrument(chosen.captured, self._annotate, hooked=True)
-                out = chosen.hooked.forward(*args)
-            else:
-                out = chosen.lean.forward(*args)
-            self._gap = (after, time.perf_counter_ns()) if after is not None else None
-            return out
-
-        return run
-
-    def _run_for(self, graph: _Graph, args: tuple[Any, ...]) -> _Graph:
-        """The copy of ``graph`` whose rows are named for the module it runs for now (``_Anchor``), made at its first
-        call; ``graph`` itself where that module is the capture's, or cannot be told."""
-        anchor = graph.anchor
-        assert anchor is not None
-        owner = self._tensor_owners.of(args[anchor.index])
-        frame = _frame_of(owner, anchor.inner) if owner is not None else None
-        if frame is None or frame == anchor.frame:
-            return graph
-        other = graph.others.get(frame)
-        if other is None:
-            names = _names_moved(anchor, frame, self._root)
-            if names is None:
-                return graph
-            copied = _separate_copy(graph.captured)
-            for graph_module in (copied, *_checkpointed_bodies(copied)):
-                annotate_rows(graph_module, names, frame)
-            other = graph.others[frame] = _Graph(copied, self._instrument(copied, self._annotate, hooked=self._cuda))
-            self._uncounted.append((inline_checkpoints(copied), graph.inputs))
-        return other
+        self._own_forward: Callable[..., Any] | None = None  # the installed module's own forward
 
     def install(self, module: nn.Module, backward_hooks: bool = False) -> None:
         """Make ``module(...)`` run the captured graphs until ``uninstall``; see the module docstring."""
@@ -732,27 +384,6 @@ class DynamoTimer(NodeTimer):
         self.capture_s.append(time.perf_counter() - started)
         return out
 
-    def _timed_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], state: int | None,
-                    after_capture: bool = True, entered: int | None = None) -> Any:
-        """A call through the captured graphs of ``state`` (``_EntryGuards.check``); where a guard fails, that code runs
-        eagerly (untimed: fewer graph calls than that state's) and the next call captures again. A call that fits
-        every guard, and was not just captured, ends a streak of misses. Wall time from ``entered`` (guards asked)."""
-        before, start, self._gap = self.calls, time.perf_counter_ns(), None
-        if self._trace_ranges:
-            self.call_starts.append(start)
-        with torch.compiler.set_stance("eager_on_recompile"):
-            out = self._compiled(*args, **kwargs)
-        self._gap = None
-        if self.calls - before != self._expected.get(state):
-            self._pending, self._pending_for = "a guard failed", state  # captured again at that state's next call
-            self._misses, self._streak, self.interruptions = self._misses + 1, self._streak + 1, self.interruptions + 1
-            self.interrupted_by = "a call missed Dynamo's guards inside the forward and ran untimed"
-        else:
-            self._streak = self._streak if after_capture else 0
-            if not self._cuda:  # the call whole, for the time between the rows (``CycleReport.unowned``)
-                self.forward_walls_ns.append(time.perf_counter_ns() - (entered or start))
-        return out
-
     def _explore(self, module: nn.Module, eager: verify.CallResult | Exception, state: verify.State, args: tuple[Any, ...],
                  kwargs: dict[str, Any], first: _Attempt) -> _Attempt:
         """The first capture broke the graph or was refused: try other ways, each in a fresh Dynamo cache.
@@ -829,18 +460,6 @@ class DynamoTimer(NodeTimer):
         self._compiled = self._context(self._own_forward)
         self._entry = _EntryGuards.of(self._compiled, self._context)
 
-    def _instrument(self, traced: fx.GraphModule, annotate: bool, hooked: bool) -> fx.GraphModule:
-        """``NodeTimer``'s instrumented graph, with each checkpointed region opened: its ops are rows of their own
-        (``open_checkpoints``)."""
-        opened = open_checkpoints(traced, lambda body: self._instrument(body, annotate, hooked),
-                                  functools.partial(_recompute_log, self, hooked))
-        return super()._instrument(opened, annotate, hooked)
-
-    def reset(self) -> None:
-        super().reset()
-        self._recomputes: list[tuple[int, int, int]] = []  # (row, sequence number of the asking node, ns)
-        self._misses = 0  # calls since that failed a guard (and ran untimed)
-
     @property
     def untimed(self) -> str | None:
         if not self._misses:
@@ -850,46 +469,6 @@ class DynamoTimer(NodeTimer):
                 f"captured it again. The last reason: {why}. When the calls right after {RECAPTURES_IN_A_ROW} "
                 "captures in a row all fail (a hook that appends to a list makes Dynamo guard on the list's length), "
                 "the model's forward hooks run eagerly, between graphs; if that does not help, the graphs are refused.")
-
-    def add_backward(self, events: list[tuple[int, int]]) -> None:
-        """``NodeTimer.add_backward``, with each checkpointed region's recompute moved out of the backward time of
-        the autograd node that ran it (matched by sequence number) into the region's ``_recompute`` row.
-
-        A reentrant region's asking node is ``checkpoint``'s own (``CheckpointBackward``): its region's backward
-        runs inside it, timed as the rows whose recomputed ops created those autograd nodes, and the rest of it (the
-        recompute, putting random states back, starting that inner backward) is the ``_recompute`` row's."""
-        if not self._recomputes:
-            return super().add_backward(events)
-        numbers = sorted(events)
-        sums = list(itertools.accumulate((duration for _, duration in numbers), initial=0))
-        inside: dict[int, int] = {}
-        whole: dict[int, int] = {}  # asking node of a reentrant region -> its recompute's index
-        for i, (_row, sequence_nr, ns, first, end) in enumerate(self._recomputes):
-            if first == end:
-                inside[sequence_nr] = inside.get(sequence_nr, 0) + ns
-            else:
-                nested = (sums[bisect.bisect_left(numbers, (end,))] - sums[bisect.bisect_left(numbers, (first,))])
-                inside[sequence_nr], whole[sequence_nr] = nested, i
-        adjusted, own = [], [ns for _, _, ns, _, _ in self._recomputes]
-        for sequence_nr, duration in events:
-            taken = min(duration, inside.pop(sequence_nr, 0))
-            if sequence_nr in whole:
-                own[whole.pop(sequence_nr)], taken = duration - taken, duration
-            adjusted.append((sequence_nr, duration - taken))
-        super().add_backward(adjusted)
-        for (row, *_), ns in zip(self._recomputes, own, strict=True):
-            self.bwd[row].append(ns)
-
-    def costs(self, training: bool | None = None) -> NodeCosts | None:
-        """FLOPs and bytes per row (``NodeCosts`` over ``nodes``; None for a row no captured graph counted), counted
-        for each graph at its capture's inputs (``training``: the timer's own mode, accepted for ``timers.Timer``)."""
-        for captured, inputs in self._uncounted:
-            _count_costs(self, captured, inputs)
-        self._uncounted.clear()
-        if not self._row_costs:
-            return None
-        rows = [self._row_costs.get(i) for i in range(len(self.nodes))]
-        return NodeCosts(*([r[k] if r else None for r in rows] for k in range(4)))
 
     def refusal(self, capture: Capture) -> str:
         return f"the graph Dynamo captured was refused: {self.mismatch}"
@@ -912,216 +491,6 @@ class DynamoTimer(NodeTimer):
         if self._on_refused is not None:
             self._on_refused(reason)
 
-    def mark(self) -> tuple[Any, ...]:
-        return super().mark(), len(self._recomputes)
-
-    def drop_since(self, mark: tuple[Any, ...]) -> None:
-        super().drop_since(mark[0])
-        del self._recomputes[mark[1]:]
-
-
-def _count_costs(timer: DynamoTimer, captured: fx.GraphModule, example_inputs: list[Any]) -> None:
-    """FLOPs and bytes of each row of a captured graph, into ``timer``'s row costs, in a meta-device pass (never in
-    a timed step); the ops of one row add up. A graph whose pass fails leaves its rows without costs."""
-    try:
-        costs = count_costs(captured, tuple(example_inputs), timer.training)
-    except Exception as error:  # the graph cannot go to the meta device: no FLOPs, timing goes on
-        timer.costs_error = f"for a whole graph ({type(error).__name__}: {error})"
-        return
-    if costs.failed:
-        timer.costs_error = f"for {costs.failed}"
-    row = None
-    for i, node in enumerate(n for n in captured.graph.nodes if is_timed(n)):
-        if row is None or not node.meta.get(JOINS):
-            row = timer._rows.get((node.meta.get(ROW) or node_info(node)).name)
-            if row is None:
-                continue
-            timer._row_costs[row] = [0, 0, 0, 0]
-        totals = timer._row_costs[row]  # a row one of whose ops was not counted has None
-        for k, (value, add) in enumerate(((costs.fwd_flops[i], True), (costs.bwd_flops[i], True),
-                                          (costs.out_bytes[i], False), (costs.fwd_bytes[i], True))):
-            if totals[k] is None or value is None:
-                totals[k] = None
-            else:  # out bytes: the row's output, its last op's
-                totals[k] = totals[k] + value if add else value
-
-
-@dataclass
-class _RecomputeLog:
-    """What a checkpointed region's recompute reports to (``open_checkpoints``): the row ``<region>_recompute`` of
-    ``timer``, whose backward time it is, taken out of the backward time of the autograd node that asked for it.
-    ``row`` None: backward timed by hooks, where a recompute is in the time of the node whose hook ran before it."""
-
-    timer: DynamoTimer
-    row: int | None
-
-    def add(self, sequence_nr: int, ns: int, autograd: tuple[int, int]) -> None:
-        """A recompute for the autograd node ``sequence_nr`` took ``ns``; ``autograd``: the sequence numbers
-        ``[first, end)`` of the autograd nodes it created (a reentrant region's own backward; else empty)."""
-        if self.row is not None:
-            self.timer._recomputes.append((self.row, sequence_nr, ns, *autograd))
-
-    def run_timed(self, timed: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run a region's timed graph for a reentrant recompute: the autograd nodes it creates are timed as the
-        rows that created them; the forward samples it logs are forgotten."""
-        mark = NodeTimer.mark(self.timer)
-        try:
-            return timed(*args, **kwargs)
-        finally:
-            self.timer.drop_forward_since(mark)
-
-
-def _recompute_log(timer: DynamoTimer, hooked: bool, body: fx.GraphModule) -> _RecomputeLog:
-    """The ``_RecomputeLog`` of a checkpointed region's graph: its row is named after the modules all its ops are in
-    (none where backward is timed by hooks)."""
-    if hooked:
-        return _RecomputeLog(timer, None)
-    stacks = [info.module_stack for node in body.graph.nodes if (info := node.meta.get(ROW)) is not None]
-    common = [parts[0] for parts in zip(*stacks) if len(set(parts)) == 1] if stacks else []
-    path = common[-1].partition("@")[0] if common else ""
-    name = f"{path.replace('.', '_')}_recompute" if path else "checkpoint_recompute"
-    row = timer._row_of(NodeInfo(name, "recompute", "torch.utils.checkpoint (recompute in backward)", path, tuple(common)))
-    return _RecomputeLog(timer, row)
-
-
-def _meta_input(value: Any) -> Any:
-    """A graph input for counting FLOPs on the meta device: a tensor of its size; a symbolic size (Dynamo made a
-    dimension dynamic: Mask R-CNN's boxes per image) as the number it stood for at capture, so that the counts are
-    plain numbers. A scalar (0-dim, no gradient) is kept as it is: the graph may read its value (a dropout rate
-    that changed mid-run is passed as one, and read with ``.item()``). An input that is no leaf of autograd (an
-    activation, in a graph after a break) is none in the count either: the graph may write into it in place."""
-    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
-        return value.node.hint
-    if isinstance(value, torch.Tensor) and not value.dim() and not value.requires_grad and value.device.type == "cpu":
-        return value.detach().clone()
-    if isinstance(value, torch.Tensor):
-        shape = [s.node.hint if isinstance(s, torch.SymInt) else s for s in value.shape]
-        tensor = torch.empty(shape, dtype=value.dtype, device="meta").requires_grad_(value.requires_grad)
-        return tensor.clone() if value.requires_grad and not value.is_leaf else tensor
-    return value
-
-
-# ---------------------------------------------------------------- checkpointed regions, opened
-
-
-def _is_checkpoint(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is torch.ops.higher_order.tag_activation_checkpoint
-
-
-def _checkpointed_bodies(graph_module: fx.GraphModule) -> list[fx.GraphModule]:
-    """The graphs of the checkpointed regions in a Dynamo graph, nested ones too."""
-    bodies = [getattr(graph_module, node.args[0].target) for node in graph_module.graph.nodes if _is_checkpoint(node)]
-    return [graph for body in bodies for graph in (body, *_checkpointed_bodies(body))]
-
-
-def open_checkpoints(graph_module: fx.GraphModule, instrumented: Callable[[fx.GraphModule], fx.GraphModule],
-                     recompute_log: Callable[[fx.GraphModule], _RecomputeLog] | None = None) -> fx.GraphModule:
-    """A copy of ``graph_module`` in which each checkpointed region (Dynamo's ``tag_activation_checkpoint``) runs as
-    eager runs it, ``torch.utils.checkpoint.checkpoint`` with the caller's arguments (``use_reentrant``,
-    ``preserve_rng_state``, ``context_fn``...), over the region's graph ``instrumented`` (its ops timed, as rows of
-    their own) in forward, and over the graph as captured when backward recomputes it (a reentrant region: over the
-    timed graph, see ``_checkpoint``). ``recompute_log(body)`` gives the log each recompute reports to.
-
-    Dynamo's own eager implementation of that op is not the eager program: it checkpoints with
-    ``preserve_rng_state=False`` and a selective-checkpointing policy, so dropout inside a region draws other
-    numbers in the recompute, and the tensors saved for backward differ.
-    """
-    if not any(_is_checkpoint(node) for node in graph_module.graph.nodes):
-        return graph_module
-    graph = fx.Graph()
-    copies: dict[fx.Node, fx.Node] = {}
-    graph.set_codegen(graph_module.graph._codegen)
-    output = graph.graph_copy(graph_module.graph, copies)
-    graph.output(output)
-    for node in graph.nodes:
-        if not _is_checkpoint(node):
-            continue
-        body = getattr(graph_module, node.args[0].target)
-        checkpoint_kwargs, body_kwargs = torch.ops.higher_order.tag_activation_checkpoint.divide_kwargs(node.kwargs)
-        if "_checkpoint_context_fn" in body.meta:
-            checkpoint_kwargs["context_fn"] = body.meta["_checkpoint_context_fn"]
-        operands = node.args[1:]
-        state = [i for i, operand in enumerate(operands) if _is_module_state(operand)]
-        node.target = _checkpoint(instrumented(body), body, checkpoint_kwargs, state,
-                                  recompute_log(body) if recompute_log is not None else None)
-        node.args, node.kwargs = operands, body_kwargs
-        node.meta[NESTS] = True
-        mark_untimed(node)
-    graph.eliminate_dead_code()
-    return fx.GraphModule(graph_module, graph, class_name=type(graph_module).__name__)
-
-
-def inline_checkpoints(graph_module: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``graph_module`` with each checkpointed region's ops in place of the region (no checkpointing), for
-    counting FLOPs and bytes per row (``flops.count_costs``): the same rows in the same order as the timed graph."""
-    if not any(_is_checkpoint(node) for node in graph_module.graph.nodes):
-        return graph_module
-    graph = fx.Graph()
-    graph.set_codegen(graph_module.graph._codegen)
-    copies: dict[fx.Node, Any] = {}
-    for node in graph_module.graph.nodes:
-        if not _is_checkpoint(node):
-            copies[node] = graph.node_copy(node, lambda n: copies[n])
-            continue
-        body = inline_checkpoints(getattr(graph_module, node.args[0].target))
-        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-        inputs = dict(zip(placeholders, fx.map_arg(node.args[1:], lambda n: copies[n]), strict=True))
-        copies[node] = graph.graph_copy(body.graph, inputs)  # the region's outputs: a tuple, as the op returns
-    graph.eliminate_dead_code()
-    return fx.GraphModule(graph_module, graph, class_name=type(graph_module).__name__)
-
-
-def _is_module_state(operand: Any) -> bool:
-    """Whether an operand of a checkpointed region is a parameter or buffer of a module (Dynamo passes them as
-    graph inputs; eager's region reads them from its module, so ``checkpoint`` does not save them)."""
-    if not isinstance(operand, fx.Node):
-        return False
-    source = getattr(operand.meta.get("grapharg"), "source", None)
-    name = getattr(source, "name", "") if source is not None else ""
-    return operand.op == "get_attr" or "._parameters[" in name or "._buffers[" in name
-
-
-def _checkpoint(timed: fx.GraphModule, captured: fx.GraphModule, kwargs: dict[str, Any], state: list[int],
-                recomputes: _RecomputeLog | None) -> Callable[..., Any]:
-    """The call that replaces a checkpointed region (``open_checkpoints``). ``state``: the positions of the region's
-    operands that are module parameters or buffers; they reach the region from outside ``checkpoint``'s arguments,
-    as in eager, so that ``checkpoint`` saves the same inputs.
-
-    A reentrant region (``use_reentrant=True``, or not given) runs forward without autograd and builds its graph in
-    backward, when it recomputes: that recompute runs the timed graph, so that the autograd nodes it creates are
-    timed as the rows that created them; the forward times it logs are dropped (they are the ``_recompute`` row's).
-    """
-    reentrant = kwargs.get("use_reentrant") is not False
-
-    def checkpoint(*operands: Any, **body_kwargs: Any) -> Any:
-        thread = threading.get_ident()  # autograd's sequence numbers count per thread
-        held = {i: operands[i] for i in state}
-        inputs = [operand for i, operand in enumerate(operands) if i not in held]
-
-        def region(*passed: Any, **passed_kwargs: Any) -> Any:
-            rest = iter(passed)
-            args = [held[i] if i in held else next(rest) for i in range(len(operands))]
-            if torch._C._current_graph_task_id() == -1:
-                return timed(*args, **passed_kwargs)
-            # Run by the autograd engine: backward recomputes the region for the node it is running (and may stop
-            # it early with an exception once the saved tensors it needs are back).
-            # (backward on another thread, CUDA's device thread: its nodes' numbers are another count, not opened)
-            opened = reentrant and recomputes is not None and threading.get_ident() == thread
-            first, start = sequence_nr_now(), time.perf_counter_ns()
-            try:
-                if opened:
-                    return recomputes.run_timed(timed, *args, **passed_kwargs)
-                return captured(*args, **passed_kwargs)
-            finally:
-                ns = time.perf_counter_ns() - start
-                asking = torch._C._current_autograd_node()
-                if recomputes is not None and asking is not None:
-                    recomputes.add(asking._sequence_nr(), ns, (first, sequence_nr_now() if opened else first))
-
-        return torch.utils.checkpoint.checkpoint(region, *inputs, **kwargs, **body_kwargs)
-
-    return checkpoint
-
 
 def _global_hooks() -> tuple[tuple[int, ...], ...]:
     """The handles of the hooks every module runs (``register_module_forward_hook`` and its kin), which Dynamo inlines
@@ -1130,88 +499,6 @@ def _global_hooks() -> tuple[tuple[int, ...], ...]:
 
     return tuple(tuple(hooks) for hooks in (modules._global_forward_pre_hooks, modules._global_forward_hooks,
                                             modules._global_backward_pre_hooks, modules._global_backward_hooks))
-
-
-def _graph_break_counter() -> dict[str, int]:
-    from torch._dynamo.utils import counters
-
-    return counters["graph_break"]
-
-
-def _graph_break_reasons() -> list[Any]:
-    """Dynamo's record of its graph breaks (``GraphCompileReason``: the reason and the user's stack), oldest first."""
-    from torch._dynamo.utils import graph_break_reasons
-
-    return graph_break_reasons
-
-
-# What a graph break's reason (its first line) says the code did with a tensor's value on the host: each waits for
-# the device to finish all the work queued before it (a host sync), at every call.
-HOST_READS = {
-    "Tensor.item()": "reads a tensor's value (`.item()`, `float(t)`, `bool(t)`)",
-    "Tensor.tolist()": "reads a tensor's values (`.tolist()`)",
-    "generic_jump TensorVariable": "branches on a tensor's value (`if t ...:`)",
-    "Dynamic shape operator": "calls an op whose output size depends on the values (`nonzero`, a boolean mask)",
-    "Data dependent operator": "needs a tensor's values on the host (`.numpy()`, a data-dependent op)",
-}
-
-
-def host_reads(reasons: list[Any], root: nn.Module) -> dict[str, str]:
-    """Where the forward reads tensors' values on the host, from Dynamo's graph-break ``reasons``: module path ->
-    what and where (``'branches on a tensor's value (`if t ...:`) at model.py:81'``). The place is the innermost frame
-    of the break's stack that runs a submodule's ``forward``, matched to the submodules of that class (all of them,
-    comma-separated, when several share it); a break whose stack runs no submodule's forward is left out."""
-    found: dict[str, str] = {}
-    modules = list(root.named_modules())
-    for reason in reasons:
-        first = reason.reason.splitlines()[0] if reason.reason else ""
-        what = next((text for key, text in HOST_READS.items() if key in first), None)
-        if what is None or not reason.user_stack:
-            continue
-        inner = reason.user_stack[-1]
-        where = f"{what} at {inner.filename.rsplit('/', 1)[-1]}:{inner.lineno}"
-        for frame in reversed(reason.user_stack):  # the innermost frame that runs a submodule's forward
-            paths = [path or "(root)" for path, m in modules if _runs_in(type(m).forward, frame)]
-            if paths:
-                inside = f" (in `{inner.name}`, called from its forward)" if frame is not inner else ""
-                found.setdefault(", ".join(paths), where + inside)
-                break
-    return found
-
-
-GRAPH_BREAK = "graph_break"  # the op of a row of code Dynamo ran eagerly, between two graphs
-
-
-def break_row(reason: Any, root: nn.Module | None) -> NodeInfo | None:
-    """The row of the code Dynamo runs eagerly after a graph that ended at a graph break (``reason``: the graph's
-    ``compile_subgraph_reason``), until the next graph starts: named by the function and line where the graph
-    broke, with the code of that line (``maybe_slow (train.py:25): time.sleep(0.03)``; a module's forward as
-    ``Block.forward``), in the module whose forward runs there (none where several modules share that code: one
-    row for all of them). None for a graph that ended at its frame's return."""
-    if reason is None or not getattr(reason, "graph_break", False) or not reason.user_stack:
-        return None
-    frame = reason.user_stack[0]  # the frame whose graph broke
-    modules = list(root.named_modules()) if root is not None else []
-    runs = [(path, module) for path, module in modules if _runs_in(type(module).forward, frame)]
-    function = _resumed_from(frame.name)
-    function = getattr(type(runs[0][1]).forward, "__qualname__", function) if runs else function
-    where = f"{function} ({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})"
-    code = linecache.getline(frame.filename, frame.lineno or 0).strip()
-    name = f"{where}: {code[:40]}{'...' if len(code) > 40 else ''}" if code else where
-    for inner in reversed(reason.user_stack):  # the innermost frame that runs a module's forward
-        if runs := [path for path, module in modules if _runs_in(type(module).forward, inner)]:
-            break
-    path = runs[0] if len(runs) == 1 else ""
-    return NodeInfo(name, GRAPH_BREAK, reason.reason.splitlines()[0] if reason.reason else where, path, module_stack(path))
-
-
-def _runs_in(function: Any, frame: Any) -> bool:
-    """Whether a stack ``frame`` is a line of ``function`` (its file, name and line range)."""
-    code = getattr(function, "__code__", None)
-    if code is None or code.co_filename != frame.filename or code.co_name != frame.name:
-        return False
-    lines = [line for _, _, line in code.co_lines() if line is not None]
-    return code.co_firstlineno <= (frame.lineno or 0) <= max(lines, default=code.co_firstlineno)
 
 
 # ---------------------------------------------------------------- verification

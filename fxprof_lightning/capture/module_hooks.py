@@ -24,7 +24,8 @@ from torch.utils.hooks import RemovableHandle
 
 from fxprof_lightning.nodes import NodeInfo, module_stack
 from fxprof_lightning.timing.autograd_walk import sequence_nr_now
-from fxprof_lightning.timing.node_timing import Uninterrupted, enter_range, exit_range
+from fxprof_lightning.timing.instrument import enter_range, exit_range
+from fxprof_lightning.timing.node_timing import Uninterrupted
 
 if TYPE_CHECKING:
     from fxprof_lightning.nodes import Capture

@@ -36,29 +36,27 @@ random numbers are unchanged.
 
 from __future__ import annotations
 
-import bisect
-import collections
-import copy
 import functools
 import itertools
-import operator
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx, nn
 
-from fxprof_lightning.nodes import JOINS, NESTS, ROW, NodeInfo, is_timed, node_info
+from fxprof_lightning.nodes import NodeInfo
 from fxprof_lightning.timing.autograd_walk import autograd_nodes, sequence_nr_now, tensors_in
+from fxprof_lightning.timing.clocks import CudaClock, HostClock, cuda_allocated
 from fxprof_lightning.timing.flops import NodeCosts, count_costs, input_signature
+from fxprof_lightning.timing.instrument import _GraphLog, instrument
 from fxprof_lightning.timing.quiet import quiet_kineto
+from fxprof_lightning.timing.samples import NodeSamples
 
 if TYPE_CHECKING:
     from fxprof_lightning.nodes import Capture
 
-__all__ = ["ANCHOR", "BackwardEvents", "CudaClock", "NodeTimer", "Uninterrupted", "enter_range", "exit_range"]
+__all__ = ["ANCHOR", "BackwardEvents", "NodeTimer", "Uninterrupted"]
 
 # Name prefix of the anchor ranges ``NodeTimer(trace_ranges=True)`` opens at the start and end of each forward call;
 # numbered in threes, unique in the process (two timers' anchors may land in one trace).
@@ -66,50 +64,6 @@ ANCHOR = "fxprof_anchor#"
 _anchor_numbers = itertools.count(step=3)
 BACKWARD_SCOPE = int(torch._C._profiler.RecordScope.BACKWARD_FUNCTION)
 queue_engine_callback = torch.autograd.Variable._execution_engine.queue_callback
-
-
-def cuda_allocated() -> int:
-    """The bytes of tensors the CUDA caching allocator holds now: ``torch.cuda.memory_allocated()`` without its
-    flattening of every allocator statistic into a sorted dict (0.24 ms a call on an H200 with torch 2.11; what
-    made node timing without torch.profiler 3.4x the step, 2026-11-26), reading the nested statistics directly."""
-    return torch.cuda.memory_stats_as_nested_dict()["allocated_bytes"]["all"]["current"]
-
-
-class CudaClock:
-    """Device time: a CUDA event pair per span on the current stream, converted after the step."""
-
-    @staticmethod
-    def start() -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    @staticmethod
-    def stop(start: torch.cuda.Event) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        return start, CudaClock.start()
-
-    @staticmethod
-    def elapsed(start: torch.cuda.Event, end: torch.cuda.Event) -> int:
-        end.synchronize()
-        return int(start.elapsed_time(end) * 1e6)
-
-    @staticmethod
-    def resolve(sample: Any) -> int:
-        return sample if isinstance(sample, int) else CudaClock.elapsed(*sample)
-
-
-class HostClock:
-    """Host time in nanoseconds, with ``CudaClock``'s interface (backward marks on CPU)."""
-
-    start = staticmethod(time.perf_counter_ns)
-
-    @staticmethod
-    def stop(start: int) -> int:
-        return time.perf_counter_ns() - start
-
-    @staticmethod
-    def elapsed(start: int, end: int) -> int:
-        return end - start
 
 
 class BackwardEvents:
@@ -182,44 +136,7 @@ class Uninterrupted:
         pass
 
 
-class _Samples:
-    """What ``NodeTimer``'s samples can forget: those logged since a ``mark`` (a capture's checking calls, a recorded
-    step that was interrupted)."""
-
-    def mark(self) -> tuple[Any, ...]:
-        """Where every log of samples ends now: ``drop_since`` forgets what came after."""
-        self._fold()
-        per_row = [(len(a), len(b), len(c), len(d), len(e)) for a, b, c, d, e in
-                   zip(self._fwd, self._starts, self._spans, self.mem_delta, self.mem_peak, strict=True)]
-        return (per_row, len(self._firsts), len(self.anchors), len(self._marks), len(self.forward_walls_ns),
-                len(self.call_starts), self.forward_inputs, self._folded_calls)
-
-    def drop_since(self, mark: tuple[Any, ...]) -> None:
-        """Forget the samples logged since ``mark`` (``mark``)."""
-        self._fold()
-        per_row, calls, anchors, marks, walls, call_starts, inputs, _ = mark
-        for row, lists in enumerate(zip(self._fwd, self._starts, self._spans, self.mem_delta, self.mem_peak, strict=True)):
-            for values, length in zip(lists, per_row[row] if row < len(per_row) else (0,) * 5, strict=True):
-                del values[length:]
-        for entries in (self._firsts, self._ends, self._owners, self._totals):
-            del entries[calls:]
-        del self.anchors[anchors:], self._marks[marks:], self.forward_walls_ns[walls:], self.call_starts[call_starts:]
-        self.forward_inputs = inputs
-
-    def drop_forward_since(self, mark: tuple[Any, ...]) -> None:
-        """Forget the forward samples logged since ``mark`` and the calls that logged them, but not which autograd
-        nodes those calls created: their backward is still to be timed (a reentrant checkpointed region recomputed
-        in backward, whose forward time is its ``_recompute`` row's)."""
-        self._fold()
-        per_row, calls = mark[0], mark[-1]
-        for row, lists in enumerate(zip(self._fwd, self._starts, self.mem_delta, self.mem_peak, strict=True)):
-            lengths = per_row[row] if row < len(per_row) else (0,) * 5
-            for values, length in zip(lists, (lengths[0], lengths[1], lengths[3], lengths[4]), strict=True):
-                del values[length:]
-        self._folded_calls = calls
-
-
-class NodeTimer(_Samples):
+class NodeTimer(NodeSamples):
     """An instrumented copy of a traced module that records each node's forward and backward time.
 
     After ``reset()``: ``fwd[i]`` holds one forward duration in nanoseconds per execution of
@@ -299,56 +216,6 @@ class NodeTimer(_Samples):
             self.graph_module = self._instrument(traced, annotate, hooked=self._cuda)
             self._hooked_graph_module = self.graph_module if self._cuda else None  # built when first needed
 
-    def reset(self) -> None:
-        """Forget every sample recorded so far."""
-        for samples in (*self._fwd, *self._starts, *self.mem_delta, *self.mem_peak):
-            samples.clear()
-        for entries in (self._stamps, self._sequence_nrs, self._calls, self.anchors, self.call_starts):
-            entries.clear()
-        self._folded_calls = 0
-        for entries in (self._firsts, self._ends, self._owners, self._totals):
-            entries.clear()
-        self.bwd = [[] for _ in self.nodes]
-        self._spans = [[] for _ in self.nodes]
-        self.forward_inputs = None
-        self.backward_outside_ns = 0  # backward events that no node call's autograd nodes account for
-        self.forward_walls_ns: list[int] = []  # each timed call whole, on the host clock (not on CUDA)
-        self._marks = []
-        self._in_pass = False
-
-    @property
-    def fwd(self) -> list[list[Any]]:
-        """Per node, the forward duration of each call since ``reset`` (CUDA: event pairs until ``resolve``)."""
-        self._fold()
-        return self._fwd
-
-    def _fold(self) -> None:
-        """Turn what the generated code logged (``_stamps``, ``_sequence_nrs``) into per-node samples.
-
-        A call cut short by an exception counts the nodes that finished."""
-        if not self._calls:
-            return
-        stamps, sequence_nrs = self._stamps, self._sequence_nrs
-        bounds = [*self._calls, (len(stamps), len(sequence_nrs), None)]
-        for (stamp, sequence, log), (stamp_end, sequence_end, _) in itertools.pairwise(bounds):
-            starts, ends = stamps[stamp:stamp_end:2], stamps[stamp + 1:stamp_end:2]  # node i: starts[i], ends[i]
-            _append_each(log.fwd, map(operator.sub, ends, starts))  # zip-like: the nodes that finished
-            _append_each(log.starts, starts[:len(ends)])
-            created = [(index, first, end) for index, (first, end) in enumerate(itertools.pairwise(sequence_nrs[sequence:sequence_end]))
-                       if first != end]  # the nodes that created autograd nodes
-            for index, first, end in created:
-                self._owners.append(log.rows[index])
-                self._firsts.append(first)
-                self._ends.append(end)
-        self._folded_calls += len(self._calls)
-        for entries in (stamps, sequence_nrs, self._calls):
-            entries.clear()
-
-    @property
-    def calls(self) -> int:
-        """Forward calls of the instrumented graph since ``reset`` (cheap: nothing is folded)."""
-        return self._folded_calls + len(self._calls)
-
     @property
     def trace_ranges(self) -> bool:
         """Whether node starts and anchors are kept for ranges written into the trace afterwards (CPU)."""
@@ -426,55 +293,6 @@ class NodeTimer(_Samples):
                     leaves[node.target] = (f"{type(module).__name__} has submodules: torch.fx calls a torch.nn module "
                                            "as one node (a leaf by default); capture='dynamo' opens it")
         return replace(capture, leaves=leaves)
-
-    def add_backward(self, events: list[tuple[int, int]]) -> None:
-        """Add each ``(sequence number, duration ns)`` to the node call whose autograd node it timed.
-
-        Durations add up over calls of ``add_backward``: give each event once. A forward call whose
-        graph ran backward twice (``retain_graph``) gets one sample, the sum of both.
-        """
-        self._fold()
-        firsts, ends, totals = self._firsts, self._ends, self._totals
-        totals.extend([0] * (len(firsts) - len(totals)))
-        for sequence_nr, duration in events:
-            i = bisect.bisect_right(firsts, sequence_nr) - 1
-            if i >= 0 and sequence_nr < ends[i]:
-                totals[i] += duration
-            else:
-                self.backward_outside_ns += duration
-        self.bwd = [[] for _ in self.nodes]
-        for owner, total in zip(self._owners, totals, strict=True):
-            if total:
-                self.bwd[owner].append(total)
-
-    def range_spans(self) -> list[tuple[str, int, int]]:
-        """``(node name, start perf_counter_ns, duration ns)`` of every node call since ``reset`` (``trace_ranges``)."""
-        self._fold()
-        return [(info.name, start, duration) for info, starts, durations in zip(self.nodes, self._starts, self._fwd, strict=True)
-                for start, duration in zip(starts, durations, strict=False)]
-
-    def backward_calls(self) -> list[tuple[str, int, int]]:
-        """``(node name, first, end)``: the autograd sequence numbers ``[first, end)`` each node call created,
-        in the order of the calls (CPU, since ``reset``)."""
-        self._fold()
-        return [(self.nodes[owner].name, first, end) for owner, first, end in zip(self._owners, self._firsts, self._ends, strict=True)]
-
-    def resolve(self) -> None:
-        """Turn backward marks into durations and, on CUDA, event pairs into nanoseconds."""
-        self._fold()
-        marks, self._marks = self._marks, []
-        for (durations, start), (_, end) in itertools.pairwise(marks):
-            if durations is not None:
-                durations.append(self._clock.elapsed(start, end))
-        if marks and marks[-1][0] is not None:  # a backward pass still running: keep its open mark
-            self._marks = [marks[-1]]
-        if self._cuda:
-            for samples in self._fwd:
-                samples[:] = [CudaClock.resolve(s) for s in samples]
-
-    def bwd_ns(self, index: int) -> list[int]:
-        """Backward duration of each forward call of node ``index`` whose backward ran."""
-        return self.bwd[index] + [sum(durations) for durations in self._spans[index] if durations]
 
     def install(self, module: nn.Module, backward_hooks: bool = False) -> None:
         """Make ``module(...)`` run the instrumented graph until ``uninstall`` (calls in the other
@@ -605,179 +423,8 @@ class NodeTimer(_Samples):
         """The instrumented graph (``instrument``); ``hooked``: backward timed by hooks, else by events."""
         return instrument(self, traced, annotate, hooked)
 
-    def _row(self, node: fx.Node) -> int:
-        """The index in ``nodes`` of the row a node's times go to: an existing row of its name, or a new one."""
-        return self._row_of(node.meta.get(ROW) or node_info(node))
-
-    def _row_of(self, info: NodeInfo) -> int:
-        row = self._rows.get(info.name)
-        if row is None:
-            row = self._rows[info.name] = len(self.nodes)
-            self.nodes.append(info)
-            for samples in (self._fwd, self._starts, self.mem_delta, self.mem_peak, self.bwd, self._spans):
-                samples.append([])
-        return row
-
-
-def instrument(self: NodeTimer, traced: fx.GraphModule, annotate: bool, hooked: bool) -> fx.GraphModule:
-    """``NodeTimer``'s code generator: a copy of ``traced`` that logs into the timer ``self``; ``hooked``: backward
-    timed by hooks (``_hooked_record``), else by events.
-
-    Unhooked (CPU), each timed node becomes, in the generated code::
-
-        stamps.append(perf_counter_ns()); out = node(...); stamps.append(perf_counter_ns())
-        sequence_nrs.append(_get_sequence_nr())   # with backward timing
-
-    (the two lists are those ``_begin_call`` returns at the start of the call), and ``_fold`` makes samples of them.
-    A node marked ``joins_previous`` (``JOINS``) is timed together with the timed node before it: one row, one
-    pair of clock reads around both (the ops of one ``torch.nn`` layer in a Dynamo graph). A row is shared by
-    every graph that has a node of its name. After a node marked ``NESTS`` (it runs an instrumented graph, whose
-    call logs its own entries in between) the call goes on in a log of the rows still to come (``_GraphLog.resume``).
-    """
-    graph = fx.Graph()
-    copies: dict[fx.Node, fx.Node] = {}
-    timed = [n for n in traced.graph.nodes if is_timed(n) and not _own_state_of_root(traced, n)]
-    closes = {a for a, b in itertools.pairwise(timed) if not b.meta.get(JOINS)} | set(timed[-1:])
-    log = _GraphLog(self)
-    open_logs = [log]  # the graph's log and those that go on with its call after a nested graph's
-    index = -1
-    graph.set_codegen(copy.deepcopy(traced.graph._codegen))  # keep how inputs are passed (e.g. pytree codegen)
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    logs: Any = None  # (stamps, sequence_nrs, modules, autograd) of the running call
-    sequence_nr: Any = None  # hooked: the sequence number after the last timed node, if there was one
-    lean = not hooked
-    for node in traced.graph.nodes:
-        if node.op == "output" and index >= 0 and self._trace_ranges and lean:
-            graph.call_function(self._anchor)
-        if node.op != "placeholder" and logs is None:
-            logs = graph.call_function(log.begin)
-            stamps, sequence_nrs, modules, autograd = (graph.call_function(operator.getitem, (logs, i)) for i in range(4))
-        if node.op != "placeholder" and placeholders and all(n in copies for n in placeholders):
-            graph.call_function(self._inputs, tuple(copies[n] for n in placeholders))  # once all inputs exist
-            placeholders = []
-        if _own_state_of_root(traced, node):  # read from the module it runs as (FSDP2 swaps parameters)
-            copies[node] = graph.call_function(self._root_attribute, (node.target,))
-            continue
-        if not is_timed(node):
-            copies[node] = graph.node_copy(node, copies.__getitem__)
-            if node.meta.get(NESTS):
-                open_logs.append(resumed := _GraphLog(self))
-                graph.call_function(resumed.resume)  # hooked too: ``calls`` counts the same entries either way
-                if lean and self._backward and index >= 0:  # (before any timed node, the first one logs its own)
-                    graph.call_method("append", (sequence_nrs, graph.call_method("_get_sequence_nr", (autograd,))))
-                sequence_nr = None  # hooked: read again after the nested graph's autograd nodes
-            continue
-        opens = index < 0 or not node.meta.get(JOINS)
-        if opens:
-            index += 1
-            row = self._row(node)
-            for each in open_logs:
-                each.add(row)
-        if index == 0 and opens and self._trace_ranges and lean:
-            graph.call_function(self._anchor)
-        callee = _callee(graph, node, traced, modules, log.called)
-        if annotate and opens:
-            annotation = graph.call_function(enter_range, (self.nodes[row].name,))
-        if lean:
-            if index == 0 and opens and self._backward:
-                graph.call_method("append", (sequence_nrs, graph.call_method("_get_sequence_nr", (autograd,))))
-            if opens:
-                graph.call_method("append", (stamps, graph.call_function(time.perf_counter_ns)))
-            copies[node] = _copy_node(graph, node, copies, callee)
-            if node in closes:
-                graph.call_method("append", (stamps, graph.call_function(time.perf_counter_ns)))
-                if self._backward:
-                    graph.call_method("append", (sequence_nrs, graph.call_method("_get_sequence_nr", (autograd,))))
-        else:
-            if opens:
-                if self._cuda:
-                    allocated = graph.call_function(cuda_allocated)
-                if sequence_nr is None:
-                    sequence_nr = graph.call_function(sequence_nr_now) if self._backward else -1
-                start = graph.call_function(self._clock.start)
-            copies[node] = copied = _copy_node(graph, node, copies, callee)
-            if node in closes:
-                sequence_nr = graph.call_function(self._hooked_record, (row, start, sequence_nr, copied))
-                if self._cuda:
-                    graph.call_function(self._record_cuda_memory, (row, allocated))
-        if annotate and node in closes:
-            graph.call_function(exit_range, (annotation,))
-    return fx.GraphModule(traced, graph, class_name=f"{type(traced).__name__}Timed")
-
-
-class _GraphLog:
-    """What the generated code of one instrumented graph logs into: its rows (in the order its timed spans run),
-    their sample lists, and the modules it calls."""
-
-    def __init__(self, timer: NodeTimer) -> None:
-        self.timer = timer
-        self.rows: list[int] = []
-        self.fwd: list[list[Any]] = []
-        self.starts: list[list[int]] = []
-        self.called: list[nn.Module] = []  # the modules the graph calls, in order (``_callee``)
-
-    def add(self, row: int) -> None:
-        self.rows.append(row)
-        self.fwd.append(self.timer._fwd[row])
-        self.starts.append(self.timer._starts[row])
-
-    def begin(self) -> tuple[list[int], list[int], list[nn.Module], Any]:
-        return self.timer._begin_call(self)
-
-    def resume(self) -> None:
-        """Go on with the running call in this log (its rows: those after a nested graph's call)."""
-        self.timer._calls.append((len(self.timer._stamps), len(self.timer._sequence_nrs), self))
-
-
-def _own_state_of_root(traced: fx.GraphModule, node: fx.Node) -> bool:
-    """Whether a node reads a parameter held by the root module itself (not by a submodule).
-
-    Buffers stay the graph module's: tensor constants of the trace are buffers there, not on the root.
-    """
-    return node.op == "get_attr" and "." not in node.target and node.target in traced._parameters
-
-
-def _callee(graph: fx.Graph, node: fx.Node, traced: fx.GraphModule, modules: fx.Node, called: list[nn.Module]) -> fx.Node | None:
-    """For a ``call_module`` node, the module object, read from ``called`` (the list the generated code has
-    as ``modules``, see ``_begin_call``); None for other nodes.
-
-    The generated code then calls the module without looking it up through attribute chains
-    (``getattr(self.layers, "0")``: two ``Module.__getattr__`` calls per node in a ModuleList).
-    """
-    if node.op != "call_module":
-        return None
-    called.append(traced.get_submodule(node.target))
-    return graph.call_function(operator.getitem, (modules, len(called) - 1))
-
-
-def _copy_node(graph: fx.Graph, node: fx.Node, copies: dict[fx.Node, fx.Node], callee: fx.Node | None) -> fx.Node:
-    """The node in ``graph``; a module call becomes a call of ``callee``, its module (``_callee``)."""
-    if callee is None:
-        return graph.node_copy(node, copies.__getitem__)
-    args, kwargs = fx.map_arg((node.args, node.kwargs), copies.__getitem__)
-    copied = graph.call_method("__call__", (callee, *args), kwargs)
-    copied.meta = copy.copy(node.meta)
-    return copied
-
-
-def _append_each(lists: list[list[Any]], values: Iterator[Any]) -> None:
-    """``lists[i].append(value i)`` for each value (no more than there are lists), looped in C."""
-    collections.deque(map(list.append, lists, values), maxlen=0)
-
-
-
 
 def _fast_range(name: str) -> Any:
     """A context manager that makes a profiler range: torch's lean one where it exists."""
     fast = getattr(torch._C._profiler, "_RecordFunctionFast", None)
     return fast(name) if fast is not None else torch.profiler.record_function(name)
-
-
-def enter_range(name: str) -> torch.profiler.record_function:
-    annotation = torch.profiler.record_function(name)
-    annotation.__enter__()
-    return annotation
-
-
-def exit_range(annotation: torch.profiler.record_function) -> None:
-    annotation.__exit__(None, None, None)

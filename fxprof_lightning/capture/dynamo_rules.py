@@ -1,0 +1,78 @@
+"""Dynamo's rules changed while it captures: torch functions it traces into rather than keeps whole, the model's
+hooks it runs eagerly (their frames skipped), and ``torch.compiler.is_compiling()`` answered as eager answers it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["COMPILING"]
+
+
+@contextlib.contextmanager
+def _traced_as(functions: tuple[Callable[..., Any], ...], rule: type | None) -> Iterator[None]:
+    """Inside the block, Dynamo's trace rule for each of ``functions`` is ``rule`` (None: none, so that Dynamo traces
+    into it as into the user's code); the rules there were before are put back after."""
+    from torch._dynamo import trace_rules
+
+    rules = trace_rules.get_torch_obj_rule_map()
+    saved = {f: rules.pop(f) for f in functions if f in rules}
+    if rule is not None:
+        rules.update(dict.fromkeys(functions, rule))
+    try:
+        yield
+    finally:
+        for function in functions:
+            rules.pop(function, None)
+        rules.update(saved)
+
+
+def _opened(functions: tuple[Callable[..., Any], ...]) -> contextlib.AbstractContextManager[None]:
+    """Let Dynamo trace into ``functions`` (rather than keep each call whole) inside the block."""
+    return _traced_as(functions, None)
+
+
+def _frames_skipped(functions: tuple[Callable[..., Any], ...], skipped: bool) -> None:
+    """Whether Dynamo leaves the frames of ``functions``, and the frames they call, to run eagerly (an eager hook's
+    own frame, run after its graph break, would otherwise be captured as a graph of its own)."""
+    from torch._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    action = FrameAction.SKIP if skipped else FrameAction.DEFAULT
+    for function in functions:
+        set_code_exec_strategy(function.__code__, FrameExecStrategy(action, action))
+
+
+def _hooks_eager(functions: tuple[Callable[..., Any], ...]) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, Dynamo breaks its graph at each call of ``functions`` (the model's hooks) and runs it eagerly,
+    as a function of its own rules marks skipped: code that changes what Dynamo would guard on at every call (a hook
+    that appends to a list: its length) then runs as eager runs it, and the graphs around it keep their guards."""
+    from torch._dynamo.variables import SkipFunctionVariable
+
+    return _traced_as(functions, SkipFunctionVariable)
+
+
+# What Dynamo answers for "are we compiling?" while it traces (constant-folded: no guard on it).
+COMPILING = (torch.compiler.is_compiling, torch.compiler.is_dynamo_compiling, torch._dynamo.external_utils.is_compiling,
+             torch._utils.is_compiling)
+
+
+@contextlib.contextmanager
+def _not_compiling(on: bool) -> Iterator[None]:
+    """Inside the block (``on``), Dynamo answers ``torch.compiler.is_compiling()`` and its aliases with False, so the
+    traced code takes the branches eager takes (or breaks the graph where those cannot be traced)."""
+    if not on:
+        yield
+        return
+    from torch._dynamo.variables.torch import tracing_state_functions
+
+    answers = tracing_state_functions()
+    saved = {f: answers[f] for f in COMPILING if f in answers}
+    answers.update(dict.fromkeys(saved, False))
+    try:
+        yield
+    finally:
+        answers.update(saved)
