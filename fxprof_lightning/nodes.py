@@ -111,7 +111,7 @@ class Capture:
         graphs: ``dynamo``: the graphs captured so far (one per graph break and per recapture).
         recaptures: ``dynamo``: why each capture after the first was made (the guard that failed).
         host_reads: ``dynamo``: where the forward reads tensors' values on the host (``.item()``, a branch on a
-            value: host syncs on a GPU), module path -> what and where (``dynamo_capture.host_reads``).
+            value: host syncs on a GPU), module path -> what and where (``graph_breaks.host_reads``).
         untimed: ``dynamo``: layers whose parameters the forward used that no graph was given (they ran in a frame
             Dynamo ran eagerly, after a graph break inside a loop: untimed), module path -> why.
         capture_s: seconds of each capture: ``dynamo``: Dynamo, the check against eager, the call; the torch.fx ladder:

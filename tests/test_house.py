@@ -49,11 +49,27 @@ def test_no_import_cycle():
         visit(name, ())
 
 
-def test_no_class_over_400_lines():
-    """A class that grows past 400 lines holds more than one job: split it (see engine.Engine and engine.Profiler)."""
-    too_long = [f"{_module(path)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
-                for path in PACKAGE.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
-                if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 400]
+# Over the limits below, each with the size it may not pass while it waits (issue 30): Engine to be split, the ladder's
+# traced_on_example to be retired with the torch.fx capture.
+WAITING = {"engine.core:Engine": 350, "capture.traced_on_example": 736}
+
+
+def _lines(node: ast.AST) -> int:
+    return node.end_lineno - node.lineno + 1
+
+
+def test_no_class_over_300_lines_and_no_file_over_600():
+    """A class past 300 lines, or a file past 600, holds more than one job: split it (as DynamoTimer was, into
+    capture and timing, and the engine's file, into core, stage, ranks and settings)."""
+    too_long = []
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        if (size := len(text.splitlines())) > WAITING.get(_module(path), 600):
+            too_long.append(f"{_module(path)} ({size} lines)")
+        tree = ast.parse(text)
+        too_long += [f"{_module(path)}:{node.name} ({_lines(node)} lines)" for node in ast.walk(tree)
+                     if isinstance(node, ast.ClassDef)
+                     and _lines(node) > WAITING.get(f"{_module(path)}:{node.name}", 300)]
     assert not too_long
 
 
