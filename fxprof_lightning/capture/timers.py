@@ -30,9 +30,9 @@ from fxprof_lightning.capture.ladder import capture
 from fxprof_lightning.capture.module_hooks import ModuleHookTimer
 from fxprof_lightning.capture.traced_on_example import Example, GuardedNodeTimer, observe_first_call
 from fxprof_lightning.capture.verify import fsdp2_kept, is_fsdp
-from fxprof_lightning.nodes import Capture, NodeInfo
-from fxprof_lightning.timing.flops import NodeCosts
+from fxprof_lightning.nodes import Capture
 from fxprof_lightning.timing.node_timing import NodeTimer
+from fxprof_lightning.timing.readings import Collected, Progress, Traits
 
 __all__ = ["CAPTURES", "Timer", "Timers"]
 
@@ -40,39 +40,18 @@ CAPTURES = ("dynamo", "fx")
 
 
 class Timer(Protocol):
-    """What the engine asks of a timer: ``NodeTimer`` (and its ``GuardedNodeTimer``, ``DynamoTimer``),
-    ``ModuleHookTimer``, ``KernelTimer``.
-
-    After the recorded steps, ``collect`` makes the samples readable: ``fwd[i]`` and ``bwd_ns(i)`` hold one
-    duration in ns per call of ``nodes[i]``; ``mem_delta``/``mem_peak`` the CUDA allocator's bytes (or nothing).
+    """What the engine asks of a timer (``NodeTimer`` and its ``GuardedNodeTimer``, ``DynamoTimer``;
+    ``ModuleHookTimer``, ``KernelTimer``), all of it read as values (``timing.readings``): the engine writes into no
+    timer. ``Readings`` gives ``traits``, ``progress`` and ``collected`` to every timer class.
     """
 
-    nodes: list[NodeInfo]
-    mem_delta: list[list[int]]
-    mem_peak: list[list[int]]
-    mismatch: str | None  # why the timer stopped fitting the calls (then it times nothing)
-    untimed: str | None  # why calls since ``reset`` ran untimed though the timer fits them, or None
-    uses_backward_events: bool  # backward times come from profiler events given to ``collect``
-    reads_trace_events: bool  # its rows come from the trace's own events (the trace must keep them)
-    device_times_from_trace: bool  # on CUDA, node calls take their kernels' device time from the trace
-    without_events: str  # what backward times become when no profiler events can come (for the warning)
-    costs_error: str | None  # why FLOPs could not be counted, since the engine last said so
-    backward_outside_ns: int  # backward events given to ``collect`` that no node call accounts for
-    forward_walls_ns: list[int]  # since ``reset``, the host wall time of each timed call whole (empty: not measured)
-    interruptions: int  # grows at each capture and each call that ran untimed (a recorded step in which it grew is dropped)
-    interrupted_by: str  # what the last interruption was
-    capture_s: list[float]  # seconds of each capture the timer made (Dynamo's: capture, check, call)
+    @property
+    def traits(self) -> Traits:
+        """What kind of timer it is (where its backward times and rows come from)."""
 
     @property
-    def calls(self) -> int:
-        """A count that grows when the module runs (timed forward calls since ``reset``)."""
-
-    @property
-    def usable(self) -> bool:
-        """Whether the timer still times the calls."""
-
-    @property
-    def fwd(self) -> list[list[Any]]: ...
+    def progress(self) -> Progress:
+        """How far it got: calls, whether it still fits them, interruptions, captures."""
 
     def install(self, module: nn.Module, backward_hooks: bool = False) -> None:
         """Time the module's calls until ``uninstall`` (``backward_hooks``: time backward with hooks, not events)."""
@@ -87,23 +66,15 @@ class Timer(Protocol):
 
     def drop_since(self, mark: Any) -> None: ...
 
-    def collect(self, backward: list[tuple[int, int]], trace_events: list[Any]) -> str | None:
-        """Make the cycle's samples readable from its backward events (and trace events); why nothing was timed, or None."""
-
-    def bwd_ns(self, index: int) -> list[int]: ...
+    def collected(self, backward: list[tuple[int, int]], trace_events: list[Any], training: bool) -> Collected | str:
+        """The cycle's samples from its backward events (and trace events), or why nothing was timed."""
 
     def node_ranges(self) -> Any:
         """What ``torch_trace.add_node_ranges`` writes into the cycle's trace (anchors, node spans, their autograd sequence
-        ranges, the starts of the forward calls: ``NodeTimer.node_ranges``), or None."""
-
-    def costs(self, training: bool) -> NodeCosts | None:
-        """FLOPs and bytes per node, or None."""
+        ranges, the starts of the forward calls, each node's module stack: ``NodeTimer.node_ranges``), or None."""
 
     def describe(self, capture: Capture) -> Capture:
         """A report's own copy of ``capture``, with what the timer learnt meanwhile."""
-
-    def refusal(self, capture: Capture) -> str:
-        """Why the timer stopped fitting, for ``Capture.error``."""
 
 
 class Timers:
@@ -166,7 +137,7 @@ class Timers:
         entry = self._timers.get(training)
         if entry is None:
             entry = self._timers[training] = self._choose(module)
-        elif not entry[0].usable:
+        elif not entry[0].progress.usable:
             timer, how = entry
             before = timer.describe(how)  # the captures made until then, and why
             entry = self._timers[training] = (self._hook_timer(module), Capture("module_hooks", None, {}, timer.refusal(how),

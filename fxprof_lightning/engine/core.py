@@ -322,9 +322,9 @@ class Engine:
         if stage.open is None:
             stage.open = self._open_cycle(stage)
         cycle = stage.open
-        if cycle.timer is not None and not cycle.timer.usable and not cycle.recorded:  # nothing recorded is lost: switch
+        if cycle.timer is not None and not cycle.timer.progress.usable and not cycle.recorded:  # nothing recorded is lost: switch
             cycle.timer, cycle.capture = self.timers.for_module(self.target)
-            cycle.captures_before = len(cycle.timer.capture_s)
+            cycle.captures_before = len(cycle.timer.progress.capture_s)
         recording = action in RECORDING
         cycle.begin_step(self.target, recording, stage is self._train and recording, self.warn)
 
@@ -462,7 +462,7 @@ def _trace_for(engine: Engine, stage: Stage, other: Stage, index: int, directory
         return None
     # The cycle opens at whichever of its traced steps comes first (normally its first).
     actions = {s: action for s, action in stage.traced(engine.schedule, index).items() if s >= stage.step}
-    from_trace = timer is not None and timer.reads_trace_events  # rows from all the events, not autograd nodes
+    from_trace = timer is not None and timer.traits.reads_trace_events  # rows from all the events, not autograd nodes
     return CycleTrace(actions, directory, f"rank{engine.rank}", settings.use_gzip, settings.profiler_kwargs,
                       backward_events=engine._fx_on and not from_trace, keep_events=from_trace)
 

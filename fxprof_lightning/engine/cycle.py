@@ -22,7 +22,7 @@ from torch import nn
 
 from fxprof_lightning.capture.timers import Timer
 from fxprof_lightning.engine.statistics import summarize_modules, summarize_nodes, summarize_ranges
-from fxprof_lightning.nodes import Capture
+from fxprof_lightning.nodes import Capture, NodeInfo
 from fxprof_lightning.report import CycleReport, NodeStats, layer_label
 from fxprof_lightning.timing.autograd_walk import sequence_nr_now
 from fxprof_lightning.timing.gpu_trace import node_device_times
@@ -63,20 +63,21 @@ class Cycle:
     batch_sizes: list[int] = field(default_factory=list)  # samples in each recorded step, where the driver said
     backward_outside_ns: int | None = None  # backward events no node call accounts for (``measure``)
     forward_walls_ns: list[int] = field(default_factory=list)  # each timed call whole (``measure``)
-    untimed: str | None = None  # why the timer's calls ran untimed (``Timer.untimed``, kept by ``measure``)
+    untimed: str | None = None  # why the timer's calls ran untimed (``Progress.untimed``, kept by ``measure``)
+    nodes: list[NodeInfo] = field(default_factory=list)  # the timer's rows (``measure``)
     dropped: dict[int, str] = field(default_factory=dict)  # recorded steps not counted (a capture ran in them), why
     captures_before: int = 0  # the timer's captures before the cycle (``capture_s``: those since)
     _step_mark: Any = None  # where the recorded step in progress began (``_StepMark``)
     _dropped_sequences: list[tuple[int, int]] = field(default_factory=list)  # their autograd sequence numbers
 
     def __post_init__(self) -> None:
-        self.captures_before = len(self.timer.capture_s) if self.timer is not None else 0
+        self.captures_before = len(self.timer.progress.capture_s) if self.timer is not None else 0
 
     @property
     def capture_s(self) -> float:
         """Seconds the timer spent capturing (and checking captures) since the cycle opened: in its warm-up steps or
         in recorded steps it dropped, never in a step it counts."""
-        return sum(self.timer.capture_s[self.captures_before:]) if self.timer is not None else 0.0
+        return sum(self.timer.progress.capture_s[self.captures_before:]) if self.timer is not None else 0.0
 
     def choose_backward(self, warn: Callable[[str], None]) -> None:
         """Where backward times come from, decided at each recorded training step for its timer: the trace when
@@ -85,13 +86,13 @@ class Cycle:
         without a profiler, compiled modules) have their own way."""
         if self.trace is not None:
             self.backward = TRACE
-        elif self.timer is None or not self.timer.uses_backward_events:
+        elif self.timer is None or not self.timer.traits.uses_backward_events:
             self.backward = TIMER
         else:
             if self.backward_events is None:
                 self.backward_events = BackwardEvents()
                 if not self.backward_events.start():
-                    warn(f"another profiler is running, so this cycle's backward times {self.timer.without_events}")
+                    warn(f"another profiler is running, so this cycle's backward times {self.timer.traits.without_events}")
             self.backward = EVENTS if self.backward_events.running else HOOKS
 
     def steps_wanted(self, active: int) -> int:
@@ -113,7 +114,7 @@ class Cycle:
             return (f"{stage} cycle {self.index} counted no step: it dropped steps {sorted(self.dropped)} "
                     f"({'; '.join(dict.fromkeys(self.dropped.values()))}) and the schedule left no idle step to record "
                     "in their place; it has no report")
-        if self.timer is None or nodes or not self.timer.usable or self.timer.reads_trace_events:
+        if self.timer is None or nodes or not self.timer.progress.usable or self.timer.traits.reads_trace_events:
             return None
         why = self.untimed or "If the training step calls a submodule instead, profile that submodule (the Lightning callback: module='...')."
         return (f"{module}.forward {'did not run' if self.untimed is None else 'ran untimed'} in the recorded steps "
@@ -122,7 +123,7 @@ class Cycle:
     @property
     def ran_in_step(self) -> bool:
         """Whether the module ran in the step in progress (its samples are in the timer)."""
-        return self.timer is not None and self.timer.calls > self.samples_at_step
+        return self.timer is not None and self.timer.progress.calls > self.samples_at_step
 
     def begin_step(self, module: nn.Module, recording: bool, times_backward: bool, warn: Callable[[str], None]) -> None:
         """Install the timer for a traced step (a recorded step's first resets what warm-up measured);
@@ -132,11 +133,11 @@ class Cycle:
         if self.timer is not None:
             if recording and not self.recorded:
                 self.timer.reset()
-            self.samples_at_step, self.hooks_now = self.timer.calls, times_backward and self.backward == HOOKS
+            self.samples_at_step, self.hooks_now = self.timer.progress.calls, times_backward and self.backward == HOOKS
             self.timer.install(module, backward_hooks=self.hooks_now)
         if recording:
             self._step_mark = _StepMark(self.timer.mark() if self.timer is not None else None,
-                                        self.timer.interruptions if self.timer is not None else 0, sequence_nr_now(),
+                                        self.timer.progress.interruptions if self.timer is not None else 0, sequence_nr_now(),
                                         len(self.step_ms), len(self.phases), len(self.batch_sizes),
                                         len(self.backward_wall_ns))
             self.step_start = (time.perf_counter_ns(), time.process_time())
@@ -158,12 +159,13 @@ class Cycle:
     def count_step(self, step: int) -> None:
         """The recorded step in progress is counted, or dropped when the timer was interrupted in it."""
         mark, self._step_mark = self._step_mark, None
-        if mark is not None and self.timer is not None and self.timer.interruptions > mark.interruptions:
+        progress = self.timer.progress if self.timer is not None else None
+        if mark is not None and progress is not None and progress.interruptions > mark.interruptions:
             self.timer.drop_since(mark.samples)
             self._dropped_sequences.append((mark.sequence_nr, sequence_nr_now()))
             del self.step_ms[mark.steps:], self.step_cpu_ms[mark.steps:], self.phases[mark.phases:]
             del self.batch_sizes[mark.batch_sizes:], self.backward_wall_ns[mark.backward_walls:]
-            self.dropped[step] = self.timer.interrupted_by
+            self.dropped[step] = progress.interrupted_by
         else:
             self.recorded.append(step)
 
@@ -192,37 +194,38 @@ class Cycle:
         """This rank's node statistics for the cycle (None when nothing was timed); the timer is emptied."""
         timer = self.timer
         timer.uninstall(module)
-        self.untimed = timer.untimed
+        progress, traits = timer.progress, timer.traits
+        self.untimed = progress.untimed
         events = self.backward_events.stop() if self.backward_events is not None else None
         if self.backward_events is not None and self.backward_events.lost:
             warn("another profiler started while this cycle recorded and took over the profiler session, "
                  "so the cycle's nodes get no backward times")
-        if not self.recorded or not timer.usable:  # a graph that stopped fitting kept nothing
+        if not self.recorded or not progress.usable:  # a graph that stopped fitting kept nothing
             return None
         if events is None:
             events = self.trace.backward_events if self.trace is not None else []
         if self._dropped_sequences:  # the autograd nodes made in dropped steps: their forward samples are gone too
             events = [(nr, ns) for nr, ns in events if not any(a <= nr < b for a, b in self._dropped_sequences)]
-        nothing = timer.collect(events, self.trace.events if self.trace is not None else [])
-        if nothing is not None:
-            warn(nothing)
+        collected = timer.collected(events, self.trace.events if self.trace is not None else [], self.training)
+        if isinstance(collected, str):
+            warn(collected)
             return None
-        costs = timer.costs(self.training)
-        if timer.costs_error is not None:  # said once: each failure is counted once (per graph, per input signature)
-            warn(f"FLOPs not counted {timer.costs_error}")
-            timer.costs_error = None
-        forward, backward = timer.fwd, [timer.bwd_ns(i) for i in range(len(timer.nodes))]
-        device = self.trace.device if self.trace is not None and timer.device_times_from_trace else None
+        if collected.costs_error is not None:  # said once: each failure is counted once (per graph, per input signature)
+            warn(f"FLOPs not counted {collected.costs_error}")
+        self.nodes = collected.nodes
+        forward, backward = collected.forward, collected.backward
+        device = self.trace.device if self.trace is not None and traits.device_times_from_trace else None
         if device is not None:  # a GPU model: device time per node call from the trace's kernels
-            forward, backward, spans, idle = node_device_times([info.name for info in timer.nodes], device)
+            forward, backward, spans, idle = node_device_times([info.name for info in collected.nodes], device)
             self.device = device_summary(device)
-        nodes = summarize_nodes(timer.nodes, forward, backward, costs, timer.mem_delta, timer.mem_peak)
-        if timer.uses_backward_events and self.backward != HOOKS:
-            self.backward_outside_ns = timer.backward_outside_ns
+        nodes = summarize_nodes(collected.nodes, forward, backward, collected.costs, collected.mem_delta,
+                                collected.mem_peak)
+        if traits.uses_backward_events and self.backward != HOOKS:
+            self.backward_outside_ns = collected.backward_outside_ns
         if device is None:
-            self.forward_walls_ns = list(timer.forward_walls_ns)
+            self.forward_walls_ns = collected.forward_walls_ns
         else:
-            rows = {info.name: i for i, info in enumerate(timer.nodes)}
+            rows = {info.name: i for i, info in enumerate(collected.nodes)}
             nodes = [replace(n, device_span_ms=_mean_ms(spans[rows[n.name]]), device_idle_ms=_mean_ms(idle[rows[n.name]]))
                      for n in nodes]
         timer.reset()
@@ -247,8 +250,8 @@ class Cycle:
             report.backward_outside_ms = self.backward_outside_ns / len(self.recorded) / 1e6
         if self.forward_walls_ns and nodes and ranks == 1:  # (rank 0's calls against the ranks' mean rows: no)
             report.forward_wall_ms = sum(self.forward_walls_ns) / len(self.recorded) / 1e6
-        if report.nodes and self.timer is not None:
-            report.modules = summarize_modules(self.timer.nodes, report.nodes, len(self.recorded), type_name)
+        if report.nodes:
+            report.modules = summarize_modules(self.nodes, report.nodes, len(self.recorded), type_name)
         report.nodes = _labelled(report.nodes, type_name)
         return report
 
@@ -262,8 +265,7 @@ class Cycle:
         recorded = self.timer.node_ranges() if self.timer is not None else None
         if recorded is None:
             return None
-        anchors, spans, backward_calls, call_starts = recorded
-        stacks = {info.name: info.module_stack for info in self.timer.nodes}
+        anchors, spans, backward_calls, call_starts, stacks = recorded
         paths = {"", *(key.split("@")[0] for stack in stacks.values() for key in stack)}
         return anchors, spans, backward_calls, ModuleCalls(call_starts, stacks, {path: type_name(path) for path in paths})
 

@@ -51,6 +51,7 @@ from fxprof_lightning.timing.clocks import CudaClock, HostClock, cuda_allocated
 from fxprof_lightning.timing.flops import NodeCosts, count_costs, input_signature
 from fxprof_lightning.timing.instrument import _GraphLog, instrument
 from fxprof_lightning.timing.quiet import quiet_kineto
+from fxprof_lightning.timing.readings import Readings
 from fxprof_lightning.timing.samples import NodeSamples
 
 if TYPE_CHECKING:
@@ -121,7 +122,7 @@ def backward_durations(events: Any) -> list[tuple[int, int]]:
     return durations
 
 
-class Uninterrupted:
+class Uninterrupted(Readings):
     """``timers.Timer``'s interruptions for a timer that captures nothing while it times (module hooks, a compiled
     module's kernels): never interrupted, so a cycle never drops a step for it and there is nothing to forget."""
 
@@ -136,7 +137,7 @@ class Uninterrupted:
         pass
 
 
-class NodeTimer(NodeSamples):
+class NodeTimer(NodeSamples, Readings):
     """An instrumented copy of a traced module that records each node's forward and backward time.
 
     After ``reset()``: ``fwd[i]`` holds one forward duration in nanoseconds per execution of
@@ -253,13 +254,13 @@ class NodeTimer(NodeSamples):
         return None
 
     def node_ranges(self) -> tuple[list[tuple[int, int, int]], list[tuple[str, int, int]], list[tuple[str, int, int]],
-                                   list[int]] | None:
-        """The anchors, node calls, their autograd sequence ranges and the starts of the forward calls to write into
-        the cycle's trace (``torch_trace.add_node_ranges``), when kept (``trace_ranges``)."""
+                                   list[int], dict[str, Any]] | None:
+        """The anchors, node calls, their autograd sequence ranges, the starts of the forward calls and each node's
+        module stack to write into the cycle's trace (``torch_trace.add_node_ranges``), when kept (``trace_ranges``)."""
         if not self.trace_ranges:
             return None
         return (list(self.anchors), self.range_spans(), self.backward_calls() if self.uses_backward_events else [],
-                list(self.call_starts))
+                list(self.call_starts), {info.name: info.module_stack for info in self.nodes})
 
     def costs(self, training: bool) -> NodeCosts | None:
         """FLOPs and output sizes per node for the first call's inputs since ``reset``, counted once per input

@@ -1,0 +1,76 @@
+"""What a timer tells the engine (``capture.timers.Timer``), as values: what kind of timer it is (``Traits``), how far
+it got (``Progress``) and a cycle's samples made readable (``Collected``). ``Readings`` makes them from the members
+every timer class has; the engine reads them and writes into no timer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fxprof_lightning.nodes import NodeInfo
+from fxprof_lightning.timing.flops import NodeCosts
+
+__all__ = ["Collected", "Progress", "Readings", "Traits"]
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What kind of timer it is, for the engine's choices."""
+
+    uses_backward_events: bool  # backward times come from profiler events given to ``collected``
+    reads_trace_events: bool  # its rows come from the trace's own events (the trace must keep them)
+    device_times_from_trace: bool  # on CUDA, node calls take their kernels' device time from the trace
+    without_events: str  # what backward times become when no profiler events can come (for the warning)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far the timer got: what a cycle asks at each step's edges."""
+
+    calls: int  # a count that grows when the module runs (timed forward calls since ``reset``)
+    usable: bool  # the timer still times the calls
+    untimed: str | None  # why calls since ``reset`` ran untimed though the timer fits them, or None
+    interruptions: int  # grows at each capture and each call that ran untimed (a recorded step in which it grew is dropped)
+    interrupted_by: str  # what the last interruption was
+    capture_s: tuple[float, ...]  # seconds of each capture the timer made (Dynamo's: capture, check, call)
+
+
+@dataclass(frozen=True)
+class Collected:
+    """A cycle's samples, readable: per node (``nodes[i]``) one duration in ns per call, forward and backward, the
+    CUDA allocator's bytes (or nothing), FLOPs and bytes; and what no node owns."""
+
+    nodes: list[NodeInfo]
+    forward: list[list[Any]]
+    backward: list[list[int]]
+    mem_delta: list[list[int]]
+    mem_peak: list[list[int]]
+    costs: NodeCosts | None
+    costs_error: str | None  # why FLOPs could not be counted, said once (per graph, per input signature)
+    backward_outside_ns: int  # backward events given to ``collected`` that no node call accounts for
+    forward_walls_ns: list[int]  # the host wall time of each timed call whole (empty: not measured)
+
+
+class Readings:
+    """``traits``, ``progress`` and ``collected`` for a timer class that has the members they read (``NodeTimer``,
+    ``ModuleHookTimer``, ``KernelTimer`` and their kin)."""
+
+    @property
+    def traits(self) -> Traits:
+        return Traits(self.uses_backward_events, self.reads_trace_events, self.device_times_from_trace,
+                      self.without_events)
+
+    @property
+    def progress(self) -> Progress:
+        return Progress(self.calls, self.usable, self.untimed, self.interruptions, self.interrupted_by,
+                        tuple(self.capture_s))
+
+    def collected(self, backward: list[tuple[int, int]], trace_events: list[Any], training: bool) -> Collected | str:
+        """The cycle's samples from its backward events (and trace events), or why nothing was timed."""
+        nothing = self.collect(backward, trace_events)
+        if nothing is not None:
+            return nothing
+        costs = self.costs(training)
+        costs_error, self.costs_error = self.costs_error, None  # handed over once
+        return Collected(list(self.nodes), self.fwd, [self.bwd_ns(i) for i in range(len(self.nodes))], self.mem_delta,
+                         self.mem_peak, costs, costs_error, self.backward_outside_ns, list(self.forward_walls_ns))
