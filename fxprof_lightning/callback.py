@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from fxprof_lightning import FxprofWarning
 from fxprof_lightning.engine.profiler import Profiler
-from fxprof_lightning.engine.settings import Settings, takes_settings
+from fxprof_lightning.engine.settings import OPTIONS, HoldsSettings, Settings, takes_settings
 from fxprof_lightning.engine.step_phases import PhaseClock
 from fxprof_lightning.layout import DEFAULT_DIRPATH
 from fxprof_lightning.outputs.sinks import (
@@ -41,11 +41,9 @@ from fxprof_lightning.schedule import Schedule
 __all__ = ["FXProfilerCallback"]
 
 IDLE_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward")  # empty in idle steps
-# The engine's settings, checked when the callback is made: read them on ``callback.profiler``, never set afterwards.
-ENGINE_SETTINGS = frozenset({f.name for f in fields(Settings)} - {"dirpath"} | {"schedule", "sinks", "settings"})
 
 
-class FXProfilerCallback(Callback):
+class FXProfilerCallback(Callback, HoldsSettings):
     """Profile scheduled training steps with torch.profiler and per-node ``torch.fx`` timing.
 
     A step is one training batch (one ``training_step`` call), counted from 0 over the whole
@@ -73,6 +71,14 @@ class FXProfilerCallback(Callback):
         >>> print(profiler.cycles[-1].to_markdown())
     """
 
+    # The engine's settings, checked when the callback is made: read them on ``callback.profiler``, never set afterwards.
+    fixed = OPTIONS - {"dirpath"} | {"schedule", "sinks", "settings"}
+    read_as = "callback.profiler.settings"
+    hints: ClassVar[dict[str, str]] = {
+        "schedule": "pass skip_first=, wait=, warmup=, active=, repeat= to {owner}(...) (read it as callback.schedule)",
+        "sinks": "pass sinks=[...] to {owner}(...) (read them as callback.extra_sinks)",
+        "settings": "pass each option to {owner}(...) (read them as callback.profiler.settings)"}
+
     @takes_settings
     def __init__(self, *, module: str | None = None, sinks: Sequence[Sink] | None = None, **options: Any) -> None:
         if module is not None and (not isinstance(module, str) or not module):
@@ -86,13 +92,6 @@ class FXProfilerCallback(Callback):
         self._pl_module: pl.LightningModule | None = None
         self._clock: PhaseClock | None = None  # times the phases of the whole step while a cycle records
         self._idle = _Idle()  # the idle steps ahead whose hooks are skipped (``_go_idle``)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in ENGINE_SETTINGS and "profiler" in self.__dict__:
-            raise AttributeError(f"{type(self).__name__}.{name} is a setting of its engine, checked when the callback is "
-                                 f"made: pass {name}=... to {type(self).__name__}(...) (read it as "
-                                 f"callback.profiler.settings.{name})")
-        super().__setattr__(name, value)
 
     @property
     def schedule(self) -> Schedule:

@@ -353,7 +353,8 @@ class CycleReport:
             rows[UNOWNED_ENGINE] = (None, max(rest, 0.0))
         return rows
 
-    # The report's views, drawn by ``outputs.tables`` (imported when asked: the record knows no renderer).
+    # The report's views, drawn by ``outputs.tables``: kept here as the public API (docs/outputs.md), each one call,
+    # imported when asked so that the vocabulary imports no room at load time.
 
     def to_markdown(self, top_k: int | None = None) -> str:
         """The cycle as Markdown: header, node table (slowest first, ``top_k`` rows at most), trust line,
@@ -375,3 +376,13 @@ class CycleReport:
         """The module tree as CSV, depth first (``outputs.tables.modules_csv``)."""
         from fxprof_lightning.outputs import tables
         return tables.modules_csv(self)
+
+    def ranges_to_csv(self) -> str:
+        """The FSDP ranges as CSV, slowest first (``outputs.tables.ranges_csv``)."""
+        from fxprof_lightning.outputs import tables
+        return tables.ranges_csv(self)
+
+    def step_to_csv(self) -> str:
+        """The step's phases and the time no row owns as CSV (``outputs.tables.step_csv``)."""
+        from fxprof_lightning.outputs import tables
+        return tables.step_csv(self)

@@ -352,6 +352,25 @@ def test_an_unknown_option_is_named_with_the_nearest_one():
     assert (settings.wait, settings.tracing_ranks, settings.profiler_kwargs) == (5, frozenset({0}), {})
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.wait = 6  # checked once: a setting is not changed afterwards
+    with pytest.raises(TypeError, match=r"takes its schedule as skip_first=, wait=, warmup=, active= and repeat="):
+        FXProfilerCallback(schedule=torch.profiler.schedule(wait=1, warmup=1, active=2))
+
+
+def test_the_settings_are_read_on_settings_and_never_set_on_the_profiler():
+    ranks = [0]
+    prof = Profiler(SmallNet(), top_k=5, ranks=ranks)
+    ranks.append(-1)  # the caller's list, changed afterwards: the checked copy stays
+    assert prof.settings.ranks == (0,) and prof.settings.tracing_ranks == frozenset({0})
+    with pytest.raises(AttributeError, match=r"read profiler\.settings\.top_k"):
+        prof.top_k  # noqa: B018
+    with pytest.raises(AttributeError, match=r"pass top_k=\.\.\. to Profiler\(\.\.\.\)"):
+        prof.top_k = 1  # would skip the check, and the sinks would not see it
+    assert prof.display().top_k == 5
+    callback = FXProfilerCallback()
+    with pytest.raises(AttributeError, match=r"pass skip_first=, wait=, warmup=, active=, repeat="):
+        callback.schedule = None
+    with pytest.raises(AttributeError, match=r"read them as callback\.extra_sinks"):
+        callback.sinks = []
 
 
 def test_a_plain_loops_step_splits_into_forward_backward_and_the_rest(tmp_path):

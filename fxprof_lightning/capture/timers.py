@@ -3,7 +3,7 @@
 A timer times one train/eval mode of the module. ``Timers.for_module`` picks it on the mode's first use and keeps it:
 
 * a ``torch.compile``'d module: ``KernelTimer`` (``compiled``), its rows read from the cycle's trace;
-* ``capture="dynamo"`` (the default): ``DynamoTimer`` (``dynamo_capture``), which captures at its first call
+* ``capture="dynamo"`` (the default): ``DynamoTimer`` (``dynamo``), which captures at its first call
   and again when a guard fails (FSDP2's hooks run eagerly between its graphs);
 * ``capture="fx"``: the ladder (``capture``): a ``NodeTimer`` on the traced graph, a ``GuardedNodeTimer`` on a
   graph traced on a recorded call of the module (the mode's first call is recorded by ``observe_first_call``,

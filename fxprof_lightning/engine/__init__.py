@@ -1,4 +1,6 @@
-"""The engine: when cycles open and close (``profiler``: ``Engine``, and ``Profiler`` for any loop), one cycle in
-progress (``cycle``), the phases of the whole step (``step_phases`` with Lightning, ``loop_phases`` in a plain loop)
-and what starts cycles out of the schedule (``follow``: requests, step-time jumps, the budget). Nothing is imported
-here: ``fxprof`` (the command) reads ``follow`` without importing torch."""
+"""The engine: every option declared once (``settings``), when cycles open and close (``core``: ``Engine``;
+``profiler``: ``Profiler``, for any loop), a loop's schedule position (``stage``), the ranks (``ranks``), one cycle in
+progress (``cycle``) and its statistics (``statistics``), the phases of the whole step (``step_phases`` with
+Lightning, ``loop_phases`` in a plain loop) and what starts cycles out of the schedule (``follow``: requests,
+step-time jumps, the budget). Nothing is imported here: ``fxprof`` (the command) reads ``follow`` without importing
+torch."""

@@ -35,7 +35,7 @@ from fxprof_lightning.engine.cycle import Cycle
 from fxprof_lightning.engine.follow import Follow, Trigger
 from fxprof_lightning.engine.loop_phases import LoopClock
 from fxprof_lightning.engine.ranks import all_gather, broadcast, global_rank, world_size
-from fxprof_lightning.engine.settings import Settings, takes_settings
+from fxprof_lightning.engine.settings import OPTIONS, HoldsSettings, Settings, takes_settings
 from fxprof_lightning.engine.stage import RECORDING, Stage
 from fxprof_lightning.engine.statistics import merge_ranks
 from fxprof_lightning.layout import CYCLE_PREFIXES, DEFAULT_DIRPATH
@@ -65,7 +65,7 @@ LIFECYCLE: dict[tuple[str, ProfilerAction], tuple[str, ...]] = {
 }
 
 
-class Engine:
+class Engine(HoldsSettings):
     """The profiling engine under ``Profiler`` and the Lightning callback: the schedule, the two stages (training
     and validation steps), their cycles, the cross-rank gather and the failure policy, driven by
     ``begin_run``/``prepare``/``begin_step``/``end_step``/``end_stage``/``abort``/``end_run``. See ``Profiler`` for the
@@ -73,6 +73,8 @@ class Engine:
     """
 
     name = "Profiler"  # starts every warning (the Lightning callback sets its own)
+    fixed = OPTIONS - {"dirpath", "peaks"}  # (also the engine's state: the callback sets the directory at setup,
+    # measured peaks replace None)
 
     @takes_settings
     def __init__(self, module: nn.Module | Callable[[], nn.Module] | None, *, sinks: Sequence[Sink] | None = None,

@@ -13,17 +13,17 @@ import os
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from fxprof_lightning.analysis.roofline import Peaks
 from fxprof_lightning.capture.timers import CAPTURES
 from fxprof_lightning.schedule import Schedule
 from fxprof_lightning.timing.torch_trace import check_profiler_kwargs
 
-__all__ = ["Settings", "takes_settings"]
+__all__ = ["HoldsSettings", "Settings", "takes_settings"]
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class Settings:
     """The options, with their defaults (meanings: docs/usage.md#options). Made once, by the constructor; a
     ``ValueError`` names a value that cannot work."""
@@ -57,6 +57,9 @@ class Settings:
         """The settings from a constructor's keywords, or a ``TypeError`` naming one that is no option."""
         names = [f.name for f in fields(cls)]
         for name in options:
+            if name == "schedule":
+                raise TypeError(f"{owner}() takes its schedule as skip_first=, wait=, warmup=, active= and repeat= "
+                                "(torch.profiler.schedule's arguments, the same meanings), not schedule=")
             if name not in names:
                 close = difflib.get_close_matches(name, names, n=1)
                 hint = f"did you mean {close[0]!r}? " if close else ""
@@ -85,7 +88,9 @@ class Settings:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 < budget < 1):
             raise ValueError(f"overhead_budget must be a share of the run's wall time between 0 and 1 (0.01: 1%) or "
                              f"None (no budget: the schedule as given), got {budget!r}")
-        object.__setattr__(self, "profiler_kwargs", check_profiler_kwargs(self.profiler_kwargs))  # a checked copy
+        # Checked copies: the caller's list or dict changed afterwards changes nothing here.
+        object.__setattr__(self, "profiler_kwargs", check_profiler_kwargs(self.profiler_kwargs))
+        object.__setattr__(self, "ranks", tuple(ranks) if ranks is not None else None)
 
     @property
     def schedule(self) -> Schedule:
@@ -113,3 +118,30 @@ def takes_settings(init: Any) -> Any:
                for f in fields(Settings)]
     init.__signature__ = signature.replace(parameters=[*own, *options])
     return init
+
+
+class HoldsSettings:
+    """For the objects that hold the settings (the engine, the Lightning callback): setting one of ``fixed`` after the
+    object is made raises ``AttributeError`` saying what to do instead (the checks ran when it was made, and a value
+    set afterwards would reach some parts and not others), and reading an option where it is not says where it is."""
+
+    fixed: frozenset[str] = frozenset()  # the names that may not be set
+    read_as = "profiler.settings"  # where the options are read
+    hints: ClassVar[dict[str, str]] = {}  # what to do instead, by name, where the default hint is wrong
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.fixed:
+            owner = type(self).__name__
+            hint = self.hints.get(name, "pass {name}=... to {owner}(...) (read it as {read_as}.{name})")
+            raise AttributeError(f"{owner}.{name} is a setting, checked when the {owner} is made: "
+                                 + hint.format(owner=owner, name=name, read_as=self.read_as))
+        super().__setattr__(name, value)
+
+    def __getattr__(self, name: str) -> Any:  # (only for names the object does not have)
+        if name in OPTIONS:
+            raise AttributeError(f"{type(self).__name__} keeps its options in one place: read {self.read_as}.{name}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+OPTIONS = frozenset(f.name for f in fields(Settings))
+

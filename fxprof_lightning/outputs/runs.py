@@ -3,7 +3,7 @@
 A cycle directory is one that holds ``fx_nodes.csv`` (``CycleReport.to_csv``); it may also hold
 ``fx_modules.csv``, ``fsdp_ranges.csv``, ``cycle.jsonl`` (``CycleReport.to_summary`` as one JSON
 line; a ``cycle.json`` object is read too) and torch.profiler traces. Its name says its stage,
-index, piece and run (``engine.cycle_name``): ``cycle_0003``, ``cycle_0003-p1`` (the second
+index, piece and run (``engine.stage.cycle_name``): ``cycle_0003``, ``cycle_0003-p1`` (the second
 piece of a cut cycle), ``cycle_0003-r1`` (a name an earlier run had taken), ``val_cycle_0000``.
 A run directory holds cycle directories, directly (``fxprof/``) or a few levels down
 (``lightning_logs/version_0/fxprof/cycle_0000``).

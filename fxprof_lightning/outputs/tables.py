@@ -112,8 +112,8 @@ def modules_text(report: CycleReport, depth: int | None = None) -> str:
     shown = [m for m in report.modules if depth is None or m.depth <= depth]
     rows = [(("  " * m.depth) + (m.path.rsplit(".", 1)[-1] or "(root)") + f" ({m.type_name})", m) for m in shown]
     width = max((len(label) for label, _ in rows), default=10)
-    lines = ["Module tree, ms per step (report: the module's own nodes; total: with its submodules):", "",
-             "```", f"{'module':<{width}}  report fwd  total fwd   report bwd  total bwd  calls/step"]
+    lines = ["Module tree, ms per step (self: the module's own nodes; total: with its submodules):", "",
+             "```", f"{'module':<{width}}  self fwd  total fwd   self bwd  total bwd  calls/step"]
     for label, m in rows:
         lines.append(
             f"{label:<{width}}  {m.self_fwd_ms:8.3f}  {m.total_fwd_ms:9.3f}  {m.self_bwd_ms:9.3f}  {m.total_bwd_ms:9.3f}  {m.calls_per_step:10g}"
