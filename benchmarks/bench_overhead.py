@@ -25,6 +25,21 @@ cross-entropy loss and backward (autograd on, no ``torch.no_grad`` anywhere in t
    graph's code, the forward clock probes, and backward timing. Where backward times come from
    profiler events (``node_timing.BackwardEvents``), the recorder runs during the timed steps and
    is started and stopped between them (untimed), as the callback does once per cycle.
+   On the MLP, a floor runs in the same rounds: what timing every node forward and backward costs
+   at the least without torch.profiler (issue 30 item 8: ours at most floor + 0.5 us per node). It
+   consists of (a) forward: the traced graph's generated code with, at every boundary between timed
+   nodes, one ``time.perf_counter_ns()`` and one autograd sequence number appended to two lists,
+   modules called from a list rather than looked up by attribute (``FloorProbes``; ours reads two
+   clocks per node, the floor one per boundary; the sequence numbers stay in, since without them
+   no backward time can be given to an FX node), and
+   (b) backward: a C++ ``at::addGlobalCallback`` for ``RecordScope::BACKWARD_FUNCTION`` alone
+   that stores each autograd node's sequence number and two ``steady_clock`` timestamps into a
+   preallocated vector; registering any such callback makes the autograd engine open a
+   ``RecordFunction`` around every node it runs, which is torch's own price and the bulk of the
+   floor. It is built once with ``torch.utils.cpp_extension.load_inline`` into
+   ``FLOOR_BUILD_DIR`` (in the temp directory; about 40 s the first time), registered and removed
+   between the timed steps; without a compiler the floor is reported unavailable and the rest
+   runs. Printed: the floor per node over eager, and ours - floor paired per round, against 0.5 us.
 2b. Under torch.profiler. The MLP again, each round of steps inside one ``torch.profiler.profile``
    (CPU), as the callback runs one per cycle: ``NodeTimer(annotate=False)`` and
    ``NodeTimer(annotate=True)`` over the profiled eager step, per node. Backward times would come
@@ -58,10 +73,12 @@ after a time box (past a minimum), so a busy machine gives fewer rounds, not a r
 
 from __future__ import annotations
 
+import copy
 import datetime
 import inspect
 import logging
 import math
+import operator
 import os
 import pathlib
 import platform
@@ -88,6 +105,7 @@ from torch.profiler import ProfilerActivity
 from torch.utils.data import DataLoader, TensorDataset
 
 from fxprof_lightning import FXProfilerCallback
+from fxprof_lightning.nodes import is_timed
 from fxprof_lightning.timing import node_timing
 from fxprof_lightning.timing.node_timing import NodeTimer
 
@@ -418,6 +436,7 @@ class Variant:
     enter: Callable[[], None] = _nothing
     exit: Callable[[], None] = _nothing
     after_ns: list[int] = field(default_factory=list)  # per step: the timer's work after it (making samples), untimed
+    backward_nodes: list[int] = field(default_factory=list)  # per step, the floor: autograd nodes its callback timed
 
 
 def swap_forward(name: str, module: nn.Module, forward: Callable) -> Variant:
@@ -468,9 +487,138 @@ def events_variant(model: nn.Module) -> Variant:
     return Variant("eager + BackwardEvents", model, events.start, events.stop)
 
 
-def step_variants(work: Workload) -> tuple[list[Variant], int]:
+# The floor of per-node timing without torch.profiler (issue 30 item 8): what torch itself charges to time every
+# autograd node in backward, plus the cheapest forward probe per node. A global RecordFunction callback for the
+# backward scope alone makes the autograd engine open a RecordFunction around every node it runs (with the node's
+# name built as a string, torch/csrc/autograd/node.h); kineto's callbacks (``BackwardEvents``) do more per event.
+_FLOOR_CPP = r"""
+#include <ATen/record_function.h>
+#include <atomic>
+#include <chrono>
+#include <vector>
+
+namespace {
+struct Record { int64_t sequence_nr, start_ns, end_ns; };
+std::vector<Record> records;  // preallocated by start(); what does not fit is counted, not kept
+std::atomic<size_t> used{0};
+at::CallbackHandle handle = 0;
+thread_local std::vector<size_t> open;  // the records of the nodes running on this thread, innermost last
+
+int64_t now_ns() { return std::chrono::steady_clock::now().time_since_epoch().count(); }
+
+std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+  size_t i = used.fetch_add(1, std::memory_order_relaxed);
+  if (i < records.size()) records[i] = Record{fn.seqNr(), now_ns(), 0};
+  open.push_back(i);
+  return nullptr;
+}
+
+void on_end(const at::RecordFunction&, at::ObserverContext*) {
+  int64_t t = now_ns();
+  size_t i = open.back();
+  open.pop_back();
+  if (i < records.size()) records[i].end_ns = t;
+}
+}  // namespace
+
+void start(int64_t capacity) {
+  TORCH_CHECK(handle == 0, "the floor's callback is already registered");
+  if (records.size() < static_cast<size_t>(capacity)) records.resize(capacity);
+  used = 0;
+  handle = at::addGlobalCallback(
+      at::RecordFunctionCallback(on_start, on_end).scopes({at::RecordScope::BACKWARD_FUNCTION}));
+}
+
+int64_t stop() {  // the number of autograd nodes recorded since start()
+  if (handle != 0) at::removeCallback(handle);
+  handle = 0;
+  return static_cast<int64_t>(used.load());
+}
+"""
+
+FLOOR_BUILD_DIR = pathlib.Path(tempfile.gettempdir()) / "fxprof_lightning_bench" / "backward_floor"
+
+
+def floor_extension() -> tuple[Any, str]:
+    """The floor's C++ callback, built once with ``load_inline`` (cached in ``FLOOR_BUILD_DIR``), or None and why not."""
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        FLOOR_BUILD_DIR.mkdir(parents=True, exist_ok=True)
+        with quiet_stderr():
+            return load_inline("fxprof_bench_backward_floor", cpp_sources=[_FLOOR_CPP], functions=["start", "stop"],
+                               build_directory=str(FLOOR_BUILD_DIR)), ""
+    except Exception as error:  # no compiler, no ninja, no Python headers: the benchmark goes on without the floor
+        first_line = next(iter(str(error).strip().splitlines()), "")
+        return None, f"{type(error).__name__}: {first_line[:200]}"
+
+
+class FloorProbes:
+    """The floor's forward: the traced graph with, at every boundary between timed nodes, one clock read and one
+    autograd sequence-number read appended to two lists; the least a per-node timer of forward and backward must
+    note (the sequence numbers say which FX node made each autograd node the backward callback times). Modules are
+    called from a list handed to the call, not looked up through ``self.linears`` etc., as ours does (``_callee``
+    in the package's code generator): those lookups cost about as much as the probes and are no part of timing."""
+
+    def __init__(self, traced: fx.GraphModule) -> None:
+        self.stamps: list[int] = []
+        self.sequence_nrs: list[int] = []
+        self.modules: list[nn.Module] = []
+        graph = fx.Graph()
+        graph.set_codegen(copy.deepcopy(traced.graph._codegen))
+        copies: dict[fx.Node, fx.Node] = {}
+        logs: Any = None
+        for node in traced.graph.nodes:
+            if node.op != "placeholder" and logs is None:
+                logs = graph.call_function(self.begin)
+                stamps, sequence_nrs, autograd, modules = (graph.call_function(operator.getitem, (logs, i)) for i in range(4))
+                self._probe(graph, stamps, sequence_nrs, autograd)
+            if node.op == "call_module":
+                self.modules.append(traced.get_submodule(node.target))
+                callee = graph.call_function(operator.getitem, (modules, len(self.modules) - 1))
+                args, kwargs = fx.map_arg((node.args, node.kwargs), copies.__getitem__)
+                copies[node] = graph.call_method("__call__", (callee, *args), kwargs)
+            else:
+                copies[node] = graph.node_copy(node, copies.__getitem__)
+            if is_timed(node):
+                self._probe(graph, stamps, sequence_nrs, autograd)
+        self.module = fx.GraphModule(traced, graph, class_name=f"{type(traced).__name__}Floor")
+
+    @staticmethod
+    def _probe(graph: fx.Graph, stamps: fx.Node, sequence_nrs: fx.Node, autograd: fx.Node) -> None:
+        graph.call_method("append", (stamps, graph.call_function(time.perf_counter_ns)))
+        graph.call_method("append", (sequence_nrs, graph.call_method("_get_sequence_nr", (autograd,))))
+
+    def begin(self) -> tuple[list[int], list[int], Any, list[nn.Module]]:
+        return self.stamps, self.sequence_nrs, torch._C._autograd, self.modules
+
+    def clear(self) -> None:
+        self.stamps.clear()
+        self.sequence_nrs.clear()
+
+
+def floor_variant(model: nn.Module, extension: Any) -> Variant:
+    """Steps through ``FloorProbes`` with the floor's backward callback registered, both put in place and taken
+    away between the timed steps (as ``timer_variant`` does with the timer and its recorder)."""
+    probes = FloorProbes(trace_module(model))
+
+    def enter() -> None:
+        probes.clear()
+        extension.start(1 << 16)
+        model.forward = probes.module.forward
+
+    def exit_() -> None:
+        del model.forward
+        variant.backward_nodes.append(extension.stop())
+
+    variant = Variant("floor", model, enter, exit_)
+    return variant
+
+
+def step_variants(work: Workload, floor: Any = None) -> tuple[list[Variant], int]:
     """eager, NodeTimer (package defaults, annotate=False), untimed GraphModule, the tutorial's
-    interpreter, and NodeTimer(backward=False) where the package has that option; the node count."""
+    interpreter, NodeTimer(backward=False) where the package has that option, and the floor where its
+    C++ extension (``floor``) is given; the node count."""
     model = work.model
     timer = NodeTimer(trace_module(model), annotate=False)
     variants = [
@@ -484,6 +632,8 @@ def step_variants(work: Workload) -> tuple[list[Variant], int]:
         variants.append(timer_variant("NodeTimer backward=False", model, forward_only))
     if hasattr(node_timing, "BackwardEvents"):
         variants.append(events_variant(model))
+    if floor is not None:
+        variants.append(floor_variant(model, floor))
     return variants, len(timer.nodes)
 
 
@@ -520,12 +670,17 @@ class StepResult:
     per_node_us: dict[str, list[float]]  # variant -> per-round (variant - eager) / nodes
     probe_us: list[float]  # per-round (NodeTimer - untimed GraphModule) / nodes
     samples_us: list[float]  # per step: NodeTimer's work making samples after it (untimed), / nodes
+    floor_gap_us: list[float] = field(default_factory=list)  # per-round (NodeTimer - floor) / nodes
+    floor_backward_nodes: list[int] = field(default_factory=list)  # per step: autograd nodes the floor timed
+    floor_missing: str = ""  # why there is no floor (its C++ extension did not build), when it was asked for
 
 
-def step_overhead(work: Workload, rounds: Rounds, warmup: int) -> StepResult:
-    """Our variants interleaved with eager steps; the tutorial's interpreter in a run of its own
-    with eager steps (its garbage would otherwise land on whichever variant runs after it)."""
-    variants, nodes = step_variants(work)
+def step_overhead(work: Workload, rounds: Rounds, warmup: int, floor: bool = False) -> StepResult:
+    """Our variants interleaved with eager steps (and with the floor, if asked and its extension
+    builds); the tutorial's interpreter in a run of its own with eager steps (its garbage would
+    otherwise land on whichever variant runs after it)."""
+    extension, missing = floor_extension() if floor else (None, "")
+    variants, nodes = step_variants(work, extension)
     eager, interpreter = variants[0], next(v for v in variants if v.name == "ProfilingInterpreter")
     times = run_interleaved([v for v in variants if v is not interpreter], work, rounds, warmup)
     baseline = run_interleaved([eager, interpreter], work, rounds, warmup)
@@ -537,7 +692,11 @@ def step_overhead(work: Workload, rounds: Rounds, warmup: int) -> StepResult:
                 per_node[name] = paired(t, run["eager"], lambda a, b: (a - b) / 1e3 / nodes)
     probe = paired(times["NodeTimer"], times["untimed GraphModule"], lambda a, b: (a - b) / 1e3 / nodes)
     after = [ns / 1e3 / nodes for ns in next(v for v in variants if v.name == "NodeTimer").after_ns]
-    return StepResult(work.name, nodes, median(times["eager"]) / 1e6, ratios, per_node, probe, after)
+    result = StepResult(work.name, nodes, median(times["eager"]) / 1e6, ratios, per_node, probe, after, floor_missing=missing)
+    if "floor" in times:
+        result.floor_gap_us = paired(times["NodeTimer"], times["floor"], lambda a, b: (a - b) / 1e3 / nodes)
+        result.floor_backward_nodes = next(v for v in variants if v.name == "floor").backward_nodes
+    return result
 
 
 def profiled_overhead(work: Workload, rounds: Rounds, warmup: int) -> dict[str, list[float]]:
@@ -832,6 +991,16 @@ def report_steps(table: Table, result: StepResult, goal: float | None) -> None:
     if "eager + BackwardEvents" in ratios:
         table.note(f"eager with the backward recorder alone (profiler callbacks on every autograd node, torch's C++): "
                    f"{estimate(per_node['eager + BackwardEvents'], 2, ' us/node')}")
+    if result.floor_missing:
+        table.note(f"floor unavailable (its C++ callback did not build: {result.floor_missing})")
+    if result.floor_gap_us:
+        table.row("2", f"{name}: floor per node (see below)", estimate(per_node["floor"], 2, " us"),
+                  "", "info")
+        table.row("2", f"{name}: ours - floor per node (paired)", estimate(result.floor_gap_us, 2, " us"),
+                  "<= 0.5 us", judge(result.floor_gap_us, 0.5))
+        table.note(f"floor: traced graph (modules called from a list) + one perf_counter_ns and one autograd sequence "
+                   f"number per node boundary (forward), a minimal at::addGlobalCallback for the backward scope storing sequence number and two "
+                   f"timestamps ({median(result.floor_backward_nodes):.0f} autograd nodes a step); same rounds as ours")
 
 
 def report_profiled(table: Table, per_node: dict[str, list[float]]) -> None:
@@ -930,7 +1099,7 @@ def main() -> int:
     resnet, mlp = resnet18_workload(), mlp_workload()
     steps = {
         resnet.name: step_overhead(resnet, budget.resnet, budget.warmup),
-        mlp.name: step_overhead(mlp, budget.mlp, budget.warmup),
+        mlp.name: step_overhead(mlp, budget.mlp, budget.warmup, floor=True),
     }
     report_steps(table, steps["ResNet18"], goal=1.10)
     report_steps(table, steps["MLP-199"], goal=None)
