@@ -23,9 +23,10 @@ from test_layers import train_both as train_both_with
 from torch import nn
 from torch.nn import functional as F
 
+from fxprof_lightning.capture.guarded_timer import GuardedNodeTimer
 from fxprof_lightning.capture.ladder import capture
 from fxprof_lightning.capture.leaves import host_random_functions, refusing_checkpoint
-from fxprof_lightning.capture.traced_on_example import Example, GuardedNodeTimer
+from fxprof_lightning.capture.recorded_call import Example
 
 CHECKPOINT_REASON = "activation checkpointing cannot be traced"
 
