@@ -16,9 +16,11 @@ arguments of one call, recorded by ``observe_first_call``), ``trace_on_example``
    batch, so tracing fails there as it would have (a leaf, or module hooks);
 4. keeps a submodule whole where tracing still fails (``leaves.trace_with_leaves``), activation
    checkpointing on traced values included (a ``GradientCheckpointingLayer`` stays whole);
-5. runs the module's own forward and the graph on the example (no grad, the same random state;
-   random state and buffers restored) and refuses the graph unless every output tensor is
-   bitwise the same. Some Python questions never reach the tracer: ``isinstance(x, torch.Tensor)``
+5. runs the module's own forward and the graph on the example (with grad, from the same state,
+   put back after each: ``verify.State``) and refuses the graph unless the output has the same
+   structure and the two calls are bitwise the same by ``verify.first_difference``, the comparison
+   Dynamo's capture uses: output tensors, gradients, buffers after the call, random states,
+   tensors saved for backward. Some Python questions never reach the tracer: ``isinstance(x, torch.Tensor)``
    is False for a proxy, ``hasattr`` True, ``x is y`` compares proxies. Their answers are baked
    into the graph without a guard (a torch.fx limitation); this check catches those that change
    the recorded call's output. Rungs 1 and 2 have no recorded call and cannot check this.
@@ -45,16 +47,17 @@ from __future__ import annotations
 
 import operator
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import fx, nn
 from torch.fx._symbolic_trace import _assert_is_none
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
-from fxprof_lightning.capture import side_effects
+from fxprof_lightning.capture import verify
 from fxprof_lightning.capture.example_guards import check_argument
-from fxprof_lightning.capture.example_tracer import ExampleTracer, state_restored
+from fxprof_lightning.capture.example_tracer import ExampleTracer
 from fxprof_lightning.capture.leaves import LeafTrace, short_error, slot_names, trace_with_leaves
 from fxprof_lightning.capture.recorded_call import PLAIN_CONSTANTS, Example, example_forward
 from fxprof_lightning.nodes import mark_untimed
@@ -98,43 +101,50 @@ def trace_on_example(module: nn.Module, example: Example) -> LeafTrace:
 
 
 def _difference_on_example(module: nn.Module, graph_module: fx.GraphModule, example: Example) -> str:
-    """How the graph's output on the example differs from the module's own forward's ('' if in no way).
+    """How the graph's call on the example differs from the module's own forward's ('' if in no way).
 
     Both run on fresh copies of the example, with grad as in the training call it was recorded from
     (libraries decide on ``torch.is_grad_enabled()``: transformers keeps its cache without grad
-    under gradient checkpointing), from the same random state; the
-    random state and the buffers are restored after each run (batch-norm statistics, dropout).
+    under gradient checkpointing), from the same state, put back after each run (``verify.State``:
+    buffers, random states, the Python state the forward and hooks change). The output's structure
+    (objects opened: a cache in a ``ModelOutput``) and its leaves' types must match; then
+    ``verify.first_difference``, the comparison Dynamo's capture uses, compares the two calls: output
+    tensors, gradients, buffers after the call, random states, tensors saved for backward, bitwise.
     Python decisions fx does not ask a proxy about (``isinstance``, ``hasattr``, ``is``) are
     baked into the graph without a guard: this is where a wrong one shows.
     """
-    outputs = []
+    results: list[verify.CallResult] = []
+    structures: list[tuple[Any, list[type]]] = []
+    state = verify.State(module)
     for run in (module.forward, graph_module):
         call = Example.copy_of(example.args, example.kwargs)
-        put_back = side_effects.kept(module)  # what the forward and its hooks change in Python: as before, after
         try:
-            with state_restored(module), torch.enable_grad(), warnings.catch_warnings():
+            with torch.enable_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                output = run(*call.args, **call.kwargs)
-                outputs.append(tree_flatten(_opened(tree_map(_detached, output))))
+                results.append(verify.run_checked(_flattened(run, structures), module, call.args, call.kwargs))
         except Exception as error:
-            return f"{'the graph' if outputs else 'the module'} failed on it: {short_error(error)}"
+            return f"{'the graph' if results else 'the module'} failed on it: {short_error(error)}"
         finally:
-            put_back()
-    (expected, expected_spec), (got, got_spec) = outputs
+            state.restore()
+    (expected_spec, expected_types), (got_spec, got_types) = structures
     if expected_spec != got_spec:
         return f"the output's structure differs: {got_spec} instead of {expected_spec}"
-    for i, (a, b) in enumerate(zip(expected, got)):
-        if type(a) is not type(b):
-            return f"output {i} is a {type(b).__name__} instead of a {type(a).__name__}"
-        if isinstance(a, torch.Tensor) and (a.dtype != b.dtype or a.shape != b.shape):
-            return f"output {i} is {b.dtype} {tuple(b.shape)} instead of {a.dtype} {tuple(a.shape)}"
-        if isinstance(a, torch.Tensor) and not _same_values(a, b):
-            return f"output {i} has other values (largest difference {(a.double() - b.double()).abs().max():.3g})"
-    return ""
+    for i, (a, b) in enumerate(zip(expected_types, got_types, strict=True)):
+        if a is not b:
+            return f"output {i} is a {b.__name__} instead of a {a.__name__}"
+    return verify.first_difference(*results) or ""
 
 
-def _detached(value: Any) -> Any:
-    return value.detach() if isinstance(value, torch.Tensor) else value
+def _flattened(run: Callable[..., Any], structures: list[tuple[Any, list[type]]]) -> Callable[..., list[Any]]:
+    """``run`` returning its output's leaves, objects opened: the tensors ``verify`` compares are then every one in
+    the output, those inside objects (a cache) included; the structure goes to ``structures``."""
+
+    def call(*args: Any, **kwargs: Any) -> list[Any]:
+        leaves, spec = tree_flatten(_opened(run(*args, **kwargs)))
+        structures.append((spec, [type(leaf) for leaf in leaves]))
+        return leaves
+
+    return call
 
 
 def _opened(value: Any, depth: int = 12) -> Any:
@@ -150,13 +160,6 @@ def _opened(value: Any, depth: int = 12) -> Any:
         state.update({slot: getattr(value, slot) for slot in slot_names(type(value)) if hasattr(value, slot)})
         return [type(value).__qualname__, {key: _opened(item, depth - 1) for key, item in state.items()}]
     return value
-
-
-def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise the same values, NaN where the other has NaN (a fully masked row, say) included."""
-    if torch.equal(a, b):
-        return True
-    return a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
 
 
 def _placeholders_first(graph: fx.Graph) -> None:
