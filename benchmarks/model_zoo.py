@@ -96,10 +96,12 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fxprof_lightning import FXProfilerCallback
+from fxprof_lightning.capture.guarded_timer import GuardedNodeTimer
 from fxprof_lightning.capture.ladder import capture
 from fxprof_lightning.capture.leaves import short_error
 from fxprof_lightning.capture.module_hooks import ModuleHookTimer
-from fxprof_lightning.capture.traced_on_example import Example, GuardedNodeTimer, trace_on_example
+from fxprof_lightning.capture.recorded_call import Example
+from fxprof_lightning.capture.traced_on_example import trace_on_example
 from fxprof_lightning.nodes import Capture, is_timed
 from fxprof_lightning.timing.autograd_walk import tensors_in
 from fxprof_lightning.timing.node_timing import BackwardEvents, NodeTimer

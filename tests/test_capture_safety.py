@@ -23,9 +23,10 @@ from test_layers import train_both as train_both_with
 from torch import nn
 from torch.nn import functional as F
 
+from fxprof_lightning.capture.guarded_timer import GuardedNodeTimer
 from fxprof_lightning.capture.ladder import capture
 from fxprof_lightning.capture.leaves import host_random_functions, refusing_checkpoint
-from fxprof_lightning.capture.traced_on_example import Example, GuardedNodeTimer
+from fxprof_lightning.capture.recorded_call import Example
 
 CHECKPOINT_REASON = "activation checkpointing cannot be traced"
 
@@ -590,6 +591,42 @@ def test_a_guard_failing_after_a_leaf_drew_numpy_numbers_gives_the_models_numpy_
     finally:
         timer.uninstall(module)
     assert timer.mismatch and torch.equal(got, expected) and got_next == expected_next
+
+
+class SameOutputIfTensor(nn.Module):
+    """Takes rung 3, then drops (``isinstance``, False on a proxy) work that leaves the output's values as they are."""
+
+    def __init__(self, dropped: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+        self.dropped = dropped
+
+    def forward(self, x, scale):
+        if x.shape[1] > 1:  # plain symbolic tracing fails here
+            x = x * 2
+        weight = self.linear.weight
+        if not isinstance(scale, torch.Tensor):  # True on a proxy only: the graph takes this branch
+            if self.dropped == "buffer update":
+                self.calls.add_(1)
+            elif self.dropped == "random draw":
+                torch.rand(1)
+            else:
+                weight = weight.detach()
+        return F.linear(x, weight, self.linear.bias)
+
+
+@pytest.mark.parametrize(("dropped", "named"), [("buffer update", "buffer calls after the call"),
+                                                ("random draw", "the torch CPU random state"),
+                                                ("gradient", "gradient of linear.weight")])
+def test_a_graph_whose_output_is_right_but_whose_call_is_not_is_refused(dropped, named):
+    # The output's values are the same, so a comparison of outputs alone would keep the graph; timed training would
+    # then miss a buffer update, draw other random numbers afterwards or not train a weight. The comparison of
+    # Dynamo's capture (verify.first_difference) sees each.
+    module, x, scale = SameOutputIfTensor(dropped), torch.randn(3, 4), torch.tensor(2.0)
+    how = capture(module, Example.copy_of((x, scale), {}))
+    assert how.method == "module_hooks" and "does not reproduce" in how.error and named in how.error, how.error
+    assert module.calls == 0  # the check's calls changed nothing
 
 
 class Appender(nn.Module):

@@ -21,8 +21,10 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from fxprof_lightning import FXProfilerCallback
+from fxprof_lightning.capture.example_guards import GraphMismatch
+from fxprof_lightning.capture.guarded_timer import GuardedNodeTimer
 from fxprof_lightning.capture.ladder import capture
-from fxprof_lightning.capture.traced_on_example import Example, GraphMismatch, GuardedNodeTimer
+from fxprof_lightning.capture.recorded_call import Example
 
 VOCAB, HIDDEN, SEQ = 64, 32, 8
 # These tests are of the torch.fx ladder's tracing on a recorded call (``capture="fx"``); HuggingFace models under the
@@ -130,7 +132,7 @@ def test_bert_is_timed_node_by_node_inside_attention(tmp_path):
     assert attention["matmul"].fwd_flops == 2 * 4 * 2 * SEQ * SEQ * 16  # batch 4, 2 heads, q @ k.T, head dim 16
     names = {n.name for n in cycle.nodes}
     assert "encoder_layer_1_attention_self_query" in names  # nn.Linear calls are nodes too
-    assert not any(n.target.startswith("fxprof_lightning.capture.traced_on_example.check_") for n in cycle.nodes)  # guards are not timed
+    assert not any(n.target.startswith("fxprof_lightning.capture.example_guards.check_") for n in cycle.nodes)  # guards are not timed
     modules = {m.path: m for m in cycle.modules}
     assert modules["encoder.layer.0.attention.self"].total_fwd_ms > 0
     tags = set(read_events(tmp_path / "profiled" / "logs" / "version_0").Tags()["scalars"])

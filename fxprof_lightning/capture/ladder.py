@@ -5,11 +5,11 @@
    whole, timed as one node) and tracing is tried again, until it succeeds: a model with
    one data-dependent block keeps node granularity everywhere else (``leaves``);
 3. if the module's own forward cannot be traced and a real call of it was recorded (an
-   ``traced_on_example.Example``), tracing on that call: the forward gets the call's explicit
+   ``recorded_call.Example``), tracing on that call: the forward gets the call's explicit
    signature, its constant arguments and Python decisions are the call's, each checked by a
    guard node at run time; leaves as in 2 (``traced_on_example.trace_on_example``). The graph is kept
    only if it reproduces the module's output on that call. HuggingFace transformers models get
-   here. Time such a graph with ``traced_on_example.GuardedNodeTimer``;
+   here. Time such a graph with ``guarded_timer.GuardedNodeTimer``;
 4. else ``capture`` returns no graph and the caller times modules with hooks instead
    (``module_hooks.ModuleHookTimer``).
 
@@ -22,8 +22,10 @@ from __future__ import annotations
 
 from torch import fx, nn
 
+from fxprof_lightning.capture.example_guards import GUARDS
 from fxprof_lightning.capture.leaves import LeafTracer, trace_with_leaves
-from fxprof_lightning.capture.traced_on_example import GUARDS, Example, trace_on_example
+from fxprof_lightning.capture.recorded_call import Example
+from fxprof_lightning.capture.traced_on_example import trace_on_example
 from fxprof_lightning.nodes import Capture
 
 __all__ = ["Capture", "capture"]

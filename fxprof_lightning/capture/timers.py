@@ -26,9 +26,10 @@ from torch.utils.hooks import RemovableHandle
 
 from fxprof_lightning.capture.compiled import MECHANISM, CompiledKernels, KernelTimer
 from fxprof_lightning.capture.dynamo import DYNAMO, DynamoTimer, missing_for_dynamo
+from fxprof_lightning.capture.guarded_timer import GuardedNodeTimer
 from fxprof_lightning.capture.ladder import capture
 from fxprof_lightning.capture.module_hooks import ModuleHookTimer
-from fxprof_lightning.capture.traced_on_example import Example, GuardedNodeTimer, observe_first_call
+from fxprof_lightning.capture.recorded_call import Example, observe_first_call
 from fxprof_lightning.capture.verify import fsdp2_kept, is_fsdp
 from fxprof_lightning.nodes import Capture
 from fxprof_lightning.timing.node_timing import NodeTimer
