@@ -254,8 +254,7 @@ class Engine(HoldsSettings):
         """What the sinks show, from the settings now (``sinks.Display``)."""
         settings = self.settings
         return Display(self.name, settings.top_k, settings.module_depth, settings.pictures, settings.verbose,
-                       settings.profile_validation,
-                       self.warn)
+                       settings.profile_validation, self.warn)
 
     def backward_started(self) -> None:
         """Mark the start of a recorded step's backward (measures ``CycleReport.backward_wall_ms``)."""
@@ -394,7 +393,10 @@ class Engine(HoldsSettings):
         trust, regressions, advice (rank 0). A raised peak: a measured one a node beat was too low."""
         tracked = self._train.history.tracked if stage is self._val else None
         self.peaks = _device_peaks(self.target, self.peaks, self.warn)
-        self.peaks = stage.history.analyse(report, self.peaks or None, self.settings.top_k, tracked) or self.peaks
+        analysis, peaks = stage.history.analyse(report, self.peaks or None, self.settings.top_k, tracked)
+        self.peaks = peaks or self.peaks
+        for name, value in vars(analysis).items():  # (the report's fields of the same names)
+            setattr(report, name, value)
 
     # ------------------------------------------------------------ failures
 
