@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import hashlib
 import inspect
 import logging
 import math
@@ -536,7 +537,9 @@ int64_t stop() {  // the number of autograd nodes recorded since start()
 }
 """
 
-FLOOR_BUILD_DIR = pathlib.Path(tempfile.gettempdir()) / "fxprof_lightning_bench" / "backward_floor"
+# One build per Python environment and torch (a build is tied to the headers and libraries it was made with).
+FLOOR_BUILD_DIR = (pathlib.Path(tempfile.gettempdir()) / "fxprof_lightning_bench"
+                   / f"backward_floor-{hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]}-torch{torch.__version__}")
 
 
 def floor_extension() -> tuple[Any, str]:

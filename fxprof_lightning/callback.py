@@ -77,7 +77,10 @@ class FXProfilerCallback(Callback, HoldsSettings):
     hints: ClassVar[dict[str, str]] = {
         "schedule": "pass skip_first=, wait=, warmup=, active=, repeat= to {owner}(...) (read it as callback.schedule)",
         "sinks": "pass sinks=[...] to {owner}(...) (read them as callback.extra_sinks)",
-        "settings": "pass each option to {owner}(...) (read them as callback.profiler.settings)"}
+        "settings": "pass each option to {owner}(...) (read them as callback.profiler.settings)",
+        "peaks": "pass peaks=... to {owner}(...) (read the given ones as callback.profiler.settings.peaks, the ones "
+                 "in use as callback.profiler.peaks)"}
+    made = "profiler"  # guarded once the engine exists (a subclass may set its own attributes before)
 
     @takes_settings
     def __init__(self, *, module: str | None = None, sinks: Sequence[Sink] | None = None, **options: Any) -> None:

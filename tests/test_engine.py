@@ -373,6 +373,42 @@ def test_the_settings_are_read_on_settings_and_never_set_on_the_profiler():
         callback.sinks = []
 
 
+def test_rank_0_that_timed_nothing_still_gets_the_module_tree_of_the_merged_table(tmp_path, monkeypatch):
+    """Two ranks, as the engine sees them: rank 0 timed nothing (its graph stopped fitting), rank 1 timed the nodes.
+    Rank 0 writes the report: the merged rows, and the module tree from rank 1's rows."""
+    from fxprof_lightning.engine import core
+
+    def run(directory):
+        model = SmallNet()
+        with Profiler(model, wait=0, warmup=1, active=2, repeat=1, torch_profiler=False, sinks=[],
+                      dirpath=tmp_path / directory) as prof:
+            for _ in range(4):
+                model(torch.randn(4, 3, 8, 8)).sum().backward()
+                prof.step()
+        return prof.cycles[-1]
+
+    rank1: dict = {}
+    measure = core.Cycle.measure
+
+    def measured(cycle, module, warn):
+        rank1["table"], rank1["rows"] = measure(cycle, module, warn), cycle.nodes
+        return rank1["table"]
+
+    monkeypatch.setattr(core.Cycle, "measure", measured)
+    alone = run("one_rank")
+
+    def nothing(cycle, module, warn):  # rank 0 timed nothing (its sessions are stopped all the same)
+        measure(cycle, module, warn)
+        cycle.nodes = []
+
+    monkeypatch.setattr(core.Cycle, "measure", nothing)
+    monkeypatch.setattr(core.Engine, "world_size", property(lambda self: 2))
+    monkeypatch.setattr(core, "all_gather", lambda value: [value, (rank1["table"], [], rank1["rows"])])
+    report = run("two_ranks")
+    assert [n.name for n in report.nodes] == [n.name for n in alone.nodes]
+    assert report.modules and [m.path for m in report.modules] == [m.path for m in alone.modules]
+
+
 def test_a_plain_loops_step_splits_into_forward_backward_and_the_rest(tmp_path):
     """LoopClock: forward inside the module's calls, backward from the output's gradient to the pass's end, the rest
     (here a 40 ms wait for data: far above SmallNet's forward, also on a loaded machine) as other; together the step's

@@ -43,7 +43,8 @@ CAPTURES = ("dynamo", "fx")
 class Timer(Protocol):
     """What the engine asks of a timer (``NodeTimer`` and its ``GuardedNodeTimer``, ``DynamoTimer``;
     ``ModuleHookTimer``, ``KernelTimer``), all of it read as values (``timing.readings``): the engine writes into no
-    timer. ``Readings`` gives ``traits``, ``progress`` and ``collected`` to every timer class.
+    timer. ``Readings`` gives ``traits``, ``progress`` and ``collected`` to every timer class. (``Timers``, which
+    makes the timers, also asks a timer that stopped fitting for its ``refusal``: the capture side's, not the engine's.)
     """
 
     @property

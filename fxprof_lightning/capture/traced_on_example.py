@@ -111,17 +111,21 @@ def _difference_on_example(module: nn.Module, graph_module: fx.GraphModule, exam
     ``verify.first_difference``, the comparison Dynamo's capture uses, compares the two calls: output
     tensors, gradients, buffers after the call, random states, tensors saved for backward, bitwise.
     Python decisions fx does not ask a proxy about (``isinstance``, ``hasattr``, ``is``) are
-    baked into the graph without a guard: this is where a wrong one shows.
+    baked into the graph without a guard: this is where a wrong one shows. An FSDP2 model on a torch whose FSDP2
+    state cannot be put back after a backward (``verify.fsdp2_kept``: before 2.14) is checked on the forward alone,
+    without gradients.
     """
     results: list[verify.CallResult] = []
     structures: list[tuple[Any, list[type]]] = []
-    state = verify.State(module)
+    backward = verify.fsdp2_kept() or not any(verify.is_fsdp(m) for m in module.modules())
+    state = verify.State(module, fsdp=backward)
     for run in (module.forward, graph_module):
         call = Example.copy_of(example.args, example.kwargs)
         try:
             with torch.enable_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                results.append(verify.run_checked(_flattened(run, structures), module, call.args, call.kwargs))
+                results.append(verify.run_checked(_flattened(run, structures), module, call.args, call.kwargs,
+                                                  gradients=backward))
         except Exception as error:
             return f"{'the graph' if results else 'the module'} failed on it: {short_error(error)}"
         finally:

@@ -60,9 +60,10 @@ class CallResult:
     saved_bytes: int
 
 
-def run_checked(forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallResult:
-    """Call ``forward`` and, in grad mode, ``torch.autograd.grad`` of its outputs with fixed cotangents (``.grad``
-    untouched); note what a comparison needs."""
+def run_checked(forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                gradients: bool = True) -> CallResult:
+    """Call ``forward`` and, in grad mode (and with ``gradients``), ``torch.autograd.grad`` of its outputs with fixed
+    cotangents (``.grad`` untouched); note what a comparison needs."""
     sizes: list[int] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -78,8 +79,8 @@ def run_checked(forward: Callable[..., Any], module: nn.Module, args: tuple[Any,
           _reentrant_checked_as_not()):
         out = forward(*args, **kwargs)
     outputs = _tensors(out)
-    gradients: list[tuple[str, torch.Tensor | None]] = []
-    if torch.is_grad_enabled():
+    grads_of: list[tuple[str, torch.Tensor | None]] = []
+    if gradients and torch.is_grad_enabled():
         ys = [t for t in outputs if t.requires_grad]
         unsharded = fsdp_unsharded(module)  # FSDP2: of the parameter the forward computed with
         named = [(f"gradient of {name}", unsharded.get(id(p), p)) for name, p in module.named_parameters() if p.requires_grad]
@@ -88,9 +89,9 @@ def run_checked(forward: Callable[..., Any], module: nn.Module, args: tuple[Any,
             generator = torch.Generator().manual_seed(0)  # its own: the global random state is not drawn from
             cotangents = [torch.randn(y.shape, generator=generator).to(y.device, y.dtype) for y in ys]
             grads = torch.autograd.grad(ys, [t for _, t in named], cotangents, allow_unused=True)
-            gradients = [(name, g) for (name, _), g in zip(named, grads, strict=True)]
+            grads_of = [(name, g) for (name, _), g in zip(named, grads, strict=True)]
     buffers = [(name, b.detach().clone()) for name, b in module.named_buffers()]
-    return CallResult([t.detach() for t in outputs], gradients, buffers, random_states.save(), len(sizes), sum(sizes))
+    return CallResult([t.detach() for t in outputs], grads_of, buffers, random_states.save(), len(sizes), sum(sizes))
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
@@ -261,15 +262,16 @@ class State:
     """The module's buffers (the tensors and their values), the random states and the Python state its forward and
     hooks can change (``side_effects``), to put back after a checking call."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, fsdp: bool = True) -> None:
         self.buffers = [(owner, name, tensor, tensor.detach().clone()) for owner in module.modules()
                         for name, tensor in owner._buffers.items() if tensor is not None]
         self.random_states = random_states.save()
         self.python = side_effects.kept(module)
-        self.fsdp = FsdpKept(module)
+        self.fsdp = FsdpKept(module) if fsdp else None  # (False: a forward-only check, FSDP2 puts its own state back)
 
     def restore(self) -> None:
-        self.fsdp.restore()
+        if self.fsdp is not None:
+            self.fsdp.restore()
         self.python()
         with torch.no_grad():
             for owner, name, tensor, value in self.buffers:

@@ -39,6 +39,7 @@ from fxprof_lightning.engine.settings import OPTIONS, HoldsSettings, Settings, t
 from fxprof_lightning.engine.stage import RECORDING, Stage
 from fxprof_lightning.engine.statistics import merge_ranks
 from fxprof_lightning.layout import CYCLE_PREFIXES, DEFAULT_DIRPATH
+from fxprof_lightning.nodes import NodeInfo
 from fxprof_lightning.outputs.sinks import ConsoleSink, CsvSink, Display, PictureSink, RunSummary, Sink, checked_sinks
 from fxprof_lightning.report import CycleReport, NodeStats
 from fxprof_lightning.schedule import ProfilerAction, Schedule
@@ -364,7 +365,9 @@ class Engine(HoldsSettings):
         ranges = [cycle.trace.ranges] if cycle is not None and cycle.trace is not None else []
         ranks = 1
         if gather and self.world_size > 1:
-            nodes, ranges, ranks = _gathered(nodes, ranges)
+            nodes, ranges, ranks, rows = _gathered(nodes, ranges, cycle.nodes if cycle is not None else [])
+            if cycle is not None and not cycle.nodes:  # (this rank timed nothing: the module tree from another's rows)
+                cycle.nodes = rows
         if cycle is None:
             return
         nothing = cycle.nothing_timed(stage.name, type(self.target).__name__, nodes)
@@ -432,11 +435,14 @@ def _nothing_recorded(schedule: Schedule, steps: int) -> str | None:
             "run more steps or lower wait/skip_first")
 
 
-def _gathered(nodes: list[NodeStats] | None, ranges: list[Any]) -> tuple[list[NodeStats], list[Any], int]:
-    """Every rank's node table merged, every rank's ranges, and how many ranks timed nodes (a collective)."""
-    gathered = all_gather((nodes, ranges))
-    merged = merge_ranks([table for table, _ in gathered])
-    return merged, [r for _, rank_ranges in gathered for r in rank_ranges], sum(1 for table, _ in gathered if table)
+def _gathered(nodes: list[NodeStats] | None, ranges: list[Any],
+              rows: list[NodeInfo]) -> tuple[list[NodeStats], list[Any], int, list[NodeInfo]]:
+    """Every rank's node table merged, every rank's ranges, how many ranks timed nodes, and the rows (``NodeInfo``)
+    of a rank that timed them (a collective)."""
+    gathered = all_gather((nodes, ranges, rows))
+    merged = merge_ranks([table for table, _, _ in gathered])
+    return (merged, [r for _, rank_ranges, _ in gathered for r in rank_ranges], sum(1 for table, _, _ in gathered if table),
+            next((infos for _, _, infos in gathered if infos), []))
 
 
 def _kernels_unreadable(target: nn.Module, torch_profiler: bool) -> str | None:

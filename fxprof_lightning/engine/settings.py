@@ -128,9 +128,10 @@ class HoldsSettings:
     fixed: frozenset[str] = frozenset()  # the names that may not be set
     read_as = "profiler.settings"  # where the options are read
     hints: ClassVar[dict[str, str]] = {}  # what to do instead, by name, where the default hint is wrong
+    made = "settings"  # the attribute whose presence says the object is made (the guard holds from then on)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in self.fixed:
+        if name in self.fixed and self.made in self.__dict__:
             owner = type(self).__name__
             hint = self.hints.get(name, "pass {name}=... to {owner}(...) (read it as {read_as}.{name})")
             raise AttributeError(f"{owner}.{name} is a setting, checked when the {owner} is made: "

@@ -72,5 +72,11 @@ class Readings:
             return nothing
         costs = self.costs(training)
         costs_error, self.costs_error = self.costs_error, None  # handed over once
-        return Collected(list(self.nodes), self.fwd, [self.bwd_ns(i) for i in range(len(self.nodes))], self.mem_delta,
-                         self.mem_peak, costs, costs_error, self.backward_outside_ns, list(self.forward_walls_ns))
+        return Collected(list(self.nodes), _copies(self.fwd), [self.bwd_ns(i) for i in range(len(self.nodes))],
+                         _copies(self.mem_delta), _copies(self.mem_peak), costs, costs_error, self.backward_outside_ns,
+                         list(self.forward_walls_ns))
+
+
+def _copies(lists: list[list[Any]]) -> list[list[Any]]:
+    """Copies of a timer's per-node lists (``reset`` empties the timer's own)."""
+    return [list(samples) for samples in lists]
