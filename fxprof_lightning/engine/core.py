@@ -4,10 +4,10 @@ Data flows one way: step -> schedule -> cycle -> statistics -> gather -> report 
 
 * ``begin_step``/``end_step`` end a step and begin the next, as ``torch.profiler.profile.step`` does; the schedule
   (``schedule.Schedule``) and the stage (``stage.Stage``) say what each step is;
-* a cycle (``cycle.Cycle``) opens at its first traced step, in a directory of its own, with a
+* a cycle (``cycle.Cycle``) opens at its first traced step (``closing.open_cycle``), in a directory of its own, with a
   ``torch.profiler`` session (``torch_trace.CycleTrace``) and a node timer (``timers``);
 * at its last recorded step the timer's samples become per-node statistics (``statistics``), the
-  ranks' tables are gathered and merged, and rank 0 hands the ``CycleReport`` to the sinks (``sinks``).
+  ranks' tables are gathered and merged, and rank 0 hands the ``CycleReport`` to the sinks (``closing.close_cycle``).
 
 Decided in one place each: which timer times the module (``timers.Timers``), where backward times
 come from (``Cycle.choose_backward``), what the analysis remembers (``history.StageHistory``), the name of a
@@ -17,7 +17,6 @@ Trainer hooks onto ``begin_run``/``prepare``/``begin_step``/``end_step``/``end_s
 
 from __future__ import annotations
 
-import functools
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -28,22 +27,20 @@ import torch
 from torch import nn
 
 from fxprof_lightning import FxprofWarning
-from fxprof_lightning.analysis.roofline import Peaks, device_peaks
+from fxprof_lightning.analysis.roofline import Peaks
 from fxprof_lightning.capture.compiled import is_compiled, missing_for_kernels
 from fxprof_lightning.capture.timers import Timers
+from fxprof_lightning.engine.closing import close_cycle, open_cycle
 from fxprof_lightning.engine.cycle import Cycle
 from fxprof_lightning.engine.follow import Follow, Trigger
 from fxprof_lightning.engine.loop_phases import LoopClock
-from fxprof_lightning.engine.ranks import all_gather, broadcast, global_rank, world_size
+from fxprof_lightning.engine.ranks import broadcast, global_rank, world_size
 from fxprof_lightning.engine.settings import OPTIONS, HoldsSettings, Settings, takes_settings
 from fxprof_lightning.engine.stage import RECORDING, Stage
-from fxprof_lightning.engine.statistics import merge_ranks
 from fxprof_lightning.layout import CYCLE_PREFIXES, DEFAULT_DIRPATH
-from fxprof_lightning.nodes import NodeInfo
 from fxprof_lightning.outputs.sinks import ConsoleSink, CsvSink, Display, PictureSink, RunSummary, Sink, checked_sinks
-from fxprof_lightning.report import CycleReport, NodeStats
+from fxprof_lightning.report import CycleReport
 from fxprof_lightning.schedule import ProfilerAction, Schedule
-from fxprof_lightning.timing.torch_trace import CycleTrace
 
 __all__ = ["LIFECYCLE", "Engine"]
 
@@ -94,11 +91,11 @@ class Engine(HoldsSettings):
         self._current = self._train  # the stage step() advances
         self._running = False
         self._enabled = True  # False after a failure inside the profiler
-        self._fx_on = self.settings.fx_timing  # False when the target cannot be traced
+        self.fx_on = self.settings.fx_timing  # False when the target cannot be traced
         self.timers = Timers(self.warn)  # which timer times the module (set up at each begin_run)
         self._backward_start: int | None = None
         self._clock: LoopClock | None = None  # the plain loop's phases (``Profiler``; the callback has its own)
-        self._taken: set[str] = set()  # directory names in dirpath from earlier runs
+        self.taken: set[str] = set()  # directory names in dirpath from earlier runs
         self.follow: Follow | None = None  # cycles out of the schedule: on request, on a jump of the step time
 
     @property
@@ -128,25 +125,25 @@ class Engine(HoldsSettings):
     def begin_run(self) -> None:
         """Resolve the module, forget captures, and list the names in ``dirpath`` that earlier runs took."""
         self.target = self.module if isinstance(self.module, nn.Module) else self.module()
-        self._enabled, self._fx_on = True, self.settings.fx_timing
-        compiled = self._fx_on and is_compiled(self.target)
+        self._enabled, self.fx_on = True, self.settings.fx_timing
+        compiled = self.fx_on and is_compiled(self.target)
         if compiled and (why_not := _kernels_unreadable(self.target, self.settings.torch_profiler)):
             self.warn(why_not)
-            self._fx_on = compiled = False
+            self.fx_on = compiled = False
         # A compiled module's kernels are followed from before its first call (per-layer times from the trace).
         settings = self.settings
         self.timers.start(settings.capture, settings.backward_timing, settings.torch_profiler and settings.node_ranges,
                           compiled)
         taken = sorted(p.name for p in self.dirpath.glob("*cycle_*")) if self.rank == 0 and self.dirpath.is_dir() else []
-        self._taken = set(broadcast(taken))
+        self.taken = set(broadcast(taken))
         self.follow = Follow(self.settings.watch_step_time, self.rank, self.world_size, self.settings.overhead_budget)
         self.follow.start(self.dirpath)
 
     def prepare(self, stage: str = "train") -> None:
         """Capture the module in its current mode before the stage's first timed step (or start recording a call)."""
-        if self._fx_on and self._enabled and (stage == "train" or self.settings.profile_validation):
+        if self.fx_on and self._enabled and (stage == "train" or self.settings.profile_validation):
             started = time.perf_counter()
-            self._safely("capturing the module", self.timers.for_module, self.target)
+            self.safely("capturing the module", self.timers.for_module, self.target)
             if self.follow is not None and self.follow.opened is None:  # (outside a training cycle, whose cost has it)
                 self.follow.setup_s += time.perf_counter() - started
 
@@ -221,7 +218,7 @@ class Engine(HoldsSettings):
         if state.step > 0:
             self._lifecycle(state, "stage end", state.step - 1)
         if state.open is not None:  # a step that opened a cycle and never ended
-            self._safely("writing a cycle left open", self._close_cycle, state, gather=False)
+            self.safely("writing a cycle left open", self._close_cycle, state, gather=False)
 
     def abort(self) -> None:
         """Training stopped with an exception: write this rank's open cycles (no collective) and remove every hook.
@@ -236,7 +233,7 @@ class Engine(HoldsSettings):
             state.in_step = False
             if state.open is not None:
                 # Other ranks may not get here: no collective, this rank's data only.
-                self._safely("writing the cycle cut short by an exception", self._close_cycle, state, gather=False)
+                self.safely("writing the cycle cut short by an exception", self._close_cycle, state, gather=False)
 
     def end_run(self) -> None:
         """Profiling ends: remove the first-call recorders, put Inductor's settings back and let the sinks finish (rank 0)."""
@@ -249,7 +246,7 @@ class Engine(HoldsSettings):
             cost = (self.follow.spent_s(), self.follow.share()) if self.follow is not None else None
             run = RunSummary(self._train.cycles, self.dirpath, self.display(), cost)
             for sink in self.sinks:
-                self._safely("closing a sink", sink.close, run)
+                self.safely("closing a sink", sink.close, run)
 
     def display(self) -> Display:
         """What the sinks show, from the settings now (``sinks.Display``)."""
@@ -309,20 +306,20 @@ class Engine(HoldsSettings):
             action = ProfilerAction.NONE
         for work in LIFECYCLE.get((edge, action), ()):
             if work == "collect" and self._enabled:
-                self._safely("starting a profiled step", self._start_collecting, stage, action)
+                self.safely("starting a profiled step", self._start_collecting, stage, action)
             elif work == "stop":  # (every rank: a cycle's last step may extend it, as every rank must agree)
                 if stage.open is not None:
-                    self._safely("ending a profiled step", stage.open.end_step, self.target, step, action in RECORDING)
-                self._safely("ending a profiled step", stage.step_ended, self.schedule, step, action)
+                    self.safely("ending a profiled step", stage.open.end_step, self.target, step, action in RECORDING)
+                self.safely("ending a profiled step", stage.step_ended, self.schedule, step, action)
             elif work == "close" and edge == "end" and stage.extra and step < stage.extra[-1]:
                 continue  # the cycle goes on with the steps it records in place of dropped ones
             elif work == "close":
                 what = "writing a cycle" if edge == "end" else "writing a partial cycle"
-                self._safely(what, self._close_cycle, stage, gather=True)
+                self.safely(what, self._close_cycle, stage, gather=True)
 
     def _start_collecting(self, stage: Stage, action: ProfilerAction) -> None:
         if stage.open is None:
-            stage.open = self._open_cycle(stage)
+            stage.open = open_cycle(self, stage, self._val if stage is self._train else self._train)
         cycle = stage.open
         if cycle.timer is not None and not cycle.timer.progress.usable and not cycle.recorded:  # nothing recorded is lost: switch
             cycle.timer, cycle.capture = self.timers.for_module(self.target)
@@ -330,80 +327,12 @@ class Engine(HoldsSettings):
         recording = action in RECORDING
         cycle.begin_step(self.target, recording, stage is self._train and recording, self.warn)
 
-    def _open_cycle(self, stage: Stage) -> Cycle:
-        index = stage.index_at(self.schedule, stage.step)
-        directory = stage.directory_for(self.dirpath, index, self._taken)
-        # Capture first: tracing on a recorded call runs the module, which no trace should record.
-        timer, how = self.timers.for_module(self.target) if self._fx_on else (None, None)
-        other = self._val if stage is self._train else self._train
-        if timer is not None and other.open is not None and other.open.timer is timer:  # one timer, one cycle
-            self.warn(f"the {stage.name} cycle from step {stage.step} would share the open {other.name} cycle's timer "
-                      f"(the module is in {'training' if self.target.training else 'eval'} mode for both): its nodes are "
-                      "not timed. Switch the module to eval mode before entering validation().")
-            timer, how = None, None
-        trace = _trace_for(self, stage, other, index, directory, timer)
-        stage.opened(self.follow, self.schedule, index, directory)
-        if how is not None and self.timers.waiting_for_first_call(self.target.training):
-            self.warn(f"torch.fx could not trace {type(self.target).__name__} whole, so it is timed by "
-                      f"{how.describe()} in this cycle, which starts at its first call; later cycles are traced on "
-                      "that call")
-        cycle = Cycle(index, directory, trace, timer, how, self.target.training)
-        if trace is not None:
-            trace.node_ranges = functools.partial(cycle.node_ranges, functools.partial(_type_name, self.target))
-        return cycle
-
     def _close_cycle(self, stage: Stage, gather: bool) -> None:
-        cycle, stage.open = stage.open, None
-        extra, stage.extra = stage.extra, []
-        recorded = len(stage.recorded(self.schedule, cycle.index)) if cycle is not None else 0
-        trigger, stage.trigger, stage.planned = stage.trigger, None, {}
-        nodes = None
-        if cycle is not None:
-            cycle.stop_trace(self.warn)
-            if cycle.timer is not None:
-                nodes = cycle.measure(self.target, self.warn)
-        ranges = [cycle.trace.ranges] if cycle is not None and cycle.trace is not None else []
-        ranks = 1
-        if gather and self.world_size > 1:
-            nodes, ranges, ranks, rows = _gathered(nodes, ranges, cycle.nodes if cycle is not None else [])
-            if cycle is not None and not cycle.nodes:  # (this rank timed nothing: the module tree from another's rows)
-                cycle.nodes = rows
-        if cycle is None:
-            return
-        nothing = cycle.nothing_timed(stage.name, type(self.target).__name__, nodes)
-        if nothing is not None:
-            self.warn(nothing)
-        if not cycle.recorded:
-            stage.drop(cycle)
-            return
-        report = cycle.report(stage.name, nodes or [], ranges, max(ranks, 1),
-                              partial=cycle.cut_short(recorded + len(extra)),
-                              type_name=functools.partial(_type_name, self.target))
-        report.trigger = trigger.text() if trigger is not None else "schedule"
-        if report.nodes and self.rank == 0:
-            self._safely("analysing a cycle", self._analyse, stage, report)
-            display = self.display()
-            for sink in self.sinks:
-                sink.write_cycle(report, display)
-            report.pictures.clear()  # written: a long run keeps no image bytes
-        if stage is self._train and self.follow is not None:
-            self.follow.closed(stage.step - 1, report)
-        stage.cycles.append(report)
-        stage.forget_old_cycles(self.settings.keep_cycles, self.rank)
-
-    def _analyse(self, stage: Stage, report: CycleReport) -> None:
-        """What the report says beyond its tables: tracked nodes (validation's: training's, once known), roofline,
-        trust, regressions, advice (rank 0). A raised peak: a measured one a node beat was too low."""
-        tracked = self._train.history.tracked if stage is self._val else None
-        self.peaks = _device_peaks(self.target, self.peaks, self.warn)
-        analysis, peaks = stage.history.analyse(report, self.peaks or None, self.settings.top_k, tracked)
-        self.peaks = peaks or self.peaks
-        for name, value in vars(analysis).items():  # (the report's fields of the same names)
-            setattr(report, name, value)
+        close_cycle(self, stage, gather, self._train.history.tracked if stage is self._val else None)
 
     # ------------------------------------------------------------ failures
 
-    def _safely(self, what: str, work: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    def safely(self, what: str, work: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Run profiler work; on failure warn, clean up and stop profiling, never break training."""
         try:
             work(*args, **kwargs)
@@ -435,16 +364,6 @@ def _nothing_recorded(schedule: Schedule, steps: int) -> str | None:
             "run more steps or lower wait/skip_first")
 
 
-def _gathered(nodes: list[NodeStats] | None, ranges: list[Any],
-              rows: list[NodeInfo]) -> tuple[list[NodeStats], list[Any], int, list[NodeInfo]]:
-    """Every rank's node table merged, every rank's ranges, how many ranks timed nodes, and the rows (``NodeInfo``)
-    of a rank that timed them (a collective)."""
-    gathered = all_gather((nodes, ranges, rows))
-    merged = merge_ranks([table for table, _, _ in gathered])
-    return (merged, [r for _, rank_ranges, _ in gathered for r in rank_ranges], sum(1 for table, _, _ in gathered if table),
-            next((infos for _, _, infos in gathered if infos), []))
-
-
 def _kernels_unreadable(target: nn.Module, torch_profiler: bool) -> str | None:
     """Why a torch.compile'd module's per-layer times cannot come from its kernels in this run, or None."""
     if not torch_profiler:
@@ -455,47 +374,3 @@ def _kernels_unreadable(target: nn.Module, torch_profiler: bool) -> str | None:
                 f"to its layers by Inductor's {missing}, which torch {torch.__version__} lacks (torch 2.14 has it), so "
                 "node timing is off; the torch.profiler trace is still recorded")
     return None
-
-
-def _trace_for(engine: Engine, stage: Stage, other: Stage, index: int, directory: Path, timer: Any) -> CycleTrace | None:
-    """The cycle's torch.profiler session, when this rank traces and no other profiler runs (``Engine._open_cycle``)."""
-    settings = engine.settings
-    if not settings.torch_profiler or (settings.tracing_ranks is not None and engine.rank not in settings.tracing_ranks):
-        return None
-    if other.open is not None and (other.open.trace is not None or other.open.backward_events is not None):
-        engine.warn(f"a {other.name} cycle's profiler is still running, so {stage.name} steps {stage.step}+ get "
-                    "node timing only (one profiler runs at a time)")
-        return None
-    if torch._C._autograd._profiler_enabled():
-        engine.warn("another profiler is running, so this cycle writes no trace (starting one would cancel it); "
-                    "node timing goes on")
-        return None
-    # The cycle opens at whichever of its traced steps comes first (normally its first).
-    actions = {s: action for s, action in stage.traced(engine.schedule, index).items() if s >= stage.step}
-    from_trace = timer is not None and timer.traits.reads_trace_events  # rows from all the events, not autograd nodes
-    return CycleTrace(actions, directory, f"rank{engine.rank}", settings.use_gzip, settings.profiler_kwargs,
-                      backward_events=engine._fx_on and not from_trace, keep_events=from_trace)
-
-
-def _device_peaks(target: nn.Module | None, peaks: Peaks | bool | None, warn: Callable[[str], None]) -> Peaks | bool | None:
-    """The given peaks, or the target's device's, measured once (and cached across runs; False: could not be). A
-    known GPU starts from its spec sheet's peaks (no micro-benchmark before the first cycle's report); the next
-    cycle measures them."""
-    spec_sheet = peaks is not None and peaks is not False and peaks.source == "spec sheet"
-    if peaks is None or spec_sheet:
-        parameter = next(target.parameters(), None) if target is not None else None
-        device = parameter.device if parameter is not None and parameter.device.type != "meta" else torch.device("cpu")
-        try:
-            return device_peaks(device, calibrate=spec_sheet)
-        except Exception as error:  # no roofline, the rest goes on
-            warn(f"could not measure the device's peaks for the roofline ({type(error).__name__}: {error}); "
-                 "give them as peaks=Peaks(gflops_per_s=..., gbytes_per_s=...)")
-            return False
-    return peaks
-
-
-def _type_name(module: nn.Module, path: str) -> str:
-    try:
-        return type(module.get_submodule(path)).__name__
-    except AttributeError:
-        return ""
