@@ -52,6 +52,7 @@ from fxprof_lightning.analysis.regressions import (
     DEFAULT_MIN_RELATIVE,
     DEFAULT_MIN_SHARE,
     MIN_BASELINE,
+    SAME_LEVEL,
     RegressionWatch,
     compare,
     find_regressions,
@@ -180,9 +181,10 @@ def check_run(run: Run, k: float, options: dict) -> Tally:
     return tally
 
 
-def watch_run(run: Run) -> Tally:
-    """What the engine reports: ``RegressionWatch`` (load by its signature, flags confirmed by the next cycle)."""
-    tally, watch = Tally(), RegressionWatch()
+def watch_run(run: Run, same_level: float = SAME_LEVEL) -> Tally:
+    """What the engine reports: ``RegressionWatch`` (load by its signature, flags confirmed by the next cycle at the
+    same level: ``same_level`` 0 confirms at any level)."""
+    tally, watch = Tally(), RegressionWatch(same_level=same_level)
     for index, (nodes, steps) in enumerate(zip(run.tables, run.step_ms)):
         verdict = watch.check(nodes, steps)
         if verdict.skipped is None:
@@ -309,15 +311,17 @@ def main() -> int:
           f"slower flagged in its first slowed cycle in {sum(1 for f in first if f == start)} of {len(slow)} runs, "
           f"by the next in {sum(1 for f in first if f is not None and f <= start + 1)}, at all in "
           f"{sum(1 for f in first if f is not None)}; {others} other flag(s) in those runs")
-    reported_steady = [watch_run(r) for r in steady]
-    reported_slow = [watch_run(r) for r in slow]
-    first = [first_flag(r, t) for r, t in zip(slow, reported_slow)]
-    others = sum(1 for r, t in zip(slow, reported_slow) for c, n, _ in t.flags if n != r.slowed_node or c < start)
-    print(f"Reported as the engine does (RegressionWatch: confirmed by the next sound cycle or beyond doubt): steady "
-          f"runs {rate(reported_steady)}; the slower layer reported in its first slowed cycle in "
-          f"{sum(1 for f in first if f == start)} of {len(slow)} runs, by the next in "
-          f"{sum(1 for f in first if f is not None and f <= start + 1)}, at all in {sum(1 for f in first if f is not None)}; "
-          f"{others} other report(s) in those runs")
+    for same_level, how in ((0.0, "at any level"), (SAME_LEVEL, f"at the same level, {SAME_LEVEL:g}: the default")):
+        reported_steady = [watch_run(r, same_level) for r in steady]
+        reported_slow = [watch_run(r, same_level) for r in slow]
+        first = [first_flag(r, t) for r, t in zip(slow, reported_slow)]
+        others = sum(1 for r, t in zip(slow, reported_slow) for c, n, _ in t.flags if n != r.slowed_node or c < start)
+        print(f"Reported as the engine does (RegressionWatch: confirmed by the next sound cycle {how}, or beyond "
+              f"doubt): steady runs {rate(reported_steady)}; the slower layer reported in its first slowed cycle in "
+              f"{sum(1 for f in first if f == start)} of {len(slow)} runs, by the next in "
+              f"{sum(1 for f in first if f is not None and f <= start + 1)}, by the one after in "
+              f"{sum(1 for f in first if f is not None and f <= start + 2)}, at all in "
+              f"{sum(1 for f in first if f is not None)}; {others} other report(s) in those runs")
     print(f"total wall time {time.perf_counter() - began:.0f} s")
     return 0
 

@@ -284,6 +284,18 @@ def test_a_one_cycle_blip_is_never_reported():
     assert all(v.regressions == [] for v in verdicts)
 
 
+def test_load_that_comes_and_goes_at_other_levels_is_never_confirmed():
+    """An identical run on a loaded machine, 2026-11-26 (tests/test_diagnosis.py's steady run, once in 40): the plain
+    loop's "other" phase 4x its baseline in one cycle and 1.6x in the next, the steps regular. Each cycle alone is
+    flagged; the second does not confirm the first (a change in the code adds the same time in every cycle)."""
+    tables = steady_tables(8)
+    for index, factor in ((4, 4.0), (5, 1.6)):
+        tables[index] = scaled(tables[index], "n9", factor)
+    verdicts = watched(tables, [[10.0, 10.1, 10.0]] * 8)
+    assert [r.node for r in verdicts[4].unconfirmed] == [r.node for r in verdicts[5].unconfirmed] == ["n9"]
+    assert all(v.regressions == [] for v in verdicts)
+
+
 def test_a_return_to_a_level_the_baseline_had_is_a_change_of_mode_not_a_regression():
     """ResNet18's layer4.0.conv2 backward in identical runs: 9.2 ms (heap extended, page faults) or 6.5 ms (memory
     reused) for many steps at a time; back at 9.2 after a stretch at 6.5 is what it did at the start."""

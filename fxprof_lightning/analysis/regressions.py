@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from fxprof_lightning.analysis.trust import cpu_per_wall, distortion, step_spread
 from fxprof_lightning.report import CycleReport, ModuleStats, NodeStats
 
-__all__ = ["DEFAULT_K", "DEFAULT_MIN_MS", "DEFAULT_MIN_RELATIVE", "DEFAULT_MIN_SHARE", "MIN_BASELINE", "Delta",
+__all__ = ["DEFAULT_K", "DEFAULT_MIN_MS", "DEFAULT_MIN_RELATIVE", "DEFAULT_MIN_SHARE", "MIN_BASELINE", "SAME_LEVEL", "Delta",
            "Regression", "RegressionWatch", "Verdict", "beyond_doubt", "compare", "find_regressions", "module_rows", "shared_factor",
            "step_rows"]
 
@@ -325,6 +325,7 @@ def _outside_explained(flagged: list[Regression], by_name: dict[str, NodeStats],
 
 CONFIRM_RATIO = 3.0  # a regression confirmed in its first cycle: every call this much slower, ...
 CONFIRM_SPREAD = 0.25  # ... steps this regular, and the step slower by at least half the node's added time
+SAME_LEVEL = 0.5  # confirmed by the next cycle: the smaller of the two cycles' added times at least this x the larger
 
 
 @dataclass
@@ -333,7 +334,10 @@ class Verdict:
 
     ``skipped`` says why the cycle was not checked (partial, distorted, baseline still short), None if it was;
     ``distortion`` the load signature when distorted. ``regressions`` are confirmed: flagged in this cycle and
-    in the sound cycle before it, or so large in this one that noise cannot explain it (the median call
+    in the sound cycle before it at the same level (the smaller of the two added times at least ``same_level``,
+    ``SAME_LEVEL`` by default, x the larger: a change in the code stays, load from other processes comes and goes at other levels; in an identical
+    run, 2026-11-26, the plain loop's "other" phase rose 4x in one cycle and 1.6x in the next, by load), or so large
+    in this one that noise cannot explain it (the median call
     ``CONFIRM_RATIO`` x the baseline and the fastest call ``CONFIRM_RATIO - 1`` x, so every call is slower; the
     steps regular; and the step slower by at least half the node's added time).
     ``unconfirmed`` are flagged for the first time: the next cycle confirms them or not.
@@ -378,13 +382,20 @@ class RegressionWatch:
     ['fc']
     """
 
-    def __init__(self, baseline_cycles: int = 5, history: int = 20, **options: float | bool) -> None:
-        self.baseline_cycles, self.history, self.options = baseline_cycles, history, options
+    def __init__(self, baseline_cycles: int = 5, history: int = 20, same_level: float = SAME_LEVEL,
+                 **options: float | bool) -> None:
+        self.baseline_cycles, self.history, self.same_level, self.options = baseline_cycles, history, same_level, options
         self.baseline: list[Sequence[NodeStats]] = []  # the recent sound cycles' tables
         self.medians: list[float] = []  # and their median step ms
         self.cpu: list[float] = []  # and their CPU s per wall s
-        self._flagged: set[tuple[str, str]] = set()  # flagged in the last sound cycle
+        self._flagged: dict[tuple[str, str], float] = {}  # flagged in the last sound cycle: ms per call it added
         self._held: tuple[Sequence[NodeStats], float, float | None] | None = None  # that cycle, if only flags in question
+
+    def _confirms(self, change: Regression) -> bool:
+        """Whether the same row was flagged in the sound cycle before, adding about as much per call (the smaller
+        of the two at least ``same_level`` x the larger)."""
+        before, now = self._flagged.get((change.node, change.direction)), change.now_ms - change.baseline_ms
+        return before is not None and min(before, now) >= self.same_level * max(before, now)
 
     def check(self, nodes: Sequence[NodeStats], step_ms: list[float], step_cpu_ms: list[float] = (),
               partial: bool = False, modules: Sequence[ModuleStats] = (), steps: Sequence[NodeStats] = ()) -> Verdict:
@@ -420,11 +431,12 @@ class RegressionWatch:
                 # moves with the nodes' work, and noise cannot be told from one cycle)
                 clear = (stats.op not in ("step", "unowned") and beyond_doubt(stats, r) and regular
                          and step_rise >= added_per_step / 2)
-                if (r.node, r.direction) in self._flagged or (clear and not short):
+                if self._confirms(r) or (clear and not short):
                     verdict.regressions.append(r)
                 elif clear or not short:  # (on a short baseline, only a change beyond doubt is flagged at all)
                     verdict.unconfirmed.append(r)
-            self._flagged = {(r.node, r.direction) for r in (*verdict.regressions, *verdict.unconfirmed)}
+            self._flagged = {(r.node, r.direction): r.now_ms - r.baseline_ms
+                             for r in (*verdict.regressions, *verdict.unconfirmed)}
         if short and not verdict.regressions and not verdict.unconfirmed:
             verdict.skipped = f"baseline: {len(self.baseline)} of {MIN_BASELINE} earlier cycles"
         entry = (rows, statistics.median(step_ms or [0.0]), cpu)
