@@ -42,6 +42,7 @@ from fxprof_lightning.analysis.regressions import (
     Verdict,
     beyond_doubt,
     compare,
+    same_level,
     shared_factor,
     step_rows,
 )
@@ -250,12 +251,12 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
     deltas = compare(tables, _rows(now), **options)
     factor = shared_factor([c.nodes for c in baseline], now.nodes)
     earlier = [c for c in b_cycles if not c.partial and c.index < now.index][-1:] if not b_single else []
-    also_before = {(d.node, d.direction) for c in earlier for d in compare(tables, _rows(c), **options) if d.slower}
+    before = {(d.node, d.direction): d.delta_ms for c in earlier for d in compare(tables, _rows(c), **options) if d.slower}
     by_name = {n.name: n for n in _rows(now)}
     outside = {n.name for n in _rows(now) if n.op in ("step", "unowned")}
     step = median_step_ms(now) or 0.0
     confirmed = {(d.node, d.direction) for d in deltas  # (a row outside the nodes: by the cycle before only, and
-                 if d.slower and ((d.node, d.direction) in also_before  # at least STEP_SHARE of the step)
+                 if d.slower and (same_level(before.get((d.node, d.direction)), d.delta_ms)  # at least STEP_SHARE of the step)
                                   or (d.node not in outside and beyond_doubt(by_name[d.node], d)))
                  and (d.node not in outside or d.delta_ms >= STEP_SHARE * step)}
     lines = [f"A: {a}",

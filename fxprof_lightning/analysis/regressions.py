@@ -48,7 +48,7 @@ from fxprof_lightning.analysis.trust import cpu_per_wall, distortion, step_sprea
 from fxprof_lightning.report import CycleReport, ModuleStats, NodeStats
 
 __all__ = ["DEFAULT_K", "DEFAULT_MIN_MS", "DEFAULT_MIN_RELATIVE", "DEFAULT_MIN_SHARE", "MIN_BASELINE", "SAME_LEVEL", "Delta",
-           "Regression", "RegressionWatch", "Verdict", "beyond_doubt", "compare", "find_regressions", "module_rows", "shared_factor",
+           "Regression", "RegressionWatch", "Verdict", "beyond_doubt", "compare", "find_regressions", "module_rows", "same_level", "shared_factor",
            "step_rows"]
 
 MAD_TO_SIGMA = 1.4826  # MAD x this estimates the standard deviation of normal samples
@@ -349,6 +349,12 @@ class Verdict:
     unconfirmed: list[Regression] = field(default_factory=list)
 
 
+def same_level(before: float | None, now: float, share: float = SAME_LEVEL) -> bool:
+    """Whether a slower row adds about what it added when flagged in the cycle before (ms per call; ``before`` None:
+    it was not flagged): the smaller of the two at least ``share`` x the larger."""
+    return before is not None and min(before, now) >= share * max(before, now)
+
+
 def beyond_doubt(stats: NodeStats, change: Regression | Delta) -> bool:
     """Whether every call of a slower node is slower, by more than noise explains: its median ``CONFIRM_RATIO`` x
     the baseline and its fastest call ``CONFIRM_RATIO - 1`` x (``stats``: the node now)."""
@@ -392,10 +398,9 @@ class RegressionWatch:
         self._held: tuple[Sequence[NodeStats], float, float | None] | None = None  # that cycle, if only flags in question
 
     def _confirms(self, change: Regression) -> bool:
-        """Whether the same row was flagged in the sound cycle before, adding about as much per call (the smaller
-        of the two at least ``same_level`` x the larger)."""
-        before, now = self._flagged.get((change.node, change.direction)), change.now_ms - change.baseline_ms
-        return before is not None and min(before, now) >= self.same_level * max(before, now)
+        """Whether the same row was flagged in the sound cycle before at the same level (``same_level``)."""
+        return same_level(self._flagged.get((change.node, change.direction)), change.now_ms - change.baseline_ms,
+                          self.same_level)
 
     def check(self, nodes: Sequence[NodeStats], step_ms: list[float], step_cpu_ms: list[float] = (),
               partial: bool = False, modules: Sequence[ModuleStats] = (), steps: Sequence[NodeStats] = ()) -> Verdict:
