@@ -18,7 +18,7 @@ CYCLE_PREFIXES = {"train": "cycle_", "val": "val_cycle_"}  # stage -> cycle dire
 
 # The phases of a whole step (``step_phases``; tags ``fxprof_step/<phase>``, rows of ``fx_step.csv``), in order.
 PHASES = ("data", "training_step", "zero_grad", "backward", "optimizer", "callbacks", "fxprof", "other")
-LOOP_PHASES = ("forward", "backward", "other")  # a plain loop's (``loop_phases.LoopClock``)
+LOOP_PHASES = ("forward", "backward", "fxprof", "other")  # a plain loop's (``loop_phases.LoopClock``)
 
 NODES_FILE = "fx_nodes.csv"  # the node table (outputs.tables.nodes_csv)
 MODULES_FILE = "fx_modules.csv"  # the module tree (outputs.tables.modules_csv)

@@ -424,8 +424,34 @@ def test_a_plain_loops_step_splits_into_forward_backward_and_the_rest(tmp_path):
             prof.step(batch_size=len(x))
     assert [c.steps for c in prof.cycles] == [[2, 3, 4], [7, 8, 9]]
     for cycle in prof.cycles:
-        assert set(cycle.phases) == {"forward", "backward", "other"} and cycle.batch_size == 4
+        assert set(cycle.phases) == {"forward", "backward", "fxprof", "other"} and cycle.batch_size == 4
         assert all(ms > 0 for ms in cycle.phases.values()), cycle.phases
         assert 40.0 <= cycle.phases["other"] and cycle.phases["forward"] < cycle.phases["other"]
         assert sum(cycle.phases.values()) == pytest.approx(statistics.mean(cycle.step_ms), rel=0.25)
     assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+class SlowSink:
+    """A sink that takes 300 ms to write a cycle (a slow disk, a tracker's upload)."""
+
+    def write_cycle(self, report, display) -> None:
+        time.sleep(0.3)
+
+    def close(self, run) -> None:
+        pass
+
+
+def test_the_profilers_own_step_is_its_phase_not_the_loops_other(tmp_path):
+    """Known answer: with cycles back to back (no wait, no warm-up), the first cycle is written inside the ``step()``
+    that begins the second cycle's first step, 300 ms by a slow sink. That time is the profiler's (``fxprof``), not
+    the loop's ``other`` (here a 20 ms wait per step)."""
+    model = SmallNet()
+    with Profiler(model, wait=0, warmup=0, active=2, repeat=2, dirpath=tmp_path, sinks=[SlowSink()]) as prof:
+        for x, _ in image_loader(samples=4 * 4):
+            time.sleep(0.020)
+            model(x).sum().backward()
+            prof.step()
+    first, second = prof.cycles
+    assert second.steps == [2, 3] and first.phases["fxprof"] < 100.0
+    assert second.phases["fxprof"] >= 300.0 / 2  # (a mean over the cycle's 2 steps)
+    assert 20.0 <= second.phases["other"] < 100.0, second.phases

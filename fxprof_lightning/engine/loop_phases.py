@@ -14,14 +14,15 @@ __all__ = ["LoopClock"]
 
 
 class LoopClock:
-    """The phases of a plain loop's steps from the module's calls (``step_phases``: forward, backward, other), from ``LoopClock(...)``
-    on: a forward pre-hook and hook on the module, and a hook on each call's first output that needs a gradient
-    (it returns None: the gradient is untouched). ``lap()`` returns ns per phase since the last lap; ``close()``
+    """The phases of a plain loop's steps from the module's calls (``step_phases``: forward, backward, fxprof, other),
+    from ``LoopClock(...)`` on: a forward pre-hook and hook on the module, and a hook on each call's first output that
+    needs a gradient (it returns None: the gradient is untouched). ``lap()`` returns ns per phase since the last lap;
+    ``ours()`` says the time since the last lap was the profiler's own (the rest of its ``step()``); ``close()``
     removes the module's hooks."""
 
     def __init__(self, module: nn.Module) -> None:
         self._handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
-        self._forward = self._backward = 0
+        self._forward = self._backward = self._ours = 0
         self._started: int | None = None  # the module call in progress
         self._backward_from: int | None = None  # the backward pass in progress
         self._last = time.perf_counter_ns()
@@ -49,11 +50,17 @@ class LoopClock:
         self._backward += time.perf_counter_ns() - self._backward_from
         self._backward_from = None
 
+    def ours(self) -> None:
+        """The time since the last lap was the profiler's: the next lap's ``fxprof`` phase, not the loop's other."""
+        now = time.perf_counter_ns()
+        self._ours += now - self._last
+        self._last = now
+
     def lap(self) -> dict[str, int]:
         now = time.perf_counter_ns()
-        phases = {"forward": self._forward, "backward": self._backward}
+        phases = {"forward": self._forward, "backward": self._backward, "fxprof": self._ours}
         phases["other"] = max(now - self._last - self._forward - self._backward, 0)
-        self._forward = self._backward = 0
+        self._forward = self._backward = self._ours = 0
         self._last = now
         return phases
 

@@ -64,11 +64,14 @@ class Profiler(Engine):
                                "or call prof.start() first")
         stage = self._current.name
         self.add_batch_size(batch_size, stage)
-        if stage == "train" and self._clock is not None:
+        lapped = stage == "train" and self._clock is not None
+        if lapped:
             self.add_step_phases(self._clock.lap())
         self.end_step(stage)
         self.begin_step(stage)
         self._time_phases()
+        if lapped and self._clock is not None:  # (the rest of this call is the profiler's, not the loop's)
+            self._clock.ours()
 
     def _time_phases(self) -> None:
         """A ``LoopClock`` on the module while training steps are recorded (``CycleReport.phases``)."""

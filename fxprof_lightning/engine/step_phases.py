@@ -14,8 +14,9 @@ this step's batch is in it).
 
 In a plain loop (``loop_phases.LoopClock``, for ``Profiler``) only the module's calls tell anything: ``forward`` is the time
 inside the module's calls, ``backward`` runs from the first gradient reaching the module's output to the end of
-that backward pass, and ``other`` is the rest of the step (loading data, the loss, the optimizer: a plain loop
-does not tell them apart). They add up to the step's wall time from one ``step()`` to the next.
+that backward pass, ``fxprof`` is the profiler's own ``step()`` (ending one step and beginning the next: its
+bookkeeping, the timer's install), and ``other`` is the rest of the step (loading data, the loss, the optimizer: a
+plain loop does not tell them apart). They add up to the step's wall time from one ``step()`` to the next.
 """
 
 from __future__ import annotations
