@@ -324,7 +324,8 @@ def _outside_explained(flagged: list[Regression], by_name: dict[str, NodeStats],
 # Watching a run --------------------------------------------------------------------------------------------------------
 
 CONFIRM_RATIO = 3.0  # a regression confirmed in its first cycle: every call this much slower, ...
-CONFIRM_SPREAD = 0.25  # ... steps this regular, and the step slower by at least half the node's added time
+CONFIRM_SPREAD = 0.25  # ... steps this regular, the step slower by at least half the node's added time, which
+# is at least STEP_SHARE of the step
 SAME_LEVEL = 0.5  # confirmed by the next cycle: the smaller of the two cycles' added times at least this x the larger
 
 
@@ -339,7 +340,8 @@ class Verdict:
     run, 2026-11-26, the plain loop's "other" phase rose 4x in one cycle and 1.6x in the next, by load), or so large
     in this one that noise cannot explain it (the median call
     ``CONFIRM_RATIO`` x the baseline and the fastest call ``CONFIRM_RATIO - 1`` x, so every call is slower; the
-    steps regular; and the step slower by at least half the node's added time).
+    steps regular; and the step slower by at least half the node's added time, which is ``STEP_SHARE`` of the step
+    or more).
     ``unconfirmed`` are flagged for the first time: the next cycle confirms them or not.
     """
 
@@ -426,16 +428,19 @@ class RegressionWatch:
                 p == r.node[7:] or p.startswith(r.node[7:] + ".") for p in new_in)]  # else its nodes tell it better
             by_name = {s.name: s for s in rows}
             steps = max(len(step_ms), 1)
-            flagged = _outside_explained(flagged, by_name, steps, statistics.median(step_ms) if step_ms else 0.0)
-            step_rise = statistics.median(step_ms) - statistics.median(self.medians) if step_ms and self.medians else 0.0
+            median_step = statistics.median(step_ms) if step_ms else 0.0
+            flagged = _outside_explained(flagged, by_name, steps, median_step)
+            step_rise = median_step - statistics.median(self.medians) if step_ms and self.medians else 0.0
             regular = (step_spread(step_ms) or 0.0) <= CONFIRM_SPREAD
             for r in flagged:
                 stats = by_name[r.node]
                 added_per_step = _added_per_step(stats, r, steps)
                 # (a row outside the nodes, one value per cycle, is confirmed by the next sound cycle only: it
                 # moves with the nodes' work, and noise cannot be told from one cycle)
+                # (nor is a change too small to matter to the step: a tiny node's every call 3x slower in one cycle is
+                # what load did to ReLU's backward in an identical run, 2026-11-26: 0.02 -> 0.06 ms, 2 % of the step)
                 clear = (stats.op not in ("step", "unowned") and beyond_doubt(stats, r) and regular
-                         and step_rise >= added_per_step / 2)
+                         and step_rise >= added_per_step / 2 and added_per_step >= STEP_SHARE * median_step)
                 if self._confirms(r) or (clear and not short):
                     verdict.regressions.append(r)
                 elif clear or not short:  # (on a short baseline, only a change beyond doubt is flagged at all)
