@@ -63,10 +63,8 @@ class Timer(Protocol):
     def reset(self) -> None:
         """Forget every sample (the warm-up steps', the last cycle's)."""
 
-    def mark(self) -> Any:
-        """Where the samples end now: ``drop_since`` forgets what came after (a step that was interrupted)."""
-
-    def drop_since(self, mark: Any) -> None: ...
+    def save_point(self) -> Callable[[], None]:
+        """A function that forgets the samples logged after this call (a recorded step that was interrupted)."""
 
     def collected(self, backward: list[tuple[int, int]], trace_events: list[Any], training: bool) -> Collected | str:
         """The cycle's samples from its backward events (and trace events), or why nothing was timed."""

@@ -136,7 +136,7 @@ class Cycle:
             self.samples_at_step, self.hooks_now = self.timer.progress.calls, times_backward and self.backward == HOOKS
             self.timer.install(module, backward_hooks=self.hooks_now)
         if recording:
-            self._step_mark = _StepMark(self.timer.mark() if self.timer is not None else None,
+            self._step_mark = _StepMark(self.timer.save_point() if self.timer is not None else None,
                                         self.timer.progress.interruptions if self.timer is not None else 0, sequence_nr_now(),
                                         len(self.step_ms), len(self.phases), len(self.batch_sizes),
                                         len(self.backward_wall_ns))
@@ -161,7 +161,7 @@ class Cycle:
         mark, self._step_mark = self._step_mark, None
         progress = self.timer.progress if self.timer is not None else None
         if mark is not None and progress is not None and progress.interruptions > mark.interruptions:
-            self.timer.drop_since(mark.samples)
+            mark.forget()
             self._dropped_sequences.append((mark.sequence_nr, sequence_nr_now()))
             del self.step_ms[mark.steps:], self.step_cpu_ms[mark.steps:], self.phases[mark.phases:]
             del self.batch_sizes[mark.batch_sizes:], self.backward_wall_ns[mark.backward_walls:]
@@ -282,11 +282,11 @@ class Cycle:
 
 @dataclass(frozen=True)
 class _StepMark:
-    """Where a recorded step began: the timer's samples and interruptions, the autograd sequence number, and how
-    many step times, phases, batch sizes and backward walls had been given (``Cycle.count_step`` drops what came
-    after)."""
+    """Where a recorded step began: the timer's samples (``forget``: its ``save_point``) and interruptions, the
+    autograd sequence number, and how many step times, phases, batch sizes and backward walls had been given
+    (``Cycle.count_step`` drops what came after)."""
 
-    samples: Any
+    forget: Callable[[], None] | None
     interruptions: int
     sequence_nr: int
     steps: int

@@ -4,6 +4,8 @@ every timer class has; the engine reads them and writes into no timer."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +54,7 @@ class Collected:
 
 
 class Readings:
-    """``traits``, ``progress`` and ``collected`` for a timer class that has the members they read (``NodeTimer``,
+    """``traits``, ``progress``, ``save_point`` and ``collected`` for a timer class that has the members they read (``NodeTimer``,
     ``ModuleHookTimer``, ``KernelTimer`` and their kin)."""
 
     @property
@@ -64,6 +66,10 @@ class Readings:
     def progress(self) -> Progress:
         return Progress(self.calls, self.usable, self.untimed, self.interruptions, self.interrupted_by,
                         tuple(self.capture_s))
+
+    def save_point(self) -> Callable[[], None]:
+        """A function that forgets the samples logged after this call (the class's ``mark`` and ``drop_since``)."""
+        return functools.partial(self.drop_since, self.mark())
 
     def collected(self, backward: list[tuple[int, int]], trace_events: list[Any], training: bool) -> Collected | str:
         """The cycle's samples from its backward events (and trace events), or why nothing was timed."""
