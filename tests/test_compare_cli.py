@@ -103,17 +103,19 @@ def slowest(nodes: list[NodeStats]) -> str:
 
 @pytest.fixture
 def steady_and_slow(profiled, tmp_path):
-    """Two runs of 5 identical cycles (copies of a real one); in ``slow`` the last has one node 3.5x slower, and its
-    steps slower by that node's added time (a real regression); in ``blip`` the same node, steps unchanged."""
+    """Two runs of 5 identical cycles (copies of a real one, with its median step); in ``slow`` the last has one node
+    3.5x slower, and its steps slower by that node's added time (a real regression); in ``blip`` the same node, steps
+    unchanged."""
     _, prof = profiled
     source = prof.cycles[0].directory
     node = slowest(prof.cycles[0].nodes)
     stats = next(n for n in prof.cycles[0].nodes if n.name == node)
     added = 2.5 * stats.median_ms * stats.calls / len(prof.cycles[0].steps)
+    step = statistics.median(prof.cycles[0].step_ms)
     for name in ("steady", "slow", "blip"):
         for i in range(5):
             slower = {node: 3.5} if name != "steady" and i == 4 else None
-            copy_cycle(source, tmp_path / name / f"cycle_{i:04d}", i, slower, 10.0 + added if slower and name == "slow" else 10.0)
+            copy_cycle(source, tmp_path / name / f"cycle_{i:04d}", i, slower, step + added if slower and name == "slow" else step)
     return tmp_path / "steady", tmp_path / "slow", node
 
 
