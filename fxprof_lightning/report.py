@@ -129,11 +129,15 @@ def layer_label(node: NodeStats, type_name: Callable[[str], str]) -> str:
     ('0 (Linear)', 'F.relu in block (Block)')
     >>> layer_label(replace(row, op="call_function", target="operator.add", module_path="", source="f (train.py:3)"), types)
     'x + y in f (train.py:3)'
+    >>> layer_label(replace(row, op="fsdp2", target="all-gather", module_path="block"), types)
+    'FSDP2 all-gather of block (Block)'
     """
     kind = type_name(node.module_path) if node.op not in ("step", "unowned") else ""
     where = f"{node.module_path or '(root)'} ({kind})" if kind else node.module_path
     if node.op in ("call_module", "module"):
         return where or node.name
+    if node.op == "fsdp2":  # FSDP2's collectives of a module (``capture.fsdp_rows``)
+        return f"FSDP2 {node.target} of {where or '(root)'}"
     if node.op == "recompute":
         return f"{where}: recompute in backward" if where else node.name
     if node.op not in ("call_function", "call_method"):  # a row between graphs, of the step, of unowned time

@@ -1,21 +1,27 @@
 """FSDP2 in a plain loop on 2 gloo processes, with and without ``Profiler``:
-``python fsdp2_train.py OUT_DIR [keep] [bf16] [change]``.
+``python fsdp2_train.py OUT_DIR [keep] [bf16] [change] [unrolled] [untraced]``.
 
 Each rank trains a model sharded with ``fully_shard`` per block and at the root (``reshard_after_forward``: True by
 default, False with ``keep``; with ``bf16``, a ``MixedPrecisionPolicy`` computing in bfloat16), first without and
 then with the profiler, from the same seed and batches; with ``change``, the second block is skipped from step 2 on
-(a Python flag its forward reads: Dynamo's guard on it fails in a recorded step). Rank 0 writes ``OUT_DIR/result.json``:
-whether the full weights are bitwise equal, and what the profiler reported.
+(a Python flag its forward reads: Dynamo's guard on it fails in a recorded step); with ``unrolled``, the root calls its
+blocks one by one instead of in a loop (Dynamo captures the root's frame, broken at each block's FSDP2 hooks, and the
+code it runs eagerly between two graphs is a row); with ``untraced``, the profiler writes no trace
+(``torch_profiler=False``). Rank 0 writes ``OUT_DIR/result.json``: whether the full weights are bitwise equal, what
+the profiler reported, and each rank's own report of the cycle (``per_rank``).
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import socket
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn import functional as F
 
 from fxprof_lightning import CsvSink, Profiler
+from fxprof_lightning.engine.cycle import Cycle
 
 STEPS = 5
 
@@ -56,9 +63,17 @@ class Net(nn.Module):
         return self.head(x) + self.out_bias
 
 
+class UnrolledNet(Net):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.fc_in(x)
+        x = self.blocks[0](x)
+        x = self.blocks[1](x)
+        return self.head(x) + self.out_bias
+
+
 def train(rank: int, mesh, profiler_dir: Path | None, options: list[str]) -> tuple[dict[str, torch.Tensor], Profiler | None]:
     torch.manual_seed(0)
-    model = Net()
+    model = UnrolledNet() if "unrolled" in options else Net()
     sharding = {"reshard_after_forward": "keep" not in options}
     if "bf16" in options:
         sharding["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
@@ -71,7 +86,8 @@ def train(rank: int, mesh, profiler_dir: Path | None, options: list[str]) -> tup
     profiler = None
     if profiler_dir is not None:
         # ranks=[0]: rank 1 writes no trace, but times nodes and takes part in the gather.
-        profiler = Profiler(model, wait=1, warmup=1, active=2, repeat=1, dirpath=profiler_dir, sinks=[CsvSink()], ranks=[0])
+        profiler = Profiler(model, wait=1, warmup=1, active=2, repeat=1, dirpath=profiler_dir, sinks=[CsvSink()], ranks=[0],
+                            torch_profiler="untraced" not in options)
         profiler.start()
     for step, (x, y) in enumerate(batches):
         if step == 2 and "change" in options:
@@ -87,6 +103,30 @@ def train(rank: int, mesh, profiler_dir: Path | None, options: list[str]) -> tup
     return weights, profiler
 
 
+def fsdp2_rows(report) -> dict[str, list]:
+    """The report's rows of FSDP2's collectives: name -> module path, layer, forward calls and ms per call, backward."""
+    return {n.name: [n.module_path, n.layer, n.calls, n.mean_ms, n.bwd_calls, n.bwd_mean_ms] for n in report.nodes
+            if n.op == "fsdp2"}
+
+
+def own_report(reports: list) -> Callable[..., Any]:
+    """``Cycle.measure`` that also keeps this rank's own report of the cycle (``Cycle.report`` as a one-rank run makes
+    it, with the forward wall: the merged report of two ranks has none); what it measures passes on unchanged."""
+    measure = Cycle.measure
+
+    def measured(cycle: Cycle, module: nn.Module, warn: Callable[[str], None]) -> Any:
+        nodes = measure(cycle, module, warn)
+        report = cycle.report("train", nodes or [], [], 1, False, lambda path: type(module.get_submodule(path)).__name__)
+        reports.append({"rows": fsdp2_rows(report), "forward_wall_ms": report.forward_wall_ms,
+                        "backward_wall_ms": report.backward_wall_ms, "backward_outside_ms": report.backward_outside_ms,
+                        "forward_ms_per_step": report.forward_ms_per_step,
+                        "backward_ms_per_step": report.backward_ms_per_step, "unowned": report.unowned(),
+                        "breaks": {n.name: n.mean_ms for n in report.nodes if n.op == "graph_break"}})
+        return nodes
+
+    return measured
+
+
 def worker(rank: int, port: int, out: Path, options: list[str]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -94,9 +134,16 @@ def worker(rank: int, port: int, out: Path, options: list[str]) -> None:
     try:
         mesh = init_device_mesh("cpu", (2,))
         plain, _ = train(rank, mesh, None, options)
+        reports: list[dict] = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            profiled, profiler = train(rank, mesh, out / "fxprof", options)
+            Cycle.measure, measure = own_report(reports), Cycle.measure
+            try:
+                profiled, profiler = train(rank, mesh, out / "fxprof", options)
+            finally:
+                Cycle.measure = measure
+        per_rank: list[Any] = [None, None]
+        dist.all_gather_object(per_rank, reports)
         if rank == 0:
             (cycle,) = profiler.cycles
             result = {
@@ -113,6 +160,11 @@ def worker(rank: int, port: int, out: Path, options: list[str]) -> None:
                 "ranges": [[r.name, r.module, r.ms_per_step] for r in cycle.ranges],
                 "markdown": cycle.to_markdown(),
                 "files": sorted(p.name for p in cycle.directory.iterdir()),
+                "fsdp2": fsdp2_rows(cycle),
+                "csv_rows": [row["name"] for row in csv.DictReader((cycle.directory / "fx_nodes.csv").open())
+                             if row["op"] == "fsdp2"] if (cycle.directory / "fx_nodes.csv").exists() else [],
+                "tracked": cycle.tracked,
+                "per_rank": [rank_reports[0] if rank_reports else None for rank_reports in per_rank],
             }
             (out / "result.json").write_text(json.dumps(result))
         dist.barrier()  # without it, a rank can abort in teardown while the other still talks to it

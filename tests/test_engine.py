@@ -19,6 +19,7 @@ from torch.nn import functional as F
 from torch.utils.tensorboard import SummaryWriter
 
 from fxprof_lightning import ConsoleSink, CsvSink, FXProfilerCallback, Profiler, TensorBoardSink
+from fxprof_lightning.engine.loop_phases import LoopClock
 from fxprof_lightning.engine.settings import Settings
 
 
@@ -407,6 +408,33 @@ def test_rank_0_that_timed_nothing_still_gets_the_module_tree_of_the_merged_tabl
     report = run("two_ranks")
     assert [n.name for n in report.nodes] == [n.name for n in alone.nodes]
     assert report.modules and [m.path for m in report.modules] == [m.path for m in alone.modules]
+
+
+def test_a_plain_loops_phases_hold_the_modules_own_hooks():
+    """FSDP2's pattern, hooks registered before the profiler's: a forward pre-hook put first (the root's all-gather), a
+    forward hook (its reshard) that hooks the output's gradient (the pre-backward all-gather), which queues a callback
+    for the end of backward (the root's reduce-scatter). LoopClock's forward holds both forward hooks; its backward,
+    the gradient's hook and the callback."""
+    model = torch.nn.Linear(4, 4)
+
+    def pause(*_: object) -> None:
+        time.sleep(0.03)
+
+    def gradient(grad: torch.Tensor) -> None:
+        pause()
+        torch.autograd.Variable._execution_engine.queue_callback(pause)
+
+    def output(module: torch.nn.Module, args: object, out: torch.Tensor) -> None:
+        pause()
+        out.register_hook(gradient)
+
+    model.register_forward_pre_hook(pause, prepend=True)
+    model.register_forward_hook(output)
+    clock = LoopClock(model)
+    model(torch.randn(2, 4)).sum().backward()
+    phases = clock.lap()
+    clock.close()
+    assert phases["forward"] >= 60e6 and phases["backward"] >= 60e6, phases
 
 
 def test_a_plain_loops_step_splits_into_forward_backward_and_the_rest(tmp_path):

@@ -11,6 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from fxprof_lightning.capture import fsdp_rows
+from fxprof_lightning.capture.dynamo import DynamoTimer
+from fxprof_lightning.capture.fsdp_rows import FsdpRows
+
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 
 
@@ -40,7 +44,7 @@ def test_every_layer_inside_the_sharded_blocks_is_a_row_timed_over_both_ranks(fs
     graphs) and, following torch's frames, the root's layers: a row per layer and op inside the blocks."""
     assert fsdp2_run["method"] == "dynamo" and fsdp2_run["leaves"] == {}
     assert fsdp2_run["steps"] == [2, 3] and fsdp2_run["ranks"] == 2
-    nodes = fsdp2_run["nodes"]
+    nodes = {name: row for name, row in fsdp2_run["nodes"].items() if "(FSDP2 " not in name}
     assert set(nodes) == ROWS
     assert all(calls == 2 and mean_ms > 0 and bwd_calls == 2 for _, calls, mean_ms, bwd_calls in nodes.values())
     # The root's own op (``+ self.out_bias``) runs in a frame Dynamo gives up on (a hook's graph break inside the loop
@@ -65,9 +69,87 @@ def test_a_guard_failure_under_fsdp2_falls_back_on_every_rank_and_nothing_hangs(
     assert any("captured once" in w and "module hooks from now on" in w for w in run["warnings"]), run["warnings"]
 
 
-def test_unsharded_after_forward_and_in_bf16_it_is_bitwise_and_per_layer_too(tmp_path):
-    run = run_fsdp2(tmp_path, "keep", "bf16")  # reshard_after_forward=False, MixedPrecisionPolicy(bfloat16)
-    assert run["bitwise_equal"] and run["method"] == "dynamo" and set(run["nodes"]) == ROWS
+@pytest.fixture(scope="module")
+def kept_run(tmp_path_factory):
+    return run_fsdp2(tmp_path_factory.mktemp("fsdp2_kept"), "keep", "bf16")  # reshard_after_forward=False, bfloat16
+
+
+def test_unsharded_after_forward_and_in_bf16_it_is_bitwise_and_per_layer_too(kept_run):
+    assert kept_run["bitwise_equal"] and kept_run["method"] == "dynamo"
+    assert {name for name in kept_run["nodes"] if "(FSDP2 " not in name} == ROWS
+
+
+# FSDP2's collectives, a row per FSDP module and kind: module path -> the name of its row of each kind.
+FSDP_MODULES = {"": "(root)", "blocks.0": "blocks_0", "blocks.1": "blocks_1"}
+KINDS = ("all-gather", "reduce-scatter", "reshard")
+
+
+def fsdp_row(rows: dict, path: str, kind: str) -> dict:
+    module_path, layer, calls, mean_ms, bwd_calls, bwd_mean_ms = rows[f"{FSDP_MODULES[path]} (FSDP2 {kind})"]
+    assert module_path == path
+    return {"layer": layer, "calls": calls, "ms": mean_ms, "bwd_calls": bwd_calls, "bwd_ms": bwd_mean_ms}
+
+
+def test_fsdp2s_collectives_are_rows_of_each_fsdp_module_on_both_ranks(fsdp2_run):
+    """Each FSDP module's all-gather (forward, and backward again since it reshards after forward), reshard (after
+    forward and after backward) and reduce-scatter (backward) are rows with their calls and time on each rank, in the
+    node table, its Markdown and CSV and the scalars the run logs."""
+    for rank in fsdp2_run["per_rank"]:
+        assert len(rank["rows"]) == len(FSDP_MODULES) * len(KINDS)
+        for path in FSDP_MODULES:
+            gather, scatter, reshard = (fsdp_row(rank["rows"], path, kind) for kind in KINDS)
+            assert gather["calls"] == gather["bwd_calls"] == 2 and gather["ms"] > 0 and gather["bwd_ms"] > 0
+            assert scatter["calls"] == 0 and scatter["bwd_calls"] == 2 and scatter["bwd_ms"] > 0
+            assert reshard["calls"] == reshard["bwd_calls"] == 2 and reshard["ms"] > 0 and reshard["bwd_ms"] > 0
+    assert fsdp_row(fsdp2_run["fsdp2"], "blocks.0", "all-gather")["layer"] == "FSDP2 all-gather of blocks.0 (FSDPBlock)"
+    assert "| `FSDP2 all-gather of blocks.0 (FSDPBlock)` | fsdp2 |" in fsdp2_run["markdown"]
+    assert "| `FSDP2 reduce-scatter of (root) (FSDPNet)` | fsdp2 |" in fsdp2_run["markdown"]
+    assert set(fsdp2_run["csv_rows"]) == set(fsdp2_run["fsdp2"]) and "blocks_1 (FSDP2 reduce-scatter)" in fsdp2_run["tracked"]
+
+
+def check_accounting(rank: dict) -> None:
+    """The rows and the time no row owns add up to the measured forward and backward, none clamped at zero (a row's
+    time counted twice would be), and the collectives' time left the unowned rows: what stays there is less."""
+    (forward, _), (_, outside), (_, engine) = rank["unowned"].values()  # between the rows; no row made; the engine
+    assert rank["forward_ms_per_step"] + forward == pytest.approx(rank["forward_wall_ms"]) and forward > 0
+    assert rank["backward_ms_per_step"] + outside + engine == pytest.approx(rank["backward_wall_ms"]) and engine > 0
+    assert outside == rank["backward_outside_ms"]
+    rows = {(path, kind): fsdp_row(rank["rows"], path, kind) for path in FSDP_MODULES for kind in KINDS}
+    # Before, the reduce-scatters of the blocks were in the autograd node FSDP2 runs them in, which no row made.
+    assert outside < sum(rows[path, "reduce-scatter"]["bwd_ms"] for path in ("blocks.0", "blocks.1"))
+    assert forward < sum(row["ms"] * row["calls"] / 2 for row in rows.values())
+
+
+def test_the_collectives_time_leaves_the_time_no_row_owns(fsdp2_run):
+    """The root's own FSDP2 hooks run around its forward: the forward wall holds them; the blocks' post-backward runs
+    inside an autograd node no row made: that node's time gives it up."""
+    for rank in fsdp2_run["per_rank"]:
+        check_accounting(rank)
+
+
+def test_unsharded_after_forward_there_is_no_all_gather_in_backward(kept_run):
+    for rank in kept_run["per_rank"]:
+        for path in FSDP_MODULES:
+            gather, scatter, reshard = (fsdp_row(rank["rows"], path, kind) for kind in KINDS)
+            assert gather["calls"] == 2 and gather["ms"] > 0 and gather["bwd_calls"] == 0
+            assert scatter["bwd_calls"] == 2 and reshard["calls"] == 0 and reshard["bwd_calls"] == 2
+        check_accounting(rank)
+
+
+def test_without_the_trace_and_run_between_graphs_the_collectives_are_rows_counted_once(tmp_path):
+    """With torch_profiler=False (backward events from a profiler of the backward scope alone) the rows are the same.
+    A root that calls its blocks one by one is captured with a graph break at each block's FSDP2 hooks: the code Dynamo
+    runs eagerly there is a row, which gives up the all-gather it ran."""
+    run = run_fsdp2(tmp_path, "unrolled", "untraced")
+    assert run["bitwise_equal"] and not [name for name in run["files"] if ".pt.trace.json" in name]
+    for rank in run["per_rank"]:
+        assert len(rank["rows"]) == len(FSDP_MODULES) * len(KINDS)
+        for path in FSDP_MODULES:
+            gather, scatter, _ = (fsdp_row(rank["rows"], path, kind) for kind in KINDS)
+            assert gather["calls"] == gather["bwd_calls"] == scatter["bwd_calls"] == 2 and scatter["bwd_ms"] > 0
+        check_accounting(rank)
+        ((name, ms),) = rank["breaks"].items()
+        assert name.endswith("x = self.blocks[0](x)") and ms < fsdp_row(rank["rows"], "blocks.0", "all-gather")["ms"]
 
 
 def test_fsdp_ranges_are_reported_per_module(fsdp2_run):
@@ -80,3 +162,12 @@ def test_fsdp_ranges_are_reported_per_module(fsdp2_run):
     assert "fsdp_ranges.csv" in fsdp2_run["files"]
     traces = [name for name in fsdp2_run["files"] if ".pt.trace.json" in name]
     assert len(traces) == 1 and traces[0].startswith("rank0.")  # ranks=[0]; rank 1 still timed nodes (ranks == 2)
+
+
+def test_without_fsdp2_or_on_a_torch_without_its_private_methods_nothing_is_wrapped(monkeypatch):
+    """No FSDP2 module: no collective rows and nothing to install; a torch whose FSDP2 lacks what is wrapped and read
+    (before 2.14: ``fsdp2_kept`` False) gets no rows, without an error."""
+    assert DynamoTimer(True)._fsdp is None
+    assert DynamoTimer(True, sharded=True)._fsdp is not None
+    monkeypatch.setattr(fsdp_rows, "fsdp2_kept", lambda: False)
+    assert not FsdpRows.usable() and DynamoTimer(True, sharded=True)._fsdp is None

@@ -255,7 +255,8 @@ class DynamoTimer(DynamoGraphs):
     def __init__(self, training: bool, *, backward: bool = True, device: str = "cpu", annotate: bool = False,
                  trace_ranges: bool = False, on_refused: Callable[[str], None] | None = None,
                  sharded: bool = False) -> None:
-        super().__init__(training, annotate=annotate, backward=backward, device=device, trace_ranges=trace_ranges)
+        super().__init__(training, annotate=annotate, backward=backward, device=device, trace_ranges=trace_ranges,
+                         sharded=sharded)
         self.mismatch: str | None = None
         self.recaptures: list[str] = []
         self.capture_s: list[float] = []
@@ -308,11 +309,15 @@ class DynamoTimer(DynamoGraphs):
         module.forward = forward
         _TRACEABLE.enter()
         _frames_skipped(self._eager_hooks + ALWAYS_EAGER, True)
+        if self._fsdp is not None:
+            self._fsdp.install(module, backward_hooks)
 
     def uninstall(self, module: nn.Module) -> None:
         if id(module) in self._saved_forward:
             _TRACEABLE.exit()
             _frames_skipped(self._eager_hooks, False)
+            if self._fsdp is not None:
+                self._fsdp.uninstall()
         super().uninstall(module)
 
     def _new_context(self) -> Any:

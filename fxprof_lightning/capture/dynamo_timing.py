@@ -22,6 +22,7 @@ from fxprof_lightning.capture.checkpoints import (
     inline_checkpoints,
     open_checkpoints,
 )
+from fxprof_lightning.capture.fsdp_rows import FsdpRows
 from fxprof_lightning.capture.graph_breaks import break_row
 from fxprof_lightning.capture.row_names import _Anchor, _anchor, _frame_of, _names_moved, _Owners, annotate_rows
 from fxprof_lightning.nodes import JOINS, ROW, is_timed, node_info
@@ -49,12 +50,16 @@ class DynamoGraphs(NodeTimer):
     Dynamo calls with each graph, a call through them (``_timed_call``), and their rows' costs.
 
     Args:
-        training: the train/eval mode it times. The rest as ``NodeTimer``.
+        training: the train/eval mode it times.
+        sharded: the module holds FSDP2 modules: on CPU their collectives are rows too (``fsdp_rows``).
+        The rest as ``NodeTimer``.
     """
 
     def __init__(self, training: bool, *, backward: bool = True, device: str = "cpu", annotate: bool = False,
-                 trace_ranges: bool = False) -> None:
+                 trace_ranges: bool = False, sharded: bool = False) -> None:
+        self._fsdp: FsdpRows | None = None  # (``reset`` runs in the base's __init__)
         super().__init__(None, annotate=annotate, backward=backward, device=device, trace_ranges=trace_ranges)
+        self._fsdp = FsdpRows() if sharded and not self.on_cuda and FsdpRows.usable() else None
         self.training = training
         self.graphs: list[_Graph] = []
         self._uncounted: list[tuple[fx.GraphModule, list[Any]]] = []  # graphs captured since the last ``costs()``
@@ -132,8 +137,14 @@ class DynamoGraphs(NodeTimer):
         before, start, self._gap = self.calls, time.perf_counter_ns(), None
         if self._trace_ranges:
             self.call_starts.append(start)
-        with torch.compiler.set_stance("eager_on_recompile"):
-            out = self._compiled(*args, **kwargs)
+        if self._fsdp is not None:
+            self._fsdp.in_call = True
+        try:
+            with torch.compiler.set_stance("eager_on_recompile"):
+                out = self._compiled(*args, **kwargs)
+        finally:
+            if self._fsdp is not None:
+                self._fsdp.in_call = False
         self._gap = None
         if self.calls - before != self._expected.get(state):
             self._pending, self._pending_for = "a guard failed", state  # captured again at that state's next call
@@ -156,6 +167,24 @@ class DynamoGraphs(NodeTimer):
         super().reset()
         self._recomputes: list[tuple[int, int, int]] = []  # (row, sequence number of the asking node, ns)
         self._misses = 0  # calls since that failed a guard (and ran untimed)
+        if self._fsdp is not None:
+            self._fsdp.reset()
+
+    def collect(self, backward: list[tuple[int, int]], trace_events: list[Any]) -> str | None:
+        """``NodeTimer.collect``; under FSDP2, its collectives' rows added (``fsdp_rows``), their time taken out of the
+        backward events, the rows and the forward wall that held it (the module's own hooks run around its call)."""
+        fsdp = self._fsdp
+        if fsdp is None:
+            return super().collect(backward, trace_events)
+        nothing = super().collect(fsdp.events_less(backward), trace_events)
+        fsdp.take_from(self._starts, self._fwd)
+        if self.forward_walls_ns:
+            self.forward_walls_ns[-1] += fsdp.around_forward_ns()
+        for info, forward, backward_ns in fsdp.rows():
+            row = self._row_of(info)
+            self._fwd[row] += forward
+            self.bwd[row] += backward_ns
+        return nothing
 
     def add_backward(self, events: list[tuple[int, int]]) -> None:
         """``NodeTimer.add_backward``, with each checkpointed region's recompute moved out of the backward time of
@@ -198,11 +227,13 @@ class DynamoGraphs(NodeTimer):
         return NodeCosts(*([r[k] if r else None for r in rows] for k in range(4)))
 
     def mark(self) -> tuple[Any, ...]:
-        return super().mark(), len(self._recomputes)
+        return super().mark(), len(self._recomputes), self._fsdp.mark() if self._fsdp is not None else None
 
     def drop_since(self, mark: tuple[Any, ...]) -> None:
         super().drop_since(mark[0])
         del self._recomputes[mark[1]:]
+        if self._fsdp is not None:
+            self._fsdp.drop_since(mark[2])
 
 
 def _count_costs(timer: DynamoGraphs, captured: fx.GraphModule, example_inputs: list[Any]) -> None:

@@ -12,16 +12,25 @@ from fxprof_lightning.timing.autograd_walk import tensors_in
 
 __all__ = ["LoopClock"]
 
+queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
 
 class LoopClock:
     """The phases of a plain loop's steps from the module's calls (``step_phases``: forward, backward, fxprof, other),
     from ``LoopClock(...)`` on: a forward pre-hook and hook on the module, and a hook on each call's first output that
     needs a gradient (it returns None: the gradient is untouched). ``lap()`` returns ns per phase since the last lap;
     ``ours()`` says the time since the last lap was the profiler's own (the rest of its ``step()``); ``close()``
-    removes the module's hooks."""
+    removes the module's hooks.
+
+    The module's own hooks are inside the phases: the pre-hook runs before the module's other pre-hooks and the hook
+    after its other hooks (FSDP2's unshard and reshard of the root are the forward's); the gradient's hook is put on
+    the output before the module's other hooks put theirs (FSDP2's pre-backward all-gather of the root is the
+    backward's), and the backward ends after the callbacks queued during the pass (FSDP2's reduce-scatter of the
+    root, at the end of backward)."""
 
     def __init__(self, module: nn.Module) -> None:
-        self._handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
+        self._handles = [module.register_forward_pre_hook(self._pre, prepend=True),
+                         module.register_forward_hook(self._output, prepend=True), module.register_forward_hook(self._post)]
         self._forward = self._backward = self._ours = 0
         self._started: int | None = None  # the module call in progress
         self._backward_from: int | None = None  # the backward pass in progress
@@ -31,20 +40,26 @@ class LoopClock:
         if torch._C._current_graph_task_id() == -1:  # (not a recomputation inside backward)
             self._started = time.perf_counter_ns()
 
+    def _output(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._started is not None and torch.is_grad_enabled():
+            needs_grad = next((t for t in tensors_in(output) if t.requires_grad), None)
+            if needs_grad is not None:
+                needs_grad.register_hook(self._gradient_arrives)
+
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._started is None:
             return
         self._forward += time.perf_counter_ns() - self._started
         self._started = None
-        if torch.is_grad_enabled():
-            needs_grad = next((t for t in tensors_in(output) if t.requires_grad), None)
-            if needs_grad is not None:
-                needs_grad.register_hook(self._gradient_arrives)
 
     def _gradient_arrives(self, grad: torch.Tensor) -> None:
         if self._backward_from is None:
             self._backward_from = time.perf_counter_ns()
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            queue_callback(self._end_last)
+
+    def _end_last(self) -> None:
+        """Queued again from inside the engine's callbacks, so that it runs after those queued during the pass."""
+        queue_callback(self._backward_done)
 
     def _backward_done(self) -> None:
         self._backward += time.perf_counter_ns() - self._backward_from
