@@ -74,7 +74,8 @@ def test_backward_timing_can_be_turned_off(tmp_path):
     assert cycle.backward_ms_per_step == 0 and "backward" not in nodes_part
 
 
-@pytest.mark.parametrize("torch_profiler", [False, True])  # events of our backward-only profiler / of the trace
+@pytest.mark.parametrize("torch_profiler", [False, pytest.param(True, marks=pytest.mark.slow)])  # events of our
+# backward-only profiler / of the trace (the slow tier: the same model and checks, the events from the trace)
 def test_backward_covers_resnet18_and_in_place_relu_is_fine(tmp_path, torch_profiler):
     def resnet():
         return LitClassifier(torchvision.models.resnet18(num_classes=4))  # ReLU(inplace=True) throughout

@@ -240,6 +240,7 @@ def finished_run_records(path: Path, timeout: float = 60.0) -> list:
         time.sleep(0.2)
 
 
+@pytest.mark.slow  # (the quick tier has MLflow's: the same tracker path)
 def test_wandb_logger_gets_tables_and_an_artifact_per_cycle(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     from lightning.pytorch.loggers import WandbLogger

@@ -24,7 +24,8 @@ def recorded(callback):
     return [step for cycle in callback.cycles for step in cycle.steps]
 
 
-@pytest.mark.parametrize("stop_at", [6, 9])  # between cycles (in wait) / in the middle of cycle 1
+@pytest.mark.parametrize("stop_at", [6, pytest.param(9, marks=pytest.mark.slow)])  # between cycles (in wait) / in the
+# middle of cycle 1 (the slow tier)
 def test_resume_continues_the_schedule(tmp_path, stop_at):
     out = tmp_path / "fxprof"
     straight = FXProfilerCallback(**SCHEDULE, module="model", dirpath=tmp_path / "straight")

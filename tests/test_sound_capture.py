@@ -159,7 +159,7 @@ class Unrolled(Net):
         return self.head(x.mean(dim=(2, 3)))
 
 
-@pytest.mark.parametrize("model", [Unrolled, Net])
+@pytest.mark.parametrize("model", [pytest.param(Unrolled, marks=pytest.mark.slow), Net])  # (Unrolled: the slow tier)
 def test_a_hook_added_mid_run_runs_at_every_step(tmp_path, model):
     seen = {"plain": [], "profiled": []}  # the hook keeps the block's outputs, as activation-inspecting hooks do
 
