@@ -256,6 +256,24 @@ def test_compare_flags_a_node_made_slower(capsys, steady_and_slow):
     assert status == 0 and marks(out) == ["faster"]
 
 
+def test_compare_waits_for_the_cycle_before_when_a_node_3_5x_slower_is_2_percent_of_the_step(capsys, profiled,
+                                                                                                  tmp_path):
+    """As the engine's watch: every call 3.5x slower and the step slower by that, but the node adds 2 % of the step
+    (what load did to a tiny node in an identical run): flagged 'slower?', exit 0, until the cycle before says so."""
+    _, prof = profiled
+    node = slowest(prof.cycles[0].nodes)
+    stats = next(n for n in prof.cycles[0].nodes if n.name == node)
+    added = 2.5 * stats.median_ms * stats.calls / len(prof.cycles[0].steps)
+    step = 50 * added
+    for name in ("a", "b"):
+        for i in range(5):
+            slower = {node: 3.5} if name == "b" and i == 4 else None
+            copy_cycle(prof.cycles[0].directory, tmp_path / name / f"cycle_{i:04d}", i, slower,
+                       step + added if slower else step)
+    status, out, _ = run_cli(capsys, "compare", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert status == 0 and marks(out)[0] == "slower?", out
+
+
 def test_compare_confirms_a_smaller_slowdown_by_the_cycle_before(capsys, profiled, tmp_path):
     """A node 1.8x slower in B's last cycle only is flagged 'slower?' (exit 0); slower in B's last two, it is a
     regression (exit 1)."""

@@ -437,6 +437,20 @@ def test_a_plain_loops_phases_hold_the_modules_own_hooks():
     assert phases["forward"] >= 60e6 and phases["backward"] >= 60e6, phases
 
 
+def test_a_plain_loops_backward_starts_at_an_output_a_users_hook_put_in_place():
+    """A forward hook of the user's that returns a new output not connected to the module's: the backward phase starts
+    at that output's gradient (here a 30 ms hook on it), not never."""
+    model = torch.nn.Linear(4, 4)
+    model.register_forward_hook(lambda module, args, out: out.detach().clone().requires_grad_())
+    clock = LoopClock(model)
+    out = model(torch.randn(2, 4))
+    out.register_hook(lambda grad: time.sleep(0.03))
+    out.sum().backward()
+    phases = clock.lap()
+    clock.close()
+    assert phases["backward"] >= 30e6, phases
+
+
 def test_a_plain_loops_step_splits_into_forward_backward_and_the_rest(tmp_path):
     """LoopClock: forward inside the module's calls, backward from the output's gradient to the pass's end, the rest
     (here a 40 ms wait for data: far above SmallNet's forward, also on a loaded machine) as other; together the step's

@@ -296,6 +296,17 @@ def test_load_that_comes_and_goes_at_other_levels_is_never_confirmed():
     assert all(v.regressions == [] for v in verdicts)
 
 
+def test_a_slowdown_that_keeps_growing_is_confirmed_by_the_next_cycle():
+    """One node 1.6x, then 2.6x, 4x, 6x (a cache that grows, a leak), the step time flat: flagged in its first cycle,
+    confirmed in the second (it adds more, not less)."""
+    tables = steady_tables(8)
+    for index, factor in zip(range(4, 8), (1.6, 2.6, 4.0, 6.0)):
+        tables[index] = scaled(tables[index], "n9", factor)
+    verdicts = watched(tables, [[10.0, 10.1, 10.0]] * 8)
+    assert [r.node for r in verdicts[4].unconfirmed] == ["n9"]
+    assert [r.node for r in verdicts[5].regressions] == ["n9"]
+
+
 def test_a_small_node_3x_slower_in_one_cycle_waits_for_the_next():
     """An identical run on a loaded machine, 2026-11-26: ReLU's backward, 0.02 ms, every call 3x slower in one cycle,
     the steps regular and slower. Beyond doubt for the node, but 2 % of the step: not confirmed at once."""

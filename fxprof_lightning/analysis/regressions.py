@@ -47,9 +47,26 @@ from dataclasses import dataclass, field
 from fxprof_lightning.analysis.trust import cpu_per_wall, distortion, step_spread
 from fxprof_lightning.report import CycleReport, ModuleStats, NodeStats
 
-__all__ = ["DEFAULT_K", "DEFAULT_MIN_MS", "DEFAULT_MIN_RELATIVE", "DEFAULT_MIN_SHARE", "MIN_BASELINE", "SAME_LEVEL", "Delta",
-           "Regression", "RegressionWatch", "Verdict", "beyond_doubt", "compare", "find_regressions", "module_rows", "same_level", "shared_factor",
-           "step_rows"]
+__all__ = [
+    "DEFAULT_K",
+    "DEFAULT_MIN_MS",
+    "DEFAULT_MIN_RELATIVE",
+    "DEFAULT_MIN_SHARE",
+    "MIN_BASELINE",
+    "SAME_LEVEL",
+    "Delta",
+    "Regression",
+    "RegressionWatch",
+    "Verdict",
+    "added_per_step",
+    "beyond_doubt",
+    "compare",
+    "find_regressions",
+    "module_rows",
+    "same_level",
+    "shared_factor",
+    "step_rows",
+]
 
 MAD_TO_SIGMA = 1.4826  # MAD x this estimates the standard deviation of normal samples
 DEFAULT_K = 4.0
@@ -301,7 +318,7 @@ def find_regressions(
     return sorted((d.regression() for d in deltas if d.slower), key=lambda r: r.ratio, reverse=True)
 
 
-def _added_per_step(stats: NodeStats, change: Regression, steps: int) -> float:
+def added_per_step(stats: NodeStats, change: Regression | Delta, steps: int) -> float:
     """ms per step a slower row added (a step row's one value is per step already)."""
     per_call = change.now_ms - change.baseline_ms
     return per_call if stats.op in ("step", "unowned") else per_call * _calls(stats, change.direction) / steps
@@ -313,7 +330,7 @@ def _outside_explained(flagged: list[Regression], by_name: dict[str, NodeStats],
     (``step_ms``, the median), less per step than a node flagged with it, or less than half what another such row
     added: such rows drift by tens of microseconds in a steady run, and the time between rows and the step's other
     phases move with a slower part's work (its autograd nodes, the cache misses after it): that part says it better."""
-    added = {r.node: _added_per_step(by_name[r.node], r, steps) for r in flagged}
+    added = {r.node: added_per_step(by_name[r.node], r, steps) for r in flagged}
     outside = [r for r in flagged if by_name[r.node].op in ("step", "unowned")]
     nodes = max((added[r.node] for r in flagged if by_name[r.node].op not in ("module", "step", "unowned")), default=0.0)
     most = max((added[r.node] for r in outside), default=0.0)
@@ -326,7 +343,7 @@ def _outside_explained(flagged: list[Regression], by_name: dict[str, NodeStats],
 CONFIRM_RATIO = 3.0  # a regression confirmed in its first cycle: every call this much slower, ...
 CONFIRM_SPREAD = 0.25  # ... steps this regular, the step slower by at least half the node's added time, which
 # is at least STEP_SHARE of the step
-SAME_LEVEL = 0.5  # confirmed by the next cycle: the smaller of the two cycles' added times at least this x the larger
+SAME_LEVEL = 0.5  # confirmed by the next cycle: its added time at least this x the cycle before's
 
 
 @dataclass
@@ -335,9 +352,9 @@ class Verdict:
 
     ``skipped`` says why the cycle was not checked (partial, distorted, baseline still short), None if it was;
     ``distortion`` the load signature when distorted. ``regressions`` are confirmed: flagged in this cycle and
-    in the sound cycle before it at the same level (the smaller of the two added times at least ``same_level``,
-    ``SAME_LEVEL`` by default, x the larger: a change in the code stays, load from other processes comes and goes at other levels; in an identical
-    run, 2026-11-26, the plain loop's "other" phase rose 4x in one cycle and 1.6x in the next, by load), or so large
+    in the sound cycle before it, still adding at least ``same_level`` (``SAME_LEVEL`` by default) x what it added
+    there (a change in the code stays or grows, load from other processes comes and goes; in an identical run,
+    2026-11-26, the plain loop's "other" phase rose 4x in one cycle and 1.6x in the next, by load), or so large
     in this one that noise cannot explain it (the median call
     ``CONFIRM_RATIO`` x the baseline and the fastest call ``CONFIRM_RATIO - 1`` x, so every call is slower; the
     steps regular; and the step slower by at least half the node's added time, which is ``STEP_SHARE`` of the step
@@ -352,9 +369,9 @@ class Verdict:
 
 
 def same_level(before: float | None, now: float, share: float = SAME_LEVEL) -> bool:
-    """Whether a slower row adds about what it added when flagged in the cycle before (ms per call; ``before`` None:
-    it was not flagged): the smaller of the two at least ``share`` x the larger."""
-    return before is not None and min(before, now) >= share * max(before, now)
+    """Whether a slower row still adds what it added when flagged in the cycle before, or more (ms per call; ``before``
+    None: it was not flagged): at least ``share`` x it. A change in the code stays or grows; load comes and goes."""
+    return before is not None and now >= share * before
 
 
 def beyond_doubt(stats: NodeStats, change: Regression | Delta) -> bool:
@@ -434,13 +451,13 @@ class RegressionWatch:
             regular = (step_spread(step_ms) or 0.0) <= CONFIRM_SPREAD
             for r in flagged:
                 stats = by_name[r.node]
-                added_per_step = _added_per_step(stats, r, steps)
+                added = added_per_step(stats, r, steps)
                 # (a row outside the nodes, one value per cycle, is confirmed by the next sound cycle only: it
                 # moves with the nodes' work, and noise cannot be told from one cycle)
                 # (nor is a change too small to matter to the step: a tiny node's every call 3x slower in one cycle is
                 # what load did to ReLU's backward in an identical run, 2026-11-26: 0.02 -> 0.06 ms, 2 % of the step)
                 clear = (stats.op not in ("step", "unowned") and beyond_doubt(stats, r) and regular
-                         and step_rise >= added_per_step / 2 and added_per_step >= STEP_SHARE * median_step)
+                         and step_rise >= added / 2 and added >= STEP_SHARE * median_step)
                 if self._confirms(r) or (clear and not short):
                     verdict.regressions.append(r)
                 elif clear or not short:  # (on a short baseline, only a change beyond doubt is flagged at all)

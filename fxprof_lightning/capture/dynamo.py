@@ -314,10 +314,12 @@ class DynamoTimer(DynamoGraphs):
 
     def uninstall(self, module: nn.Module) -> None:
         if id(module) in self._saved_forward:
-            _TRACEABLE.exit()
-            _frames_skipped(self._eager_hooks, False)
-            if self._fsdp is not None:
-                self._fsdp.uninstall()
+            try:
+                _TRACEABLE.exit()
+                _frames_skipped(self._eager_hooks, False)
+            finally:  # (FSDP2's own methods back, whatever failed)
+                if self._fsdp is not None:
+                    self._fsdp.uninstall()
         super().uninstall(module)
 
     def _new_context(self) -> Any:

@@ -100,6 +100,8 @@ class FsdpRows:
         self._wrapped: list[tuple[Any, str, Any]] = []  # group, method, its own instance attribute (or _ABSENT)
         self._hooks = False  # backward timed by hooks: no backward samples
         self._stack: list[list[int]] = []  # per running wrapped call: the time of the wrapped calls inside it
+        self._calls: list[Any] = []  # the hooks on the profiled module that say when its call runs
+        self._in_module = False  # in the profiled module's call (its own FSDP2 hooks around the timed call included)
         self.reset()
 
     def reset(self) -> None:
@@ -120,6 +122,8 @@ class FsdpRows:
         self._hooks = backward_hooks
         if self._wrapped:
             return
+        self._calls = [module.register_forward_pre_hook(self._enter, prepend=True),
+                       module.register_forward_hook(self._leave, always_call=True)]
         paths = {id(m): path for path, m in module.named_modules()}
         for state in _fsdp_states(module):
             for group in state._fsdp_param_groups:
@@ -130,7 +134,16 @@ class FsdpRows:
                     self._wrapped.append((group, method, group.__dict__.get(method, _ABSENT)))
                     setattr(group, method, self._timed(group, self._row(path, kind), getattr(group, method)))
 
+    def _enter(self, *_: Any) -> None:
+        self._in_module = True
+
+    def _leave(self, *_: Any) -> None:
+        self._in_module = False
+
     def uninstall(self) -> None:
+        for handle in self._calls:
+            handle.remove()
+        self._calls, self._in_module = [], False
         for group, method, own in reversed(self._wrapped):
             if own is _ABSENT:
                 group.__dict__.pop(method, None)
@@ -170,8 +183,8 @@ class FsdpRows:
     def _add(self, row: int, start: int, end: int, ns: int, completes: bool) -> None:
         """A call that did work: a piece of its row (an all-gather's ``unshard`` waits for its ``wait_for_unshard``)."""
         backward = torch._C._current_graph_task_id() != -1
-        if backward and self._hooks:
-            return
+        if (backward and self._hooks) or not (backward or self._in_module):
+            return  # (a forward call outside the module's, such as the user's own ``unshard()`` prefetch: no row's)
         self.pieces.append(_Piece(row, backward, start, end, ns, self.in_call, _applying() if backward else None))
         ns += self._pending.pop((row, backward), 0)
         if completes:
@@ -206,7 +219,8 @@ class FsdpRows:
 
     def around_forward_ns(self) -> int:
         """The forward samples that ran around the timed calls (the profiled module's own FSDP2 hooks, before and
-        after its forward): the forward wall does not hold them, so it is extended by them."""
+        after its forward): the forward wall does not hold them, so it is extended by them. (Forward calls outside
+        the module's call are no samples.)"""
         return sum(p.ns for p in self.pieces if not p.backward and not p.in_call)
 
     def take_from(self, starts: list[list[int]], durations: list[list[int]]) -> None:

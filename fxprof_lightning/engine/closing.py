@@ -1,6 +1,8 @@
 """A cycle's two ends, for the engine (``core.Engine``): opening it (its capture, its torch.profiler session, its
 directory) and closing it (the timer's samples measured, the ranks' tables gathered, the report, its analysis and the
-sinks, on rank 0). The engine decides when, by its ``LIFECYCLE`` table; these say how."""
+sinks, on rank 0). The engine decides when, by its ``LIFECYCLE`` table; these say how. They are the engine's own
+methods, written as functions of it: they read its private state (``_taken``, ``_fx_on``) and its failure policy
+(``_safely``), which its public faces (``Profiler``, the callback) do not show."""
 
 from __future__ import annotations
 
@@ -30,10 +32,10 @@ __all__ = ["close_cycle", "open_cycle"]
 def open_cycle(engine: Engine, stage: Stage, other: Stage) -> Cycle:
     """The cycle ``stage`` opens at its step in progress (``other``: the other stage, whose cycle may be open)."""
     index = stage.index_at(engine.schedule, stage.step)
-    directory = stage.directory_for(engine.dirpath, index, engine.taken)
+    directory = stage.directory_for(engine.dirpath, index, engine._taken)
     target = engine.target
     # Capture first: tracing on a recorded call runs the module, which no trace should record.
-    timer, how = engine.timers.for_module(target) if engine.fx_on else (None, None)
+    timer, how = engine.timers.for_module(target) if engine._fx_on else (None, None)
     if timer is not None and other.open is not None and other.open.timer is timer:  # one timer, one cycle
         engine.warn(f"the {stage.name} cycle from step {stage.step} would share the open {other.name} cycle's timer "
                     f"(the module is in {'training' if target.training else 'eval'} mode for both): its nodes are "
@@ -83,7 +85,7 @@ def close_cycle(engine: Engine, stage: Stage, gather: bool, tracked: list[str] |
                           type_name=functools.partial(_type_name, target))
     report.trigger = trigger.text() if trigger is not None else "schedule"
     if report.nodes and engine.rank == 0:
-        engine.safely("analysing a cycle", _analyse, engine, stage, report, tracked)
+        engine._safely("analysing a cycle", _analyse, engine, stage, report, tracked)
         display = engine.display()
         for sink in engine.sinks:
             sink.write_cycle(report, display)
@@ -131,7 +133,7 @@ def _trace_for(engine: Engine, stage: Stage, other: Stage, index: int, directory
     actions = {s: action for s, action in stage.traced(engine.schedule, index).items() if s >= stage.step}
     from_trace = timer is not None and timer.traits.reads_trace_events  # rows from all the events, not autograd nodes
     return CycleTrace(actions, directory, f"rank{engine.rank}", settings.use_gzip, settings.profiler_kwargs,
-                      backward_events=engine.fx_on and not from_trace, keep_events=from_trace)
+                      backward_events=engine._fx_on and not from_trace, keep_events=from_trace)
 
 
 def _device_peaks(target: nn.Module | None, peaks: Peaks | bool | None, warn: Callable[[str], None]) -> Peaks | bool | None:

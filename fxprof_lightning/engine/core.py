@@ -91,11 +91,11 @@ class Engine(HoldsSettings):
         self._current = self._train  # the stage step() advances
         self._running = False
         self._enabled = True  # False after a failure inside the profiler
-        self.fx_on = self.settings.fx_timing  # False when the target cannot be traced
+        self._fx_on = self.settings.fx_timing  # False when the target cannot be traced
         self.timers = Timers(self.warn)  # which timer times the module (set up at each begin_run)
         self._backward_start: int | None = None
         self._clock: LoopClock | None = None  # the plain loop's phases (``Profiler``; the callback has its own)
-        self.taken: set[str] = set()  # directory names in dirpath from earlier runs
+        self._taken: set[str] = set()  # directory names in dirpath from earlier runs
         self.follow: Follow | None = None  # cycles out of the schedule: on request, on a jump of the step time
 
     @property
@@ -125,25 +125,25 @@ class Engine(HoldsSettings):
     def begin_run(self) -> None:
         """Resolve the module, forget captures, and list the names in ``dirpath`` that earlier runs took."""
         self.target = self.module if isinstance(self.module, nn.Module) else self.module()
-        self._enabled, self.fx_on = True, self.settings.fx_timing
-        compiled = self.fx_on and is_compiled(self.target)
+        self._enabled, self._fx_on = True, self.settings.fx_timing
+        compiled = self._fx_on and is_compiled(self.target)
         if compiled and (why_not := _kernels_unreadable(self.target, self.settings.torch_profiler)):
             self.warn(why_not)
-            self.fx_on = compiled = False
+            self._fx_on = compiled = False
         # A compiled module's kernels are followed from before its first call (per-layer times from the trace).
         settings = self.settings
         self.timers.start(settings.capture, settings.backward_timing, settings.torch_profiler and settings.node_ranges,
                           compiled)
         taken = sorted(p.name for p in self.dirpath.glob("*cycle_*")) if self.rank == 0 and self.dirpath.is_dir() else []
-        self.taken = set(broadcast(taken))
+        self._taken = set(broadcast(taken))
         self.follow = Follow(self.settings.watch_step_time, self.rank, self.world_size, self.settings.overhead_budget)
         self.follow.start(self.dirpath)
 
     def prepare(self, stage: str = "train") -> None:
         """Capture the module in its current mode before the stage's first timed step (or start recording a call)."""
-        if self.fx_on and self._enabled and (stage == "train" or self.settings.profile_validation):
+        if self._fx_on and self._enabled and (stage == "train" or self.settings.profile_validation):
             started = time.perf_counter()
-            self.safely("capturing the module", self.timers.for_module, self.target)
+            self._safely("capturing the module", self.timers.for_module, self.target)
             if self.follow is not None and self.follow.opened is None:  # (outside a training cycle, whose cost has it)
                 self.follow.setup_s += time.perf_counter() - started
 
@@ -218,7 +218,7 @@ class Engine(HoldsSettings):
         if state.step > 0:
             self._lifecycle(state, "stage end", state.step - 1)
         if state.open is not None:  # a step that opened a cycle and never ended
-            self.safely("writing a cycle left open", self._close_cycle, state, gather=False)
+            self._safely("writing a cycle left open", self._close_cycle, state, gather=False)
 
     def abort(self) -> None:
         """Training stopped with an exception: write this rank's open cycles (no collective) and remove every hook.
@@ -233,7 +233,7 @@ class Engine(HoldsSettings):
             state.in_step = False
             if state.open is not None:
                 # Other ranks may not get here: no collective, this rank's data only.
-                self.safely("writing the cycle cut short by an exception", self._close_cycle, state, gather=False)
+                self._safely("writing the cycle cut short by an exception", self._close_cycle, state, gather=False)
 
     def end_run(self) -> None:
         """Profiling ends: remove the first-call recorders, put Inductor's settings back and let the sinks finish (rank 0)."""
@@ -246,7 +246,7 @@ class Engine(HoldsSettings):
             cost = (self.follow.spent_s(), self.follow.share()) if self.follow is not None else None
             run = RunSummary(self._train.cycles, self.dirpath, self.display(), cost)
             for sink in self.sinks:
-                self.safely("closing a sink", sink.close, run)
+                self._safely("closing a sink", sink.close, run)
 
     def display(self) -> Display:
         """What the sinks show, from the settings now (``sinks.Display``)."""
@@ -306,16 +306,16 @@ class Engine(HoldsSettings):
             action = ProfilerAction.NONE
         for work in LIFECYCLE.get((edge, action), ()):
             if work == "collect" and self._enabled:
-                self.safely("starting a profiled step", self._start_collecting, stage, action)
+                self._safely("starting a profiled step", self._start_collecting, stage, action)
             elif work == "stop":  # (every rank: a cycle's last step may extend it, as every rank must agree)
                 if stage.open is not None:
-                    self.safely("ending a profiled step", stage.open.end_step, self.target, step, action in RECORDING)
-                self.safely("ending a profiled step", stage.step_ended, self.schedule, step, action)
+                    self._safely("ending a profiled step", stage.open.end_step, self.target, step, action in RECORDING)
+                self._safely("ending a profiled step", stage.step_ended, self.schedule, step, action)
             elif work == "close" and edge == "end" and stage.extra and step < stage.extra[-1]:
                 continue  # the cycle goes on with the steps it records in place of dropped ones
             elif work == "close":
                 what = "writing a cycle" if edge == "end" else "writing a partial cycle"
-                self.safely(what, self._close_cycle, stage, gather=True)
+                self._safely(what, self._close_cycle, stage, gather=True)
 
     def _start_collecting(self, stage: Stage, action: ProfilerAction) -> None:
         if stage.open is None:
@@ -332,7 +332,7 @@ class Engine(HoldsSettings):
 
     # ------------------------------------------------------------ failures
 
-    def safely(self, what: str, work: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    def _safely(self, what: str, work: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Run profiler work; on failure warn, clean up and stop profiling, never break training."""
         try:
             work(*args, **kwargs)
