@@ -171,3 +171,32 @@ def test_without_fsdp2_or_on_a_torch_without_its_private_methods_nothing_is_wrap
     assert DynamoTimer(True, sharded=True)._fsdp is not None
     monkeypatch.setattr(fsdp_rows, "fsdp2_kept", lambda: False)
     assert not FsdpRows.usable() and DynamoTimer(True, sharded=True)._fsdp is None
+
+
+def test_a_collective_leaves_the_autograd_node_and_the_row_call_that_ran_it_known_answers():
+    """``FsdpRows`` on pieces of known times: a backward piece that autograd node 7's own code ran (FSDP2's
+    ``post_backward`` inside ``RegisterPostBackwardFunction``) is taken out of node 7's event alone; a forward piece
+    inside a row's call (eager code between two graphs ran the hook) out of that call alone; a forward piece around
+    the timed call extends the forward wall; a piece in no node's code and no row's call is taken from nothing."""
+    rows = FsdpRows()
+    piece = fsdp_rows._Piece
+    rows.pieces = [piece(0, True, 100, 130, 30, False, 7),  # backward, inside node 7's own code
+                   piece(0, True, 200, 210, 10, False, None),  # backward, a tensor hook: in no node's event
+                   piece(1, False, 1_000, 1_040, 40, True, None),  # forward, inside row 2's second call
+                   piece(1, False, 5_000, 5_025, 25, False, None)]  # forward, the root's own hook around the call
+    assert rows.events_less([(6, 500), (7, 100), (8, 50)]) == [(6, 500), (7, 70), (8, 50)]
+    starts, durations = [[0], [], [0, 990]], [[900], [], [80, 60]]
+    rows.take_from(starts, durations)
+    assert durations == [[900], [], [80, 20]]
+    assert rows.around_forward_ns() == 25
+
+
+def test_a_forward_collective_outside_the_modules_call_is_no_rows():
+    """A user's own ``unshard()`` before the forward (FSDP2's explicit prefetch) runs outside the profiled module's
+    call: no sample (the forward wall does not hold it); inside the call (the root's hooks mark it) it is one."""
+    rows = FsdpRows()
+    rows._add(0, 0, 10, 10, completes=True)
+    assert rows.pieces == [] and rows.rows() == []
+    rows._in_module = True
+    rows._add(0, 20, 30, 10, completes=True)
+    assert [(p.start, p.ns) for p in rows.pieces] == [(20, 10)] and rows.around_forward_ns() == 10
