@@ -40,7 +40,6 @@ from fxprof_lightning.analysis.regressions import (
     Regression,
     RegressionWatch,
     Verdict,
-    added_per_step,
     beyond_doubt,
     compare,
     same_level,
@@ -257,11 +256,10 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
     outside = {n.name for n in _rows(now) if n.op in ("step", "unowned")}
     step = median_step_ms(now) or 0.0
     steps = max(len(now.steps), 1)
-    confirmed = {(d.node, d.direction) for d in deltas  # (a row outside the nodes: by the cycle before only; beyond
-                 if d.slower and (same_level(before.get((d.node, d.direction)), d.delta_ms)  # doubt at once: a node
-                                  or (d.node not in outside and beyond_doubt(by_name[d.node], d)  # that adds at least
-                                      and added_per_step(by_name[d.node], d, steps) >= STEP_SHARE * step))  # STEP_SHARE
-                 and (d.node not in outside or d.delta_ms >= STEP_SHARE * step)}  # of the step, as the engine's watch)
+    confirmed = {(d.node, d.direction) for d in deltas  # (a row outside the nodes: by the cycle before only, and
+                 if d.slower and (same_level(before.get((d.node, d.direction)), d.delta_ms)  # at least STEP_SHARE of
+                                  or (d.node not in outside and beyond_doubt(by_name[d.node], d, steps, step)))  # the step)
+                 and (d.node not in outside or d.delta_ms >= STEP_SHARE * step)}
     lines = [f"A: {a}",
              "   " + (describe(baseline[0]) if len(baseline) == 1 else
                       f"{len(baseline)} {_stage_name(baseline[0].stage)} cycles "

@@ -58,7 +58,6 @@ __all__ = [
     "Regression",
     "RegressionWatch",
     "Verdict",
-    "added_per_step",
     "beyond_doubt",
     "compare",
     "find_regressions",
@@ -318,7 +317,7 @@ def find_regressions(
     return sorted((d.regression() for d in deltas if d.slower), key=lambda r: r.ratio, reverse=True)
 
 
-def added_per_step(stats: NodeStats, change: Regression | Delta, steps: int) -> float:
+def _added_per_step(stats: NodeStats, change: Regression | Delta, steps: int) -> float:
     """ms per step a slower row added (a step row's one value is per step already)."""
     per_call = change.now_ms - change.baseline_ms
     return per_call if stats.op in ("step", "unowned") else per_call * _calls(stats, change.direction) / steps
@@ -330,7 +329,7 @@ def _outside_explained(flagged: list[Regression], by_name: dict[str, NodeStats],
     (``step_ms``, the median), less per step than a node flagged with it, or less than half what another such row
     added: such rows drift by tens of microseconds in a steady run, and the time between rows and the step's other
     phases move with a slower part's work (its autograd nodes, the cache misses after it): that part says it better."""
-    added = {r.node: added_per_step(by_name[r.node], r, steps) for r in flagged}
+    added = {r.node: _added_per_step(by_name[r.node], r, steps) for r in flagged}
     outside = [r for r in flagged if by_name[r.node].op in ("step", "unowned")]
     nodes = max((added[r.node] for r in flagged if by_name[r.node].op not in ("module", "step", "unowned")), default=0.0)
     most = max((added[r.node] for r in outside), default=0.0)
@@ -374,11 +373,15 @@ def same_level(before: float | None, now: float, share: float = SAME_LEVEL) -> b
     return before is not None and now >= share * before
 
 
-def beyond_doubt(stats: NodeStats, change: Regression | Delta) -> bool:
-    """Whether every call of a slower node is slower, by more than noise explains: its median ``CONFIRM_RATIO`` x
-    the baseline and its fastest call ``CONFIRM_RATIO - 1`` x (``stats``: the node now)."""
+def beyond_doubt(stats: NodeStats, change: Regression | Delta, steps: int, step_ms: float) -> bool:
+    """Whether every call of a slower node is slower, by more than noise explains, and by enough to matter to the
+    step: its median ``CONFIRM_RATIO`` x the baseline, its fastest call ``CONFIRM_RATIO - 1`` x, and its added time
+    at least ``STEP_SHARE`` of the step (``step_ms``, over ``steps`` steps; ``stats``: the node now). A tiny node's
+    every call 3x slower in one cycle is what load did to ReLU's backward in an identical run, 2026-11-26: 0.02 ->
+    0.06 ms, 2 % of the step."""
     fastest = _samples(stats, change.direction)[1]
-    return change.ratio >= CONFIRM_RATIO and fastest >= (CONFIRM_RATIO - 1) * change.baseline_ms
+    return (change.ratio >= CONFIRM_RATIO and fastest >= (CONFIRM_RATIO - 1) * change.baseline_ms
+            and _added_per_step(stats, change, steps) >= STEP_SHARE * step_ms)
 
 
 class RegressionWatch:
@@ -451,13 +454,10 @@ class RegressionWatch:
             regular = (step_spread(step_ms) or 0.0) <= CONFIRM_SPREAD
             for r in flagged:
                 stats = by_name[r.node]
-                added = added_per_step(stats, r, steps)
                 # (a row outside the nodes, one value per cycle, is confirmed by the next sound cycle only: it
                 # moves with the nodes' work, and noise cannot be told from one cycle)
-                # (nor is a change too small to matter to the step: a tiny node's every call 3x slower in one cycle is
-                # what load did to ReLU's backward in an identical run, 2026-11-26: 0.02 -> 0.06 ms, 2 % of the step)
-                clear = (stats.op not in ("step", "unowned") and beyond_doubt(stats, r) and regular
-                         and step_rise >= added / 2 and added >= STEP_SHARE * median_step)
+                clear = (stats.op not in ("step", "unowned") and beyond_doubt(stats, r, steps, median_step) and regular
+                         and step_rise >= _added_per_step(stats, r, steps) / 2)
                 if self._confirms(r) or (clear and not short):
                     verdict.regressions.append(r)
                 elif clear or not short:  # (on a short baseline, only a change beyond doubt is flagged at all)
