@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx
 
+from fxprof_lightning import torch_api
 from fxprof_lightning.nodes import NESTS, ROW, NodeInfo, mark_untimed
 from fxprof_lightning.timing.autograd_walk import sequence_nr_now
 from fxprof_lightning.timing.node_timing import NodeTimer
@@ -72,7 +73,8 @@ def _recompute_log(timer: DynamoTimer, hooked: bool, body: fx.GraphModule) -> _R
 
 
 def _is_checkpoint(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is torch.ops.higher_order.tag_activation_checkpoint
+    op = torch_api.tag_activation_checkpoint
+    return op is not None and node.op == "call_function" and node.target is op
 
 
 def _checkpointed_bodies(graph_module: fx.GraphModule) -> list[fx.GraphModule]:
@@ -104,7 +106,7 @@ def open_checkpoints(graph_module: fx.GraphModule, instrumented: Callable[[fx.Gr
         if not _is_checkpoint(node):
             continue
         body = getattr(graph_module, node.args[0].target)
-        checkpoint_kwargs, body_kwargs = torch.ops.higher_order.tag_activation_checkpoint.divide_kwargs(node.kwargs)
+        checkpoint_kwargs, body_kwargs = torch_api.tag_activation_checkpoint.divide_kwargs(node.kwargs)
         if "_checkpoint_context_fn" in body.meta:
             checkpoint_kwargs["context_fn"] = body.meta["_checkpoint_context_fn"]
         operands = node.args[1:]
@@ -143,8 +145,7 @@ def _is_module_state(operand: Any) -> bool:
     graph inputs; eager's region reads them from its module, so ``checkpoint`` does not save them)."""
     if not isinstance(operand, fx.Node):
         return False
-    source = getattr(operand.meta.get("grapharg"), "source", None)
-    name = getattr(source, "name", "") if source is not None else ""
+    name = torch_api.source_name(operand)
     return operand.op == "get_attr" or "._parameters[" in name or "._buffers[" in name
 
 

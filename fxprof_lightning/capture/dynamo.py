@@ -18,7 +18,8 @@ too: ``TransformerEncoderLayer`` is opened), and breaks the graph where it canno
 * **Never stale.** Timed calls run with Dynamo's ``eager_on_recompile`` stance: a call whose state fails a
   guard runs the module's own code eagerly (untimed) rather than a graph of another state, and the next call
   captures again (and verifies) with the reason Dynamo gives (``recaptures``).
-* Its own cache (``isolate_recompiles``): the user's ``torch.compile`` of the same code is untouched.
+* Its own cache (``isolate_recompiles``, or a copy of the forward's code object on a torch without it:
+  ``torch_api.own_code``): the user's ``torch.compile`` of the same code is untouched.
 
 Rows: the ops of one call of a ``torch.nn`` layer without children (``Linear``, ``Conv2d``, ``BatchNorm2d`` with
 its ``num_batches_tracked`` update, ``Dropout``...) are one row named as ``torch.fx`` names a module call
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx, nn
 
+from fxprof_lightning import torch_api
 from fxprof_lightning.capture import verify
 from fxprof_lightning.capture.dynamo_rules import _frames_skipped, _hooks_eager, _not_compiling, _opened
 from fxprof_lightning.capture.dynamo_timing import DynamoGraphs
@@ -53,6 +55,8 @@ if TYPE_CHECKING:
     from fxprof_lightning.nodes import Capture
 
 __all__ = ["DYNAMO", "DynamoTimer", "missing_for_dynamo"]
+
+missing_for_dynamo = torch_api.missing_for_dynamo
 
 DYNAMO = ("torch._dynamo's graphs, run eagerly by a backend that times each op (no Inductor), checked bitwise against "
           "eager (outputs, gradients, buffers, random states) before use, captured again when a guard fails")
@@ -196,7 +200,7 @@ class _EntryGuards:
     signature: inspect.Signature
     bound: tuple[Any, ...]
     free: dict[str, Any]
-    region: int  # the context's own cache (``isolate_recompiles``)
+    region: int | None  # the context's own cache (``torch_api.region_of``; None: the code object's own)
 
     @classmethod
     def of(cls, compiled: Callable[..., Any], context: Any) -> _EntryGuards | None:
@@ -212,14 +216,12 @@ class _EntryGuards:
         except ValueError:  # an empty cell
             return None
         return cls(function.__code__, inspect.signature(function, follow_wrapped=False), bound, free,
-                   context._isolate_recompiles_id)
+                   torch_api.region_of(context))
 
     def check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int | None, str]:
         """The state of a call: the graph captured for the frame whose guards it passes (an id), or how it would miss
         them all (their first failing guard); (None, '') where that cannot be told."""
-        from torch._dynamo.eval_frame import _get_cache_entries_for_region
-
-        entries = _get_cache_entries_for_region(self.code, self.region)
+        entries = torch_api.cache_entries(self.code, self.region)
         if not entries:
             return None, ""
         try:
@@ -286,7 +288,7 @@ class DynamoTimer(DynamoGraphs):
         # function, not at every traced step (a bound method compares equal for the same function and module).
         if self._compiled is None or own_forward != self._own_forward:
             self._own_forward = own_forward
-            self._compiled = self._context(own_forward)
+            self._compiled = self._context(torch_api.own_code(own_forward))
             self._entry = _EntryGuards.of(self._compiled, self._context)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -324,8 +326,7 @@ class DynamoTimer(DynamoGraphs):
 
     def _new_context(self) -> Any:
         """A Dynamo context with a cache of its own (the user's ``torch.compile`` of the same code is untouched)."""
-        return torch._dynamo.optimize(self._backend, isolate_recompiles=True,
-                                      guard_fail_fn=lambda failure: self._guard_failures.append(failure.reason))
+        return torch_api.dynamo_context(self._backend, lambda failure: self._guard_failures.append(failure.reason))
 
     def _capture_call(self, module: nn.Module, own_forward: Callable[..., Any], args: tuple[Any, ...],
                       kwargs: dict[str, Any]) -> Any:
@@ -409,7 +410,8 @@ class DynamoTimer(DynamoGraphs):
         way, tried = first.way, [first]
         opens = any(isinstance(m, OPENED_BY) for m in module.modules())  # calls a function in ``OPENED``
         others = [replace(way, opening=())] if way.opening and opens and first.breaks else []
-        others += [replace(way, follow=True)] if first.breaks and not way.follow else []
+        follows = torch_api.has_dynamo_setting("dont_skip_tracing")  # (2.8+)
+        others += [replace(way, follow=True)] if first.breaks and not way.follow and follows else []
         others += [replace(way, eager_branches=True)] if first.difference and not way.eager_branches else []
         for other in others:
             self._drop(tried[-1])
@@ -437,7 +439,7 @@ class DynamoTimer(DynamoGraphs):
                 _frames_skipped(self._eager_hooks, False)
                 self._eager_hooks = _hook_functions(module)
                 _frames_skipped(self._eager_hooks, True)
-            with (torch._dynamo.config.patch({**GUARD_SETTINGS, "dont_skip_tracing": way.follow}), _opened(way.opening),
+            with (torch_api.dynamo_config({**GUARD_SETTINGS, "dont_skip_tracing": way.follow}), _opened(way.opening),
                   _not_compiling(way.eager_branches), _hooks_eager(self._eager_hooks if way.eager_hooks else ()),
                   float_grouped_mm_meta()):
                 captured = verify.run_checked(self._compiled, module, args, kwargs)
@@ -464,7 +466,7 @@ class DynamoTimer(DynamoGraphs):
         del self.graphs[attempt.graphs:], self._uncounted[attempt.uncounted:]
         self._expected.clear()
         self._context = self._new_context()
-        self._compiled = self._context(self._own_forward)
+        self._compiled = self._context(torch_api.own_code(self._own_forward))
         self._entry = _EntryGuards.of(self._compiled, self._context)
 
     @property
@@ -540,21 +542,3 @@ def _untimed_layers(module: nn.Module, eager: verify.CallResult | Exception, see
     used = [name.removeprefix("gradient of ") for name, gradient in eager.gradients if gradient is not None]
     return list(dict.fromkeys(name.rpartition(".")[0] or "(the root)" for name in used
                               if name in parameters and id(parameters[name]) not in seen))
-
-
-def missing_for_dynamo() -> str | None:
-    """What this torch lacks for our Dynamo capture (None: nothing). It needs a Dynamo cache of its own
-    (``torch._dynamo.optimize(..., isolate_recompiles=True)``, in torch 2.14, the version tested; torch 2.11 has none)
-    and the lookup of that cache's entries."""
-    from torch._dynamo import eval_frame
-
-    optimize = getattr(eval_frame, "_optimize", None)
-    try:
-        parameters = inspect.signature(optimize).parameters if optimize is not None else {}
-    except (TypeError, ValueError):
-        parameters = {}
-    if "isolate_recompiles" not in parameters:
-        return "torch._dynamo.optimize has no isolate_recompiles"
-    if not hasattr(eval_frame, "_get_cache_entries_for_region"):
-        return "torch._dynamo.eval_frame has no _get_cache_entries_for_region"
-    return None

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from fxprof_lightning import torch_api
+
 __all__ = ["COMPILING"]
 
 
@@ -16,9 +18,7 @@ __all__ = ["COMPILING"]
 def _traced_as(functions: tuple[Callable[..., Any], ...], rule: type | None) -> Iterator[None]:
     """Inside the block, Dynamo's trace rule for each of ``functions`` is ``rule`` (None: none, so that Dynamo traces
     into it as into the user's code); the rules there were before are put back after."""
-    from torch._dynamo import trace_rules
-
-    rules = trace_rules.get_torch_obj_rule_map()
+    rules = torch_api.trace_rules.get_torch_obj_rule_map()
     saved = {f: rules.pop(f) for f in functions if f in rules}
     if rule is not None:
         rules.update(dict.fromkeys(functions, rule))
@@ -38,21 +38,14 @@ def _opened(functions: tuple[Callable[..., Any], ...]) -> contextlib.AbstractCon
 def _frames_skipped(functions: tuple[Callable[..., Any], ...], skipped: bool) -> None:
     """Whether Dynamo leaves the frames of ``functions``, and the frames they call, to run eagerly (an eager hook's
     own frame, run after its graph break, would otherwise be captured as a graph of its own)."""
-    from torch._dynamo.eval_frame import set_code_exec_strategy
-    from torch._dynamo.types import FrameAction, FrameExecStrategy
-
-    action = FrameAction.SKIP if skipped else FrameAction.DEFAULT
-    for function in functions:
-        set_code_exec_strategy(function.__code__, FrameExecStrategy(action, action))
+    torch_api.frames_skipped(functions, skipped)
 
 
 def _hooks_eager(functions: tuple[Callable[..., Any], ...]) -> contextlib.AbstractContextManager[None]:
     """Inside the block, Dynamo breaks its graph at each call of ``functions`` (the model's hooks) and runs it eagerly,
     as a function of its own rules marks skipped: code that changes what Dynamo would guard on at every call (a hook
     that appends to a list: its length) then runs as eager runs it, and the graphs around it keep their guards."""
-    from torch._dynamo.variables import SkipFunctionVariable
-
-    return _traced_as(functions, SkipFunctionVariable)
+    return _traced_as(functions, torch_api.SkipFunctionVariable)
 
 
 # What Dynamo answers for "are we compiling?" while it traces (constant-folded: no guard on it).
@@ -67,9 +60,7 @@ def _not_compiling(on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    from torch._dynamo.variables.torch import tracing_state_functions
-
-    answers = tracing_state_functions()
+    answers = torch_api.tracing_state_functions()
     saved = {f: answers[f] for f in COMPILING if f in answers}
     answers.update(dict.fromkeys(saved, False))
     try:

@@ -12,6 +12,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from fxprof_lightning import torch_api
 from fxprof_lightning.capture import verify
 from fxprof_lightning.capture.graph_breaks import _resumed_from
 from fxprof_lightning.nodes import JOINS, ROW, NodeInfo, describe_target, mark_untimed, module_stack
@@ -114,8 +115,7 @@ def _anchor(captured: fx.GraphModule, example_inputs: list[Any], owners: dict[in
     runs, unless that module is the root (``owners``: a tensor's id -> the path of its module)."""
     placeholders = [node for node in captured.graph.nodes if node.op == "placeholder"]
     for index, (node, value) in enumerate(zip(placeholders, example_inputs, strict=False)):
-        source = getattr(node.meta.get("grapharg"), "source", None)
-        match = re.fullmatch(r"L\['self'\](.*?)\._(?:parameters|buffers)\['[^']+'\]", getattr(source, "name", "") or "")
+        match = re.fullmatch(r"L\['self'\](.*?)\._(?:parameters|buffers)\['[^']+'\]", torch_api.source_name(node))
         owner = owners.get(id(value))
         if match is None or owner is None:
             continue

@@ -49,17 +49,20 @@ def instrument(self: NodeTimer, traced: fx.GraphModule, annotate: bool, hooked: 
     logs: Any = None  # (stamps, sequence_nrs, modules, autograd) of the running call
     sequence_nr: Any = None  # hooked: the sequence number after the last timed node, if there was one
     lean = not hooked
+    # Each bound method read once: torch 2.6's code generation asks that a name's object be the same object each time.
+    anchor, inputs, root_attribute, clock_start = self._anchor, self._inputs, self._root_attribute, self._clock.start
+    hooked_record, record_cuda_memory = self._hooked_record, self._record_cuda_memory
     for node in traced.graph.nodes:
         if node.op == "output" and index >= 0 and self._trace_ranges and lean:
-            graph.call_function(self._anchor)
+            graph.call_function(anchor)
         if node.op != "placeholder" and logs is None:
             logs = graph.call_function(log.begin)
             stamps, sequence_nrs, modules, autograd = (graph.call_function(operator.getitem, (logs, i)) for i in range(4))
         if node.op != "placeholder" and placeholders and all(n in copies for n in placeholders):
-            graph.call_function(self._inputs, tuple(copies[n] for n in placeholders))  # once all inputs exist
+            graph.call_function(inputs, tuple(copies[n] for n in placeholders))  # once all inputs exist
             placeholders = []
         if _own_state_of_root(traced, node):  # read from the module it runs as (FSDP2 swaps parameters)
-            copies[node] = graph.call_function(self._root_attribute, (node.target,))
+            copies[node] = graph.call_function(root_attribute, (node.target,))
             continue
         if not is_timed(node):
             copies[node] = graph.node_copy(node, copies.__getitem__)
@@ -77,7 +80,7 @@ def instrument(self: NodeTimer, traced: fx.GraphModule, annotate: bool, hooked: 
             for each in open_logs:
                 each.add(row)
         if index == 0 and opens and self._trace_ranges and lean:
-            graph.call_function(self._anchor)
+            graph.call_function(anchor)
         callee = _callee(graph, node, traced, modules, log.called)
         if annotate and opens:
             annotation = graph.call_function(enter_range, (self.nodes[row].name,))
@@ -97,12 +100,12 @@ def instrument(self: NodeTimer, traced: fx.GraphModule, annotate: bool, hooked: 
                     allocated = graph.call_function(cuda_allocated)
                 if sequence_nr is None:
                     sequence_nr = graph.call_function(sequence_nr_now) if self._backward else -1
-                start = graph.call_function(self._clock.start)
+                start = graph.call_function(clock_start)
             copies[node] = copied = _copy_node(graph, node, copies, callee)
             if node in closes:
-                sequence_nr = graph.call_function(self._hooked_record, (row, start, sequence_nr, copied))
+                sequence_nr = graph.call_function(hooked_record, (row, start, sequence_nr, copied))
                 if self._cuda:
-                    graph.call_function(self._record_cuda_memory, (row, allocated))
+                    graph.call_function(record_cuda_memory, (row, allocated))
         if annotate and node in closes:
             graph.call_function(exit_range, (annotation,))
     return fx.GraphModule(traced, graph, class_name=f"{type(traced).__name__}Timed")
