@@ -108,15 +108,26 @@ def region_of(context: Any) -> int | None:
 
 def own_code(forward: Callable[..., Any]) -> Callable[..., Any]:
     """``forward`` itself where the Dynamo context has a cache of its own; else the same function (and the same
-    bound object) with a copy of its code object, which holds a cache of its own."""
+    bound object) with a copy of its code object, which holds a cache of its own. A forward of torch's own (which
+    Dynamo would wrap in its ``wrap_inline`` frame, one code object for all) is called from a frame of ours instead,
+    with a code object of its own."""
     function = getattr(forward, "__func__", forward)
-    if ISOLATED_CACHE or not isinstance(function, types.FunctionType):
+    if ISOLATED_CACHE:
         return forward
+    if not isinstance(function, types.FunctionType) or trace_rules is None or trace_rules.check(function):
+        function, forward = _caller(forward), None
     copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
                               function.__defaults__, function.__closure__)
     copy.__kwdefaults__, copy.__dict__ = function.__kwdefaults__, dict(function.__dict__)
-    copy.__qualname__, copy.__module__, copy.__wrapped__ = function.__qualname__, function.__module__, function
+    copy.__qualname__, copy.__module__ = function.__qualname__, function.__module__
     return types.MethodType(copy, forward.__self__) if isinstance(forward, types.MethodType) else copy
+
+
+def _caller(function: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+
+    return forward
 
 
 def cache_entries(code: types.CodeType, region: int | None) -> list[Any]:

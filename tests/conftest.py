@@ -29,3 +29,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in SLOW_FILES:
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_report_header(config):
+    return f"torch {torch.__version__}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failure names the torch it failed on (CI runs the suite on several: ``.ci/run``)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        report.sections.append(("torch", f"failed on torch {torch.__version__}"))

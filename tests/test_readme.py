@@ -52,7 +52,7 @@ def test_readme_setup_and_test_commands_are_what_ci_runs():
     assert light == ".venv/bin/pip install -e '.[examples,plots]'"
     # The second installs what CI installs and runs CI's command.
     install, tests = second.split(" && ")
-    assert install == ".venv/bin/pip install -e '.[plots,test]' -r docs/requirements.txt" and install in ci
+    assert install == ".venv/bin/pip install -e '.[examples,plots,test]' -r docs/requirements.txt" and install in ci
     assert tests == ".venv/bin/python -m pytest" and f"{tests} ||" in ci
     assert '-m "not slow"' in README.read_text()
 
