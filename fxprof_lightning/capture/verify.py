@@ -77,7 +77,7 @@ def run_checked(forward: Callable[..., Any], module: nn.Module, args: tuple[Any,
     # the demo transformer's capture (which follows them), the host-sync test's model, captured in the same
     # process, timed no node.
     with (torch.autograd.graph.saved_tensors_hooks(torch._dynamo.disable(pack), torch._dynamo.disable(_unpack)),
-          _reentrant_checked_as_not()):
+          _reentrant_checked_as_not(), _deterministic_cudnn()):
         out = forward(*args, **kwargs)
     outputs = _tensors(out)
     grads_of: list[tuple[str, torch.Tensor | None]] = []
@@ -89,10 +89,26 @@ def run_checked(forward: Callable[..., Any], module: nn.Module, args: tuple[Any,
         if ys and named:
             generator = torch.Generator().manual_seed(0)  # its own: the global random state is not drawn from
             cotangents = [torch.randn(y.shape, generator=generator).to(y.device, y.dtype) for y in ys]
-            grads = torch.autograd.grad(ys, [t for _, t in named], cotangents, allow_unused=True)
+            with _deterministic_cudnn():
+                grads = torch.autograd.grad(ys, [t for _, t in named], cotangents, allow_unused=True)
             grads_of = [(name, g) for (name, _), g in zip(named, grads, strict=True)]
     buffers = [(name, b.detach().clone()) for name, b in module.named_buffers()]
     return CallResult([t.detach() for t in outputs], grads_of, buffers, random_states.save(), len(sizes), sum(sizes))
+
+
+@contextlib.contextmanager
+def _deterministic_cudnn() -> Iterator[None]:
+    """Inside, cuDNN picks deterministic algorithms (``cudnn.deterministic``, no ``benchmark``), eager and captured
+    alike: a nondeterministic one (the weight gradient of a convolution, summed with atomics) makes eager differ from
+    eager, and the comparison refuse a graph that is the program eager runs (ResNet18's ``conv1.weight`` gradient on
+    an H200, torch 2.11, 2026-11-27). Dynamo's guards do not read these flags; the timed calls run with the user's."""
+    cudnn = torch.backends.cudnn
+    saved = cudnn.deterministic, cudnn.benchmark
+    cudnn.deterministic, cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        cudnn.deterministic, cudnn.benchmark = saved
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
