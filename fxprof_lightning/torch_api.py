@@ -45,7 +45,7 @@ def degraded(feature: str, why: str) -> None:
     if feature in _TOLD:
         return
     _TOLD.add(feature)
-    from fxprof_lightning.nodes import FxprofWarning
+    from fxprof_lightning import FxprofWarning
 
     warnings.warn(f"fxprof_lightning: torch {torch.__version__} cannot {feature}: {why}", FxprofWarning, stacklevel=3)
 
