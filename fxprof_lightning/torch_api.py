@@ -1,6 +1,7 @@
 """torch's private surface, in one place: every private torch name the package uses is looked up here, once, at
-import, with what it is for, the torch versions that have it (checked on 2.6.0, 2.8.0, 2.11.0, 2.14.1, 2.15.0, CPU
-wheels, 2026-11-27) and what the package does without it.
+import, with what it is for, the torch versions that have it (the Dynamo section checked on 2.6.0, 2.8.0, 2.11.0,
+2.14.1, 2.15.0, CPU wheels, 2026-11-27; the sections after it on 2.6.0, 2.11.0, 2.14.1, 2.15.0; "2.6-2.15": all of
+those) and what the package does without it. No other module touches ``torch._*`` (``tests/test_house.py``).
 
 Looking a name up never fails: a name this torch lacks is None here and listed in ``MISSING``; the code that would use
 it takes the way described beside it, and where that loses a feature, ``degraded`` warns once, naming the torch version
@@ -19,16 +20,17 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
-__all__ = ["MISSING", "degraded"]
+__all__ = ["MISSING", "degraded", "lacks"]
 
 TORCH = torch.__version__.split("+")[0]
 MISSING: dict[str, str] = {}  # private name -> what the package does without it
 _TOLD: set[str] = set()
 
 
-def _find(path: str, without: str) -> Any:
-    """The object at ``path`` (``module:attribute.attribute``), or None, noted in ``MISSING`` with ``without``."""
+def _find(path: str, without: str, default: Any = None) -> Any:
+    """The object at ``path`` (``module:attribute.attribute``), or ``default``, noted in ``MISSING`` with ``without``."""
     module_name, _, attributes = path.partition(":")
     try:
         found: Any = importlib.import_module(module_name)
@@ -36,8 +38,32 @@ def _find(path: str, without: str) -> Any:
             found = getattr(found, name)
     except Exception:  # absent, renamed, or its import fails on this build: the package goes on without it
         MISSING[path] = without
-        return None
+        return default
     return found
+
+
+def lacks(path: str) -> bool:
+    """Whether this torch lacks the private name at ``path`` (as ``_find`` was given it)."""
+    return path in MISSING
+
+
+def _function(path: str, without: str, feature: str | None = None, value: Any = None) -> Callable[..., Any]:
+    """The function at ``path``; where absent, one that stands in for it: with no ``feature`` (what calls it rests on
+    it) calling it fails, naming what is missing (an error at use, reported by the caller's failure policy as any
+    other); with one, it warns once that ``feature`` is lost (``degraded``) and returns ``value``."""
+    found = _find(path, without)
+    if found is not None:
+        return found
+
+    name = path.replace(":", ".")
+
+    def missing(*args: Any, **kwargs: Any) -> Any:
+        if feature is None:
+            raise RuntimeError(f"torch {torch.__version__} has no {name}: {without}")
+        degraded(feature, f"it has no {name}; {without}")
+        return value
+
+    return missing
 
 
 def degraded(feature: str, why: str) -> None:
@@ -45,7 +71,7 @@ def degraded(feature: str, why: str) -> None:
     if feature in _TOLD:
         return
     _TOLD.add(feature)
-    from fxprof_lightning.nodes import FxprofWarning
+    from fxprof_lightning import FxprofWarning
 
     warnings.warn(f"fxprof_lightning: torch {torch.__version__} cannot {feature}: {why}", FxprofWarning, stacklevel=3)
 
@@ -81,6 +107,22 @@ SkipFunctionVariable = _find("torch._dynamo.variables:SkipFunctionVariable", "ho
 # The graph breaks Dynamo counted, and their reasons (2.0+).
 counters = _find("torch._dynamo.utils:counters", "graph breaks are not counted")
 graph_break_reasons = _find("torch._dynamo.utils:graph_break_reasons", "graph breaks are not named")
+
+
+def graph_break_counts() -> Any:
+    """Dynamo's graph breaks so far in the process, by reason (where this torch lacks them: none, and a warning)."""
+    if counters is None:
+        degraded("count graph breaks", "it has no torch._dynamo.utils.counters")
+        return {}
+    return counters["graph_break"]
+
+
+def graph_break_records() -> list[Any]:
+    """Dynamo's record of its graph breaks, oldest first (where this torch lacks it: none, and a warning)."""
+    if graph_break_reasons is None:
+        degraded("name graph breaks", "it has no torch._dynamo.utils.graph_break_reasons")
+        return []
+    return graph_break_reasons
 
 
 def missing_for_dynamo() -> str | None:
@@ -171,3 +213,137 @@ def source_name(node: Any) -> str:
 # The higher-order op Dynamo puts a ``torch.utils.checkpoint`` region into (2.1+; not on ``torch.ops.higher_order``
 # until first used in 2.6-2.7): without it, checkpointed regions are not opened into rows.
 tag_activation_checkpoint = _find("torch._higher_order_ops.wrap:tag_activation_checkpoint", "checkpoints kept whole")
+
+
+# ---------------------------------------------------------------- Dynamo, continued
+
+# Dynamo itself (2.0+), whose ``mark_static_address`` and kin the fx capture makes ignore traced values: without it,
+# there are no marks to ignore.
+dynamo = _find("torch._dynamo", "no compile marks to ignore")
+# Older aliases of ``torch.compiler.is_compiling`` (2.6-2.15): without one, the public two are answered alone.
+external_is_compiling = _find("torch._dynamo.external_utils:is_compiling", "the public is_compiling answered alone")
+utils_is_compiling = _find("torch._utils:is_compiling", "the public is_compiling answered alone")
+# A float read from a tensor (2.6-2.15): Dynamo's resumed frame of it must run eagerly; without it, nothing to skip.
+as_tensor_fullprec = _find("torch:_as_tensor_fullprec", "no frame of it to keep eager")
+# MultiheadAttention's mask check (2.6-2.15), which Dynamo breaks its graph on: without it, nothing to swap.
+check_key_padding_mask = _find("torch.nn.functional:_check_key_padding_mask", "no mask check to make traceable")
+# The hooks every module runs (``register_module_forward_hook`` and kin; 2.6-2.15): without them, none are seen.
+GLOBAL_MODULE_HOOKS = tuple(_find(f"torch.nn.modules.module:_global_{name}_hooks", "no global hooks seen", {})
+                            for name in ("forward_pre", "forward", "backward_pre", "backward"))
+# The inputs a checkpointed region keeps for its recompute (2.14+; not 2.6, 2.11): without it, they are counted as
+# saved activations in the checking call.
+checkpoint_save_inputs = _find("torch.utils.checkpoint:_CheckpointFrame.save_inputs", "its kept inputs counted")
+# What non-reentrant checkpointing runs at each call (the fx capture refuses traced values there): the generator
+# (2.6-2.15) and its ``_impl`` (2.14+; not 2.6, 2.11); without both, only ``CheckpointFunction.apply`` is watched.
+CHECKPOINT_GENERATORS = tuple(
+    (torch.utils.checkpoint, name) for name in ("_checkpoint_without_reentrant_generator_impl",
+                                                 "_checkpoint_without_reentrant_generator")
+    if _find(f"torch.utils.checkpoint:{name}", "the other name watched") is not None)
+
+# ---------------------------------------------------------------- the autograd engine: capture and timing
+
+# The id of the backward pass the engine runs (-1: none; 2.6-2.15): tells a recompute inside backward (activation
+# checkpointing) from a forward call; without it, every call counts as forward.
+current_graph_task_id = _function("torch._C:_current_graph_task_id", "recomputes in backward count as forward",
+                                  "tell a recompute inside backward from a forward call", -1)
+# The autograd node the engine runs (2.6-2.15): ties a recompute or an FSDP2 collective to its node; without it,
+# neither is tied to one.
+current_autograd_node = _function("torch._C:_current_autograd_node", "recomputes and collectives tied to no node",
+                                  "tie a backward recompute or collective to its autograd node", None)
+# The sequence number the next autograd node gets (2.6-2.15): per-node backward timing and FLOP counting rest on it
+# (they fail at use without it). ``AUTOGRAD`` holds it for the instrumented forward (a local there, one lookup away).
+sequence_nr_now = _function("torch._C._autograd:_get_sequence_nr", "backward timing and FLOP counting fail at use")
+AUTOGRAD = types.SimpleNamespace(sequence_nr=sequence_nr_now)
+# A callback the engine runs at the end of the backward pass (2.6-2.15): where a backward ends; the loop's phases and
+# backward timing by hooks rest on it (they fail at use without it).
+queue_callback = _function("torch.autograd:Variable._execution_engine.queue_callback", "backward ends fail at use")
+# Where a backward pass starts (2.6-2.15): without it, the search for a collective's node goes to the stack's top.
+engine_run_backward = _find("torch.autograd.graph:_engine_run_backward", "the stack searched to its top")
+# The grad-mode switch as a plain call (2.6-2.15), the fx capture's grad-mode nodes: without it, the public
+# ``torch.set_grad_enabled`` (called, it switches the same way).
+set_grad_enabled = _find("torch._C:_set_grad_enabled", "torch.set_grad_enabled", torch.set_grad_enabled)
+
+# ---------------------------------------------------------------- the profiler's C++ side: backward events
+
+# Whether the C++ profiler runs (2.6-2.15): without it, another profiler is not noticed before ours starts.
+profiler_enabled = _function("torch._C._autograd:_profiler_enabled", "another profiler is not noticed",
+                             "notice another profiler running", False)
+# Starting and stopping the C++ profiler for the backward scope alone, and its settings (2.6-2.15): without one of
+# them, no backward events (the backward is timed by hooks).
+_BACKWARD_EVENTS = {path: _find(path, "backward timed by hooks") for path in (
+    "torch._C._autograd:_prepare_profiler", "torch._C._autograd:_enable_profiler",
+    "torch._C._autograd:_disable_profiler", "torch._C._profiler:ProfilerConfig", "torch._C._profiler:ProfilerState",
+    "torch._C._profiler:ProfilerActivity", "torch._C._profiler:_ExperimentalConfig", "torch._C._profiler:RecordScope")}
+RecordScope = _BACKWARD_EVENTS["torch._C._profiler:RecordScope"]
+# Set while a torch.profiler session runs (2.6-2.15): without it, one started over ours is noticed only once the C++
+# profiler is off.
+_find("torch.autograd.profiler:_is_profiler_enabled", "a session over ours noticed only once the profiler is off")
+# torch's lean profiler range, ~1 us (2.6-2.15): without it, ``record_function``'s (3-7 us) bound the anchors.
+RecordFunctionFast = _find("torch._C._profiler:_RecordFunctionFast", "record_function's ranges")
+
+
+def missing_for_backward_events() -> str | None:
+    """The first piece of the C++ profiler this torch lacks for backward events (None: nothing)."""
+    return next((path for path, found in _BACKWARD_EVENTS.items() if found is None), None)
+
+
+def start_backward_events() -> None:
+    """The C++ profiler on, CPU activity, the backward scope alone (forward ops pay nothing)."""
+    ProfilerConfig, ProfilerState, ProfilerActivity, ExperimentalConfig = (_BACKWARD_EVENTS[f"torch._C._profiler:{name}"]
+        for name in ("ProfilerConfig", "ProfilerState", "ProfilerActivity", "_ExperimentalConfig"))
+    config = ProfilerConfig(ProfilerState.KINETO, False, False, False, False, False, ExperimentalConfig())
+    activities = {ProfilerActivity.CPU}
+    _BACKWARD_EVENTS["torch._C._autograd:_prepare_profiler"](config, activities)
+    _BACKWARD_EVENTS["torch._C._autograd:_enable_profiler"](config, activities, {RecordScope.BACKWARD_FUNCTION})
+
+
+def stop_backward_events() -> Any:
+    """The C++ profiler off: its results (``events()``)."""
+    return _BACKWARD_EVENTS["torch._C._autograd:_disable_profiler"]()
+
+
+def torch_profiler_running() -> bool:
+    """Whether a torch.profiler session runs (read at each call: torch sets it)."""
+    return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", False))
+
+# ---------------------------------------------------------------- dispatch, fx and pytree: FLOPs and the fx capture
+
+# Python kernels (meta ones) in dispatch (2.6-2.15): FLOP counting runs under it; without it, ops whose meta kernel
+# is Python's get no FLOPs (each reported as a node without one).
+enable_python_dispatcher = _find("torch._dispatch.python:enable_python_dispatcher", "Python meta kernels unused",
+                                 contextlib.nullcontext)
+# The Meta dispatch key (2.6-2.15): without it, float ``aten._grouped_mm`` gets no meta kernel (no FLOPs, no trace).
+META_KEY = _find("torch._C:DispatchKey.Meta", "no float meta kernel for aten._grouped_mm")
+# The MoE experts' op (2.11+; not 2.6): without it, no formula or meta kernel of ours for it.
+grouped_mm = _find("torch:ops.aten._grouped_mm", "no FLOP formula for it")
+# Fake tensors' cache (``FakeTensorMode.cache``, 2.6-2.15): its entries made while our kernel was in place are dropped;
+# without it, nothing to drop.
+FakeTensorMode = _find("torch._subclasses.fake_tensor:FakeTensorMode", "no fake-tensor cache to clear")
+# The nodes symbolic tracing adds for a ``None`` or a constant argument (2.6-2.15): the fx capture takes them out;
+# without one, its nodes are not there to take out.
+assert_is_none = _find("torch.fx._symbolic_trace:_assert_is_none", "none of its nodes")
+torch_assert = _find("torch:_assert", "none of its nodes")
+# Nested containers' leaves (2.6-2.15): the capture and the checks rest on them (they fail at use without them).
+tree_flatten = _function("torch.utils._pytree:tree_flatten", "the capture fails at use")
+tree_leaves = _function("torch.utils._pytree:tree_leaves", "the checks fail at use")
+tree_map = _function("torch.utils._pytree:tree_map", "the fx capture fails at use")
+
+# ---------------------------------------------------------------- Inductor: per-layer times of compiled modules
+
+# Inductor's and AOTAutograd's settings (2.6-2.15; ``trace.provenance_tracking_to_timeline`` 2.14+), a compiled
+# graph's id (2.6-2.15) and its kernels' origins (2.14+; not 2.6, 2.11): without one, compiled modules get no
+# per-layer times from kernels (``missing_for_kernels``).
+inductor_config = _find("torch._inductor.config", "no per-layer times from kernels")
+functorch_config = _find("torch._functorch.config", "no per-layer times from kernels")
+CompileContext = _find("torch._guards:CompileContext", "no per-layer times from kernels")
+get_kernel_information_jsons = _find("torch._inductor.debug:get_kernel_information_jsons", "no per-layer times from kernels")
+
+# ---------------------------------------------------------------- FSDP2's private state (``fully_shard``)
+
+# A module's FSDP2 state, its parameter groups and their states (2.6-2.15): the checking calls put them back after
+# them; without one, an FSDP2 model is not captured by Dynamo (``verify.fsdp2_kept``) and gets no collective rows.
+get_module_fsdp_state = _find("torch.distributed.fsdp._fully_shard._fsdp_state:_get_module_fsdp_state", "not kept")
+FSDPState = _find("torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState", "not kept")
+FSDPParamGroup = _find("torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup", "not kept")
+ShardedState = _find("torch.distributed.fsdp._fully_shard._fsdp_param_group:ShardedState", "not kept")
+TrainingState = _find("torch.distributed.fsdp._fully_shard._fsdp_common:TrainingState", "not kept")

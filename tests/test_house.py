@@ -107,3 +107,63 @@ def test_every_warning_of_the_package_is_an_fxprof_warning():
                 if not any(ast.unparse(g) == "FxprofWarning" for g in given):
                     plain.append(f"{_module(path)}:{node.lineno}")
     assert not plain
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _torch_private_names(source: str) -> list[str]:
+    """The private torch names a module's code touches: an attribute of torch (``torch._C``,
+    ``torch.autograd._get_sequence_nr``; a name imported from torch, ``nn`` or ``fx``, counts as torch), an import of
+    one (``from torch.utils._pytree import tree_map``, ``from torch.fx._symbolic_trace import _assert_is_none``) or
+    a string beside a torch object in a call or tuple (``getattr(torch.nn.functional, "_check_key_padding_mask")``,
+    ``(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator")``). Comments and docstrings are not code; a
+    string naming a module (``nodes.describe_target`` reads a target's ``__module__``) is no lookup."""
+    tree = ast.parse(source)
+    roots, found = {"torch"}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "torch":
+                    roots.add(alias.asname or "torch")
+                    found += [alias.name] if any(map(_private, alias.name.split("."))) else []
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            roots.update(alias.asname or alias.name for alias in node.names)
+            found += [f"{node.module}.{alias.name}" for alias in node.names
+                      if any(map(_private, [*node.module.split("."), alias.name]))]
+
+    def of_torch(expression: ast.AST) -> bool:
+        while isinstance(expression, ast.Attribute):
+            expression = expression.value
+        return isinstance(expression, ast.Name) and expression.id in roots
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and of_torch(node.value):
+            found.append(ast.unparse(node))
+        elif isinstance(node, (ast.Call, ast.Tuple)):
+            items = node.args if isinstance(node, ast.Call) else node.elts
+            strings = [i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)]
+            found += [name for name in strings if _private(name) and any(of_torch(i) for i in items)]
+    return found
+
+
+def test_private_torch_names_are_found():
+    """The check below finds each way of touching one (and passes public names and strings that only name one)."""
+    source = ("import torch\nimport torch._dynamo.utils\nfrom torch import nn\nfrom torch.utils._pytree import tree_map\n"
+              "from torch.fx import _symbolic_trace\nfrom torch.utils import _pytree as pytree\n"
+              "a = torch._C._current_graph_task_id()\nb = nn.functional._check_key_padding_mask\n"
+              "c = getattr(torch.ops.aten, '_grouped_mm', None)\nd = ((torch.utils.checkpoint, '_generator'),)\n"
+              "e = torch.__version__, torch.autograd.grad, nn.Module, 'torch._C._nn', obj._private\n")
+    assert sorted(_torch_private_names(source)) == sorted([
+        "torch._dynamo.utils", "torch.utils._pytree.tree_map", "torch.fx._symbolic_trace", "torch.utils._pytree",
+        "torch._C", "torch._C._current_graph_task_id", "nn.functional._check_key_padding_mask", "_grouped_mm",
+        "_generator"])
+
+
+def test_no_module_but_torch_api_touches_a_private_torch_name():
+    """torch's private surface is looked up in ``torch_api`` alone, each name with what it is for, the versions that
+    have it and what the package does without it (issue 39): everywhere else, through ``torch_api``."""
+    touched = {_module(path): names for path in PACKAGE.rglob("*.py") if path.name != "torch_api.py"
+               if (names := _torch_private_names(path.read_text()))}
+    assert not touched

@@ -169,7 +169,7 @@ def _checkpoint(timed: fx.GraphModule, captured: fx.GraphModule, kwargs: dict[st
         def region(*passed: Any, **passed_kwargs: Any) -> Any:
             rest = iter(passed)
             args = [held[i] if i in held else next(rest) for i in range(len(operands))]
-            if torch._C._current_graph_task_id() == -1:
+            if torch_api.current_graph_task_id() == -1:
                 return timed(*args, **passed_kwargs)
             # Run by the autograd engine: backward recomputes the region for the node it is running (and may stop
             # it early with an exception once the saved tensors it needs are back).
@@ -182,7 +182,7 @@ def _checkpoint(timed: fx.GraphModule, captured: fx.GraphModule, kwargs: dict[st
                 return captured(*args, **passed_kwargs)
             finally:
                 ns = time.perf_counter_ns() - start
-                asking = torch._C._current_autograd_node()
+                asking = torch_api.current_autograd_node()
                 if recomputes is not None and asking is not None:
                     recomputes.add(asking._sequence_nr(), ns, (first, sequence_nr_now() if opened else first))
 

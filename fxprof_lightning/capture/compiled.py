@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from fxprof_lightning import torch_api
 from fxprof_lightning.nodes import NodeInfo
 from fxprof_lightning.timing.node_timing import Uninterrupted
 
@@ -65,14 +66,11 @@ def is_compiled(module: nn.Module) -> bool:
 
 def missing_for_kernels() -> str | None:
     """What this torch's Inductor lacks for per-layer times from kernels (None: nothing; torch 2.14 has all of it)."""
-    try:
-        import torch._inductor.config as inductor_config
-        import torch._inductor.debug as inductor_debug
-    except ImportError as error:
-        return f"torch._inductor ({error})"
-    if not hasattr(inductor_config.trace, "provenance_tracking_to_timeline"):
+    if torch_api.inductor_config is None or torch_api.functorch_config is None or torch_api.CompileContext is None:
+        return "torch._inductor (or torch._functorch, torch._guards)"
+    if not hasattr(torch_api.inductor_config.trace, "provenance_tracking_to_timeline"):
         return "trace.provenance_tracking_to_timeline"
-    if not hasattr(inductor_debug, "get_kernel_information_jsons"):
+    if torch_api.get_kernel_information_jsons is None:
         return "debug.get_kernel_information_jsons"
     return None
 
@@ -100,7 +98,7 @@ class _ModulePass:
         self.graphs, self.previous = graphs, previous
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        compile_id = torch._guards.CompileContext.current_compile_id()
+        compile_id = torch_api.CompileContext.current_compile_id()
         backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
         origins: dict[str, tuple[str, str]] = {}
         prefix = "fwd_" if backward else ""
@@ -114,9 +112,7 @@ class _ModulePass:
         self.graphs[(str(compile_id), backward)] = origins
         # Inductor keeps the kernels of each graph under its compile id, and keeps the first it saw: compile ids
         # start again after torch._dynamo.reset(), so an entry of an earlier graph with this id is dropped.
-        from torch._inductor.debug import get_kernel_information_jsons
-
-        get_kernel_information_jsons().pop(str((f"{REGION}{compile_id}", backward)), None)
+        torch_api.get_kernel_information_jsons().pop(str((f"{REGION}{compile_id}", backward)), None)
         if self.previous is not None:
             self.previous(graph)
 
@@ -142,9 +138,7 @@ class CompiledKernels:
         self._saved: dict[str, Any] | None = None
 
     def start(self) -> None:
-        import torch._functorch.config as functorch_config
-        import torch._inductor.config as inductor_config
-
+        inductor_config, functorch_config = torch_api.inductor_config, torch_api.functorch_config
         if self._saved is not None:
             return
         self._saved = {
@@ -161,9 +155,7 @@ class CompiledKernels:
         inductor_config.post_grad_custom_post_pass = _ModulePass(self.graphs, self._saved["post_grad_custom_post_pass"])
 
     def stop(self) -> None:
-        import torch._functorch.config as functorch_config
-        import torch._inductor.config as inductor_config
-
+        inductor_config, functorch_config = torch_api.inductor_config, torch_api.functorch_config
         if self._saved is None:
             return
         saved, self._saved = self._saved, None
@@ -175,10 +167,8 @@ class CompiledKernels:
 
     def kernels(self) -> dict[tuple[str, bool], list[_Kernel]]:
         """Per compiled graph (compile id, backward), its kernels in call order."""
-        from torch._inductor.debug import get_kernel_information_jsons
-
         result = {}
-        for region, kernels in get_kernel_information_jsons().items():
+        for region, kernels in torch_api.get_kernel_information_jsons().items():
             match = re.fullmatch(rf"\('{REGION}(.+)', (True|False)\)", region)
             if match is None:
                 continue
@@ -434,6 +424,4 @@ def _align(children: list[_Event], kernels: list[_Kernel]) -> list[tuple[_Event,
 
 def graph_breaks() -> dict[str, int]:
     """Dynamo's graph breaks so far in the process, by reason."""
-    from torch._dynamo.utils import counters
-
-    return dict(counters["graph_break"])
+    return dict(torch_api.graph_break_counts())

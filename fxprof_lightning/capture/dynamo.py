@@ -65,7 +65,7 @@ DYNAMO = ("torch._dynamo's graphs, run eagerly by a backend that times each op (
 # Frames Dynamo must run eagerly, from our first install on: ``float(tensor)`` breaks the graph and runs
 # ``torch._as_tensor_fullprec`` as a frame; after Mask R-CNN's capture, that frame's compiled code called itself until
 # a ``RecursionError`` (BatchNorm with ``momentum=None`` in the same process: SWA's BatchNorm epoch fell back).
-ALWAYS_EAGER = tuple(f for f in (getattr(torch, "_as_tensor_fullprec", None),) if f is not None)
+ALWAYS_EAGER = tuple(f for f in (torch_api.as_tensor_fullprec,) if f is not None)
 # Why an FSDP2 model is not captured again (a guard failed): its checking calls' collectives would hang the job.
 ONCE = "under FSDP2, which is captured once: capturing again would run collectives on this rank alone"
 
@@ -136,7 +136,7 @@ class _TraceableChecks:
 
     def enter(self) -> None:
         self.users += 1
-        function = getattr(torch.nn.functional, "_check_key_padding_mask", None)
+        function = torch_api.check_key_padding_mask
         code, ours = getattr(function, "__code__", None), _check_key_padding_mask.__code__
         if self.users == 1 and code is not None and code.co_argcount == ours.co_argcount and not code.co_freevars:
             self.original, function.__code__ = code, ours
@@ -144,7 +144,7 @@ class _TraceableChecks:
     def exit(self) -> None:
         self.users = max(self.users - 1, 0)
         if self.users == 0 and self.original is not None:
-            torch.nn.functional._check_key_padding_mask.__code__, self.original = self.original, None
+            torch_api.check_key_padding_mask.__code__, self.original = self.original, None
 
 
 _TRACEABLE = _TraceableChecks()
@@ -504,10 +504,7 @@ class DynamoTimer(DynamoGraphs):
 def _global_hooks() -> tuple[tuple[int, ...], ...]:
     """The handles of the hooks every module runs (``register_module_forward_hook`` and its kin), which Dynamo inlines
     at capture and does not guard on: a change means capturing again."""
-    from torch.nn.modules import module as modules
-
-    return tuple(tuple(hooks) for hooks in (modules._global_forward_pre_hooks, modules._global_forward_hooks,
-                                            modules._global_backward_pre_hooks, modules._global_backward_hooks))
+    return tuple(tuple(hooks) for hooks in torch_api.GLOBAL_MODULE_HOOKS)
 
 
 # ---------------------------------------------------------------- verification

@@ -49,8 +49,8 @@ def _hooks_eager(functions: tuple[Callable[..., Any], ...]) -> contextlib.Abstra
 
 
 # What Dynamo answers for "are we compiling?" while it traces (constant-folded: no guard on it).
-COMPILING = (torch.compiler.is_compiling, torch.compiler.is_dynamo_compiling, torch._dynamo.external_utils.is_compiling,
-             torch._utils.is_compiling)
+COMPILING = tuple(f for f in (torch.compiler.is_compiling, torch.compiler.is_dynamo_compiling,
+                              torch_api.external_is_compiling, torch_api.utils_is_compiling) if f is not None)
 
 
 @contextlib.contextmanager

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxprof_lightning import torch_api
 from fxprof_lightning.capture.verify import _fsdp_states, fsdp2_kept
 from fxprof_lightning.nodes import NodeInfo, module_stack
 
@@ -54,7 +55,7 @@ def _code(owner: Any, name: str) -> Any:
 
 
 _APPLY = _code(torch.autograd.function.BackwardCFunction, "apply")  # a custom Function's backward runs under it
-_RUN_BACKWARD = _code(torch.autograd.graph, "_engine_run_backward")  # where a backward pass starts
+_RUN_BACKWARD = getattr(torch_api.engine_run_backward, "__code__", None)  # where a backward pass starts
 
 
 @dataclass
@@ -87,11 +88,9 @@ class FsdpRows:
     @staticmethod
     def usable() -> bool:
         """Whether this torch's FSDP2 has what is wrapped and read (else no rows, nothing wrapped)."""
-        if not fsdp2_kept() or _APPLY is None or not hasattr(torch._C, "_current_graph_task_id"):
+        if not fsdp2_kept() or _APPLY is None or torch_api.lacks("torch._C:_current_graph_task_id"):
             return False
-        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-
-        return all(callable(getattr(FSDPParamGroup, method, None)) for method in METHODS)
+        return all(callable(getattr(torch_api.FSDPParamGroup, method, None)) for method in METHODS)
 
     def __init__(self) -> None:
         self.in_call = False
@@ -182,7 +181,7 @@ class FsdpRows:
 
     def _add(self, row: int, start: int, end: int, ns: int, completes: bool) -> None:
         """A call that did work: a piece of its row (an all-gather's ``unshard`` waits for its ``wait_for_unshard``)."""
-        backward = torch._C._current_graph_task_id() != -1
+        backward = torch_api.current_graph_task_id() != -1
         if (backward and self._hooks) or not (backward or self._in_module):
             return  # (a forward call outside the module's, such as the user's own ``unshard()`` prefetch: no row's)
         self.pieces.append(_Piece(row, backward, start, end, ns, self.in_call, _applying() if backward else None))
@@ -246,7 +245,7 @@ def _applying() -> int | None:
     frame = sys._getframe(3)
     while frame is not None and frame.f_code is not _RUN_BACKWARD:
         if frame.f_code is _APPLY:
-            node = torch._C._current_autograd_node()
+            node = torch_api.current_autograd_node()
             return node._sequence_nr() if node is not None else None
         frame = frame.f_back
     return None

@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import nn
 
+from fxprof_lightning import torch_api
 from fxprof_lightning.nodes import NodeInfo, module_stack
 
 __all__ = ["GRAPH_BREAK", "HOST_READS", "break_row", "host_reads"]
@@ -21,16 +22,12 @@ def _resumed_from(function: str) -> str:
 
 
 def _graph_break_counter() -> dict[str, int]:
-    from torch._dynamo.utils import counters
-
-    return counters["graph_break"]
+    return torch_api.graph_break_counts()
 
 
 def _graph_break_reasons() -> list[Any]:
     """Dynamo's record of its graph breaks (``GraphCompileReason``: the reason and the user's stack), oldest first."""
-    from torch._dynamo.utils import graph_break_reasons
-
-    return graph_break_reasons
+    return torch_api.graph_break_records()
 
 
 # What a graph break's reason (its first line) says the code did with a tensor's value on the host: each waits for

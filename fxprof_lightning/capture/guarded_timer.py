@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from fxprof_lightning import torch_api
 from fxprof_lightning.capture.leaves import HOST_RANDOM, FunctionApply, short_error
 from fxprof_lightning.timing import random_states
 from fxprof_lightning.timing.node_timing import NodeTimer
@@ -68,7 +69,7 @@ class GuardedNodeTimer(NodeTimer):
                     return graph_forward(*args, **kwargs)
                 except Exception as error:  # the graph does not fit this call: it must not cost the user anything
                     random_states.restore(random_state)
-                    torch._C._set_grad_enabled(grad_mode)  # a guard inside a no_grad block
+                    torch_api.set_grad_enabled(grad_mode)  # a guard inside a no_grad block
                     self._stop_using_graph(short_error(error))
             return own_forward(*args, **kwargs)
 

@@ -49,6 +49,7 @@ from typing import Any
 import torch.utils.checkpoint
 from torch import fx, nn
 
+from fxprof_lightning import torch_api
 from fxprof_lightning.capture.verify import is_fsdp, patched
 from fxprof_lightning.nodes import mark_untimed
 from fxprof_lightning.timing import random_states
@@ -87,8 +88,7 @@ RANDOM_FACTORIES = ("rand", "randn", "randint", "randperm", "normal", "bernoulli
 # bound early: HuggingFace keeps a ``functools.partial(checkpoint, ...)``). Names a torch
 # version lacks are skipped.
 CHECKPOINT_INTERNALS = (
-    (torch.utils.checkpoint, "_checkpoint_without_reentrant_generator_impl"),  # use_reentrant=False
-    (torch.utils.checkpoint, "_checkpoint_without_reentrant_generator"),  # the same, older torch
+    *torch_api.CHECKPOINT_GENERATORS,  # use_reentrant=False
     (torch.utils.checkpoint.CheckpointFunction, "apply"),  # use_reentrant=True
 )
 _ABSENT = object()
@@ -399,7 +399,7 @@ def _grad_mode_as_nodes(tracer: fx.Tracer) -> contextlib.AbstractContextManager[
             self.mode = args[0] if args else kwargs.get("mode", mode)  # set_grad_enabled(mode) keeps it for clone()
             self.prev = tracer.create_proxy("call_function", torch.is_grad_enabled, (), {})
             mark_untimed(self.prev.node)
-            mark_untimed(tracer.create_proxy("call_function", torch._C._set_grad_enabled, (self.mode,), {}).node)
+            mark_untimed(tracer.create_proxy("call_function", torch_api.set_grad_enabled, (self.mode,), {}).node)
             return None
 
         return entered
@@ -414,7 +414,7 @@ def _grad_mode_as_nodes(tracer: fx.Tracer) -> contextlib.AbstractContextManager[
         def exited(self: Any, *args: Any) -> None:
             if not isinstance(getattr(self, "prev", None), fx.Proxy):  # entered outside the trace
                 return original(self, *args)
-            mark_untimed(tracer.create_proxy("call_function", torch._C._set_grad_enabled, (self.prev,), {}).node)
+            mark_untimed(tracer.create_proxy("call_function", torch_api.set_grad_enabled, (self.prev,), {}).node)
             return None
 
         return exited
@@ -434,7 +434,7 @@ def _compile_marks_ignored() -> contextlib.AbstractContextManager[None]:
     They only annotate a tensor for ``torch.compile`` (HF's linear-attention caches mark their
     state tensors for CUDA graphs) and refuse a proxy, which would make the module a leaf.
     """
-    dynamo = sys.modules.get("torch._dynamo")  # not imported: nothing can call it
+    dynamo = torch_api.dynamo
     names = [name for name in COMPILE_MARKS if dynamo is not None and hasattr(dynamo, name)]
 
     def ignoring_proxies(original: Callable[..., Any]) -> Callable[..., Any]:

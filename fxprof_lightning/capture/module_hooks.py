@@ -18,10 +18,10 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from fxprof_lightning import torch_api
 from fxprof_lightning.nodes import NodeInfo, module_stack
 from fxprof_lightning.timing.autograd_walk import sequence_nr_now
 from fxprof_lightning.timing.instrument import enter_range, exit_range
@@ -146,14 +146,14 @@ class ModuleHookTimer(Uninterrupted):
         self._open = []
 
     def _pre(self, module: nn.Module, args: Any) -> None:
-        if torch._C._current_graph_task_id() != -1:  # recomputed inside backward (activation checkpointing)
+        if torch_api.current_graph_task_id() != -1:  # recomputed inside backward (activation checkpointing)
             return
         index = self._index[id(module)]
         annotation = enter_range(self.nodes[index].name) if self._annotate else None
         self._open.append([index, time.perf_counter_ns(), 0, sequence_nr_now(), annotation])
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self._open or torch._C._current_graph_task_id() != -1:
+        if not self._open or torch_api.current_graph_task_id() != -1:
             return
         index, start, children, sequence_nr, annotation = self._open.pop()
         elapsed = time.perf_counter_ns() - start

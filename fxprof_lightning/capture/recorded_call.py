@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
+
+from fxprof_lightning import torch_api
 
 __all__ = ["PLAIN_CONSTANTS", "Example", "copy_tensors", "example_forward", "observe_first_call"]
 
@@ -35,7 +36,7 @@ class Example:
 
 def copy_tensors(tree: Any) -> Any:
     """``tree`` with each tensor copied (detached, ``requires_grad`` kept)."""
-    return tree_map(_copy_tensor, tree)
+    return torch_api.tree_map(_copy_tensor, tree)
 
 
 def _copy_tensor(value: Any) -> Any:

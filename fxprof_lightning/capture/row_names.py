@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils import _pytree as pytree
 
 from fxprof_lightning import torch_api
 from fxprof_lightning.capture import verify
@@ -79,7 +78,7 @@ def _user_line(node: fx.Node) -> tuple[str, str]:
 
 def _makes_tensors(node: fx.Node) -> bool:
     value = node.meta.get("example_value")
-    return value is None or any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(value))
+    return value is None or any(isinstance(v, torch.Tensor) for v in torch_api.tree_leaves(value))
 
 
 def _is_layer(module: nn.Module) -> bool:

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxprof_lightning import torch_api
+
 Restore = Callable[[], None]
 PLAIN_DICTS = (dict, collections.OrderedDict, collections.defaultdict, collections.Counter)
 DEPTH = 2  # containers inside containers followed
@@ -50,13 +52,9 @@ def kept(root: nn.Module) -> Restore:
 
 
 def _hooks(root: nn.Module) -> list[Any]:
-    from torch.nn.modules import module as torch_module
-
-    found: list[Any] = []
-    for holder in (*root.modules(), torch_module):
-        for name in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks",
-                     "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_hooks",
-                     "_global_backward_pre_hooks"):
+    found = [hook for hooks in torch_api.GLOBAL_MODULE_HOOKS for hook in hooks.values()]
+    for holder in root.modules():
+        for name in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks"):
             found += list((getattr(holder, name, None) or {}).values())
     for parameter in root.parameters():
         found += list((parameter._backward_hooks or {}).values())

@@ -52,9 +52,8 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.fx._symbolic_trace import _assert_is_none
-from torch.utils._pytree import tree_flatten
 
+from fxprof_lightning import torch_api
 from fxprof_lightning.capture import verify
 from fxprof_lightning.capture.example_guards import check_argument
 from fxprof_lightning.capture.example_tracer import ExampleTracer
@@ -144,7 +143,7 @@ def _flattened(run: Callable[..., Any], structures: list[tuple[Any, list[type]]]
     the output, those inside objects (a cache) included; the structure goes to ``structures``."""
 
     def call(*args: Any, **kwargs: Any) -> list[Any]:
-        leaves, spec = tree_flatten(_opened(run(*args, **kwargs)))
+        leaves, spec = torch_api.tree_flatten(_opened(run(*args, **kwargs)))
         structures.append((spec, [type(leaf) for leaf in leaves]))
         return leaves
 
@@ -186,9 +185,9 @@ def _guard_constant_arguments(graph: fx.Graph, concrete_args: dict[str, Any]) ->
     """
     for node in list(graph.nodes):
         compare = None
-        if node.target is _assert_is_none:
+        if node.target is torch_api.assert_is_none:  # (None where missing: no target is None)
             placeholder, expected = node.args[0], None
-        elif node.target is torch._assert and getattr(node.args[0], "target", None) is operator.eq:
+        elif node.target is torch_api.torch_assert and getattr(node.args[0], "target", None) is operator.eq:
             compare = node.args[0]
             placeholder, expected = compare.args
         else:

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.utils import _pytree as pytree
 
+from fxprof_lightning import torch_api
 from fxprof_lightning.capture import side_effects
 from fxprof_lightning.timing import random_states
 
@@ -76,7 +76,7 @@ def run_checked(forward: Callable[..., Any], module: nn.Module, args: tuple[Any,
     # own. Following torch's frames, that failed on ``sys._getframe`` (``nn.LSTM`` before ``allow_rnn``); and after
     # the demo transformer's capture (which follows them), the host-sync test's model, captured in the same
     # process, timed no node.
-    with (torch.autograd.graph.saved_tensors_hooks(torch._dynamo.disable(pack), torch._dynamo.disable(_unpack)),
+    with (torch.autograd.graph.saved_tensors_hooks(torch.compiler.disable(pack), torch.compiler.disable(_unpack)),
           _reentrant_checked_as_not(), _deterministic_cudnn()):
         out = forward(*args, **kwargs)
     outputs = _tensors(out)
@@ -127,7 +127,7 @@ def _reentrant_checked_as_not() -> contextlib.AbstractContextManager[None]:
     return patched([(torch.utils.checkpoint.CheckpointFunction, "apply", apply)])
 
 
-_SAVE_INPUTS = getattr(getattr(torch.utils.checkpoint, "_CheckpointFrame", None), "save_inputs", None)
+_SAVE_INPUTS = torch_api.checkpoint_save_inputs
 
 
 def _checkpoint_inputs_saved() -> bool:
@@ -189,11 +189,11 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     """The tensors in an output or the arguments: pytree leaves (HF registers its outputs and caches), objects'
     attributes one level down (other objects)."""
     found = []
-    for leaf in pytree.tree_leaves(value):
+    for leaf in torch_api.tree_leaves(value):
         if isinstance(leaf, torch.Tensor):
             found.append(leaf)
         elif hasattr(leaf, "__dict__") and not isinstance(leaf, nn.Module | type):
-            found += [v for v in pytree.tree_leaves(list(vars(leaf).values())) if isinstance(v, torch.Tensor)]
+            found += [v for v in torch_api.tree_leaves(list(vars(leaf).values())) if isinstance(v, torch.Tensor)]
     return found
 
 
@@ -204,9 +204,9 @@ def _fsdp_states(module: nn.Module) -> list[Any]:
     """The FSDP2 states (``fully_shard``) of ``module`` and its submodules, each once (none without FSDP2)."""
     if not any(is_fsdp(m) for m in module.modules()):
         return []
-    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
-
-    states = [_get_module_fsdp_state(m) for m in module.modules()]
+    if torch_api.get_module_fsdp_state is None:
+        return []
+    states = [torch_api.get_module_fsdp_state(m) for m in module.modules()]
     return list({id(s): s for s in states if s is not None}.values())
 
 
@@ -223,12 +223,10 @@ def fsdp2_kept() -> bool:
     resharded)."""
     if tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2]) < (2, 14):
         return False
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState, _get_module_fsdp_state  # noqa: F401
-    except ImportError:
+    if any(found is None for found in (torch_api.FSDPParamGroup, torch_api.FSDPState, torch_api.get_module_fsdp_state,
+                                       torch_api.ShardedState, torch_api.TrainingState)):
         return False
-    return all(hasattr(FSDPParamGroup, name) for name in ("unshard", "wait_for_unshard", "reshard", "use_training_state",
+    return all(hasattr(torch_api.FSDPParamGroup, name) for name in ("unshard", "wait_for_unshard", "reshard", "use_training_state",
                                                           "is_sharded", "is_unsharded"))
 
 
@@ -251,9 +249,7 @@ class FsdpKept:
     def restore(self) -> None:
         if not self.saved:
             return
-        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-        from torch.distributed.fsdp._fully_shard._fsdp_param_group import ShardedState
-
+        TrainingState, ShardedState = torch_api.TrainingState, torch_api.ShardedState
         for state, training, to_run, groups in self.saved:
             for group, sharded, group_training, indices in groups:
                 if sharded == ShardedState.UNSHARDED and not group.is_unsharded:

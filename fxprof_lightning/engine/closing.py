@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from fxprof_lightning import torch_api
 from fxprof_lightning.analysis.roofline import Peaks, device_peaks
 from fxprof_lightning.engine.cycle import Cycle
 from fxprof_lightning.engine.ranks import all_gather
@@ -125,7 +126,7 @@ def _trace_for(engine: Engine, stage: Stage, other: Stage, index: int, directory
         engine.warn(f"a {other.name} cycle's profiler is still running, so {stage.name} steps {stage.step}+ get "
                     "node timing only (one profiler runs at a time)")
         return None
-    if torch._C._autograd._profiler_enabled():
+    if torch_api.profiler_enabled():
         engine.warn("another profiler is running, so this cycle writes no trace (starting one would cancel it); "
                     "node timing goes on")
         return None

@@ -20,6 +20,7 @@ from typing import Any
 
 from torch import nn
 
+from fxprof_lightning import torch_api
 from fxprof_lightning.capture.timers import Timer
 from fxprof_lightning.engine.statistics import summarize_modules, summarize_nodes, summarize_ranges
 from fxprof_lightning.nodes import Capture, NodeInfo
@@ -91,7 +92,7 @@ class Cycle:
         else:
             if self.backward_events is None:
                 self.backward_events = BackwardEvents()
-                if not self.backward_events.start():
+                if not self.backward_events.start() and torch_api.missing_for_backward_events() is None:
                     warn(f"another profiler is running, so this cycle's backward times {self.timer.traits.without_events}")
             self.backward = EVENTS if self.backward_events.running else HOOKS
 

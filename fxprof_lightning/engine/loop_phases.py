@@ -8,11 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxprof_lightning import torch_api
 from fxprof_lightning.timing.autograd_walk import tensors_in
 
 __all__ = ["LoopClock"]
-
-queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
 class LoopClock:
@@ -39,7 +38,7 @@ class LoopClock:
         self._last = time.perf_counter_ns()
 
     def _pre(self, module: nn.Module, args: Any) -> None:
-        if torch._C._current_graph_task_id() == -1:  # (not a recomputation inside backward)
+        if torch_api.current_graph_task_id() == -1:  # (not a recomputation inside backward)
             self._started = time.perf_counter_ns()
 
     def _output(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -64,11 +63,11 @@ class LoopClock:
     def _gradient_arrives(self, grad: torch.Tensor) -> None:
         if self._backward_from is None:
             self._backward_from = time.perf_counter_ns()
-            queue_callback(self._end_last)
+            torch_api.queue_callback(self._end_last)
 
     def _end_last(self) -> None:
         """Queued again from inside the engine's callbacks, so that it runs after those queued during the pass."""
-        queue_callback(self._backward_done)
+        torch_api.queue_callback(self._backward_done)
 
     def _backward_done(self) -> None:
         self._backward += time.perf_counter_ns() - self._backward_from

@@ -7,9 +7,11 @@ from typing import Any
 
 import torch
 
+from fxprof_lightning import torch_api
+
 __all__ = ["autograd_nodes", "sequence_nr_now", "tensors_in"]
 
-sequence_nr_now = torch.autograd._get_sequence_nr  # the sequence number the next autograd node created will get
+sequence_nr_now = torch_api.sequence_nr_now  # the sequence number the next autograd node created will get
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch._dispatch.python import enable_python_dispatcher
 from torch.utils.flop_counter import FlopCounterMode
 
+from fxprof_lightning import torch_api
 from fxprof_lightning.nodes import is_timed
 from fxprof_lightning.timing import random_states
 from fxprof_lightning.timing.autograd_walk import autograd_nodes, sequence_nr_now, tensors_in
@@ -211,7 +211,7 @@ def count_costs(traced: fx.GraphModule, inputs: tuple[Any, ...], training: bool)
 
     # Host random numbers a leaf or a node draws are put back; tensors the code makes with no device are meta too.
     with torch.enable_grad(), random_states.kept(), torch.device("meta"), float_grouped_mm_meta(), \
-            enable_python_dispatcher():
+            torch_api.enable_python_dispatcher():
         interpreter = Counter(meta_module)
         try:
             ends = tensors_in(interpreter.run(*(_to_meta(x) for x in inputs)))
@@ -273,7 +273,7 @@ def _grouped_mm_flops(a_shape: torch.Size, b_shape: torch.Size, *args: Any, **kw
 
 
 # FLOP formulas torch's counter lacks (``FlopCounterMode(custom_mapping=...)``: only our own counts use them).
-EXTRA_FORMULAS = {op: _grouped_mm_flops for op in (getattr(torch.ops.aten, "_grouped_mm", None),) if op}
+EXTRA_FORMULAS = {op: _grouped_mm_flops for op in (torch_api.grouped_mm,) if op}
 
 
 def _grouped_mm_meta(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -298,10 +298,10 @@ def float_grouped_mm_meta() -> Iterator[None]:
     it on CPU in float32; without this Dynamo cannot trace them and FLOPs cannot be counted. The kernel gives the
     output's shape and dtype only. Only the op's Python kernel is swapped (no ``torch.library`` registration, which
     leaves fake tensors accepting float32 after it is destroyed), and put back after."""
-    op = getattr(torch.ops.aten, "_grouped_mm", None)
+    op = torch_api.grouped_mm
     kernels = getattr(getattr(op, "default", None), "py_kernels", None)
-    key = torch._C.DispatchKey.Meta
-    if kernels is None or key not in kernels:
+    key = torch_api.META_KEY
+    if kernels is None or key is None or key not in kernels:
         yield
         return
     original = kernels[key]
@@ -315,11 +315,10 @@ def float_grouped_mm_meta() -> Iterator[None]:
         _forget_cached(op.default)
 
 
-def _forget_cached(op: torch._ops.OpOverload) -> None:
+def _forget_cached(op: Any) -> None:
     """Drop the fake-tensor cache's entries for ``op``: made while its kernel was swapped, they would answer later
     fake calls with the same inputs (float32 ``_grouped_mm`` accepted where torch's kernel refuses it)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    for cached in [cached for cached in FakeTensorMode.cache if getattr(cached, "key", (None,))[0] is op]:
-        del FakeTensorMode.cache[cached]
+    cache = getattr(torch_api.FakeTensorMode, "cache", {})
+    for cached in [cached for cached in cache if getattr(cached, "key", (None,))[0] is op]:
+        del cache[cached]
 

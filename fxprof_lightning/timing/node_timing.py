@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx, nn
 
+from fxprof_lightning import torch_api
 from fxprof_lightning.nodes import NodeInfo
 from fxprof_lightning.timing.autograd_walk import autograd_nodes, sequence_nr_now, tensors_in
 from fxprof_lightning.timing.clocks import CudaClock, HostClock, cuda_allocated
@@ -63,8 +64,7 @@ __all__ = ["ANCHOR", "BackwardEvents", "NodeTimer", "Uninterrupted"]
 # numbered in threes, unique in the process (two timers' anchors may land in one trace).
 ANCHOR = "fxprof_anchor#"
 _anchor_numbers = itertools.count(step=3)
-BACKWARD_SCOPE = int(torch._C._profiler.RecordScope.BACKWARD_FUNCTION)
-queue_engine_callback = torch.autograd.Variable._execution_engine.queue_callback
+BACKWARD_SCOPE = int(torch_api.RecordScope.BACKWARD_FUNCTION) if torch_api.RecordScope is not None else -1
 
 
 class BackwardEvents:
@@ -81,15 +81,15 @@ class BackwardEvents:
         self.lost = False  # another profiler took over while this one ran: it recorded nothing usable
 
     def start(self) -> bool:
-        """Start recording; False (and nothing done) when another profiler is already running."""
-        if self.running or torch._C._autograd._profiler_enabled():
+        """Start recording; False (and nothing done) when another profiler is already running, or this torch lacks
+        what it needs (``torch_api.missing_for_backward_events``: then a warning, once)."""
+        missing = torch_api.missing_for_backward_events()
+        if missing is not None:
+            torch_api.degraded("time the backward from profiler events", f"it has no {missing.replace(':', '.')}; hooks time it")
+        if self.running or missing is not None or torch_api.profiler_enabled():
             return False
-        config = torch._C._profiler.ProfilerConfig(torch._C._profiler.ProfilerState.KINETO, False, False, False,
-                                                   False, False, torch._C._profiler._ExperimentalConfig())
-        activities = {torch._C._profiler.ProfilerActivity.CPU}
         with quiet_kineto():
-            torch._C._autograd._prepare_profiler(config, activities)
-            torch._C._autograd._enable_profiler(config, activities, {torch._C._profiler.RecordScope.BACKWARD_FUNCTION})
+            torch_api.start_backward_events()
         self.running = True
         return True
 
@@ -98,11 +98,11 @@ class BackwardEvents:
         if not self.running:
             return []
         self.running = False
-        if torch.autograd.profiler._is_profiler_enabled or not torch._C._autograd._profiler_enabled():
+        if torch_api.torch_profiler_running() or not torch_api.profiler_enabled():
             self.lost = True  # a torch.profiler started meanwhile: the session is its own, not ours to stop
             return []
         with quiet_kineto():
-            results = torch._C._autograd._disable_profiler()
+            results = torch_api.stop_backward_events()
         return backward_durations(results.events())
 
 
@@ -346,11 +346,11 @@ class NodeTimer(NodeSamples, Readings):
 
     def _begin_call(self, log: _GraphLog) -> tuple[list[int], list[int], list[nn.Module], Any]:
         """At the start of each call of a graph, before its first node: note where its log entries begin; the
-        two logs, the modules the graph calls, and ``torch._C._autograd`` (a local there: its
-        ``_get_sequence_nr`` is then one attribute away)."""
+        two logs, the modules the graph calls, and ``torch_api.AUTOGRAD`` (a local there: its
+        ``sequence_nr`` is then one attribute away)."""
         self._first_of_call = True
         self._calls.append((len(self._stamps), len(self._sequence_nrs), log))
-        return self._stamps, self._sequence_nrs, log.called, torch._C._autograd
+        return self._stamps, self._sequence_nrs, log.called, torch_api.AUTOGRAD
 
     def _inputs(self, *args: Any) -> None:
         if self.forward_inputs is None:
@@ -363,7 +363,7 @@ class NodeTimer(NodeSamples, Readings):
 
         torch's ``_RecordFunctionFast`` opens and closes one in about 1 us (``record_function``: 3-7 us), so
         the two reads bound the range's place on the profiler's clock to about 1 us."""
-        if not torch._C._autograd._profiler_enabled():
+        if not torch_api.profiler_enabled():
             return
         number = next(_anchor_numbers)
         first, second, third = (_fast_range(f"{ANCHOR}{n}") for n in (number, number + 1, number + 2))
@@ -406,7 +406,7 @@ class NodeTimer(NodeSamples, Readings):
         self._marks.append((durations, self._clock.start()))
         if not self._in_pass:
             self._in_pass = True
-            queue_engine_callback(self._end_of_pass)
+            torch_api.queue_callback(self._end_of_pass)
 
     def _end(self, grad_inputs: Any, grad_outputs: Any) -> None:
         self._marks.append((None, self._clock.start()))
@@ -427,5 +427,5 @@ class NodeTimer(NodeSamples, Readings):
 
 def _fast_range(name: str) -> Any:
     """A context manager that makes a profiler range: torch's lean one where it exists."""
-    fast = getattr(torch._C._profiler, "_RecordFunctionFast", None)
+    fast = torch_api.RecordFunctionFast
     return fast(name) if fast is not None else torch.profiler.record_function(name)
