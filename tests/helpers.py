@@ -93,3 +93,9 @@ def notices(*phrases: str) -> pytest.MarkDecorator:
     """The profiler's notices (``FxprofWarning``) a test expects to see, each by a phrase of its message: the suite
     makes every other one an error (pyproject's ``filterwarnings``)."""
     return pytest.mark.filterwarnings(*(f"ignore:.*{re.escape(p)}:fxprof_lightning.FxprofWarning" for p in phrases))
+
+
+def resnet18(**kwargs) -> nn.Module:
+    """torchvision's ResNet18; the test is skipped where torchvision has no release for this torch (2.15 today)."""
+    torchvision = pytest.importorskip("torchvision", reason="no torchvision release for this torch")
+    return torchvision.models.resnet18(**kwargs)

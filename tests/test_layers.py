@@ -13,8 +13,7 @@ import json
 import lightning.pytorch as pl
 import pytest
 import torch
-import torchvision
-from helpers import LitClassifier, SmallNet, image_loader, make_trainer, notices, read_events
+from helpers import LitClassifier, SmallNet, image_loader, make_trainer, notices, read_events, resnet18
 from tensorboard.util import tensor_util
 from torch import nn
 from torch.nn import functional as F
@@ -78,7 +77,7 @@ def test_backward_timing_can_be_turned_off(tmp_path):
 # backward-only profiler / of the trace (the slow tier: the same model and checks, the events from the trace)
 def test_backward_covers_resnet18_and_in_place_relu_is_fine(tmp_path, torch_profiler):
     def resnet():
-        return LitClassifier(torchvision.models.resnet18(num_classes=4))  # ReLU(inplace=True) throughout
+        return LitClassifier(resnet18(num_classes=4))  # ReLU(inplace=True) throughout
 
     _, callback = train_both(
         tmp_path, resnet, lambda: image_loader(samples=32, batch_size=8, size=32), steps=8,
@@ -134,7 +133,7 @@ def test_a_profiler_started_during_a_cycle_keeps_its_session(tmp_path):
 
 def test_module_tree_self_and_total_without_double_counting(tmp_path):
     def resnet():
-        return LitClassifier(torchvision.models.resnet18(num_classes=4))
+        return LitClassifier(resnet18(num_classes=4))
 
     _, callback = train_both(tmp_path, resnet, lambda: image_loader(samples=16, batch_size=4, size=32), module_depth=2)
     (cycle,) = callback.cycles

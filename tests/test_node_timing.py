@@ -5,8 +5,7 @@ import time
 
 import pytest
 import torch
-import torchvision
-from helpers import SmallNet
+from helpers import SmallNet, resnet18
 
 from fxprof_lightning.capture.ladder import capture
 from fxprof_lightning.capture.module_hooks import ModuleHookTimer
@@ -25,7 +24,7 @@ def _forward_backward(model, x):
 
 
 @pytest.mark.parametrize("annotate", [False, True])
-@pytest.mark.parametrize("make", [SmallNet, lambda: torchvision.models.resnet18(num_classes=5)])
+@pytest.mark.parametrize("make", [SmallNet, lambda: resnet18(num_classes=5)])
 def test_outputs_and_gradients_equal_eager(make, annotate):
     eager = make().train()
     timed = copy.deepcopy(eager)
@@ -84,7 +83,7 @@ def test_uninstall_restores_the_modules_own_forward():
 
 
 def test_module_path_comes_from_the_module_stack():
-    timer = NodeTimer(trace_module(torchvision.models.resnet18()))
+    timer = NodeTimer(trace_module(resnet18()))
     paths = {n.name: n.module_path for n in timer.nodes}
     assert paths["layer1_0_conv1"] == "layer1.0.conv1"
     assert paths["add"] == "layer1.0"  # the residual add inside BasicBlock layer1.0
@@ -136,7 +135,7 @@ def test_backward_events_go_to_the_node_call_that_created_them():
 
 
 def test_module_hooks_give_each_backward_event_to_the_innermost_module_once():
-    model = torchvision.models.resnet18(num_classes=5)
+    model = resnet18(num_classes=5)
     timer = ModuleHookTimer(model)
     events = BackwardEvents()
     events.start()
@@ -155,7 +154,7 @@ def test_module_hooks_give_each_backward_event_to_the_innermost_module_once():
 
 def test_backward_marks_by_hooks_cover_the_backward_pass_as_events_do():
     """The hook path (CUDA's, and CPU's when another profiler is running), run here on the host clock."""
-    model = torchvision.models.resnet18(num_classes=5)  # in-place ReLUs, residual branches
+    model = resnet18(num_classes=5)  # in-place ReLUs, residual branches
     timer = NodeTimer(trace_module(model))
     x = torch.randn(2, 3, 32, 32)
     for hooks in (False, True):
