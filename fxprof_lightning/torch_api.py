@@ -347,3 +347,13 @@ FSDPState = _find("torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState", "
 FSDPParamGroup = _find("torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup", "not kept")
 ShardedState = _find("torch.distributed.fsdp._fully_shard._fsdp_param_group:ShardedState", "not kept")
 TrainingState = _find("torch.distributed.fsdp._fully_shard._fsdp_common:TrainingState", "not kept")
+
+
+def fsdp_param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups: a list in 2.14+ (``_fsdp_param_groups``), at most one before
+    (``_fsdp_param_group``, 2.6-2.13)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []

@@ -125,7 +125,7 @@ class FsdpRows:
                        module.register_forward_hook(self._leave, always_call=True)]
         paths = {id(m): path for path, m in module.named_modules()}
         for state in _fsdp_states(module):
-            for group in state._fsdp_param_groups:
+            for group in torch_api.fsdp_param_groups(state):
                 path = next((paths[id(m)] for m in getattr(group, "modules", ()) if id(m) in paths), None)
                 if path is None or not all(hasattr(group, name) for name in ("_sharded_state", "_all_gather_result")):
                     continue

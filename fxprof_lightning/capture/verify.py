@@ -8,7 +8,6 @@ FSDP2's state).
 from __future__ import annotations
 
 import contextlib
-import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -214,15 +213,12 @@ def fsdp_unsharded(module: nn.Module) -> dict[int, torch.Tensor]:
     """id of an FSDP2 sharded parameter -> its unsharded parameter, the tensor the forward computes with (one tensor
     kept for the run, its storage freed at each reshard): the module holds one or the other, by FSDP2's state."""
     return {id(p.sharded_param): p._unsharded_param for state in _fsdp_states(module)
-            for group in state._fsdp_param_groups for p in group.fsdp_params if hasattr(p, "_unsharded_param")}
+            for group in torch_api.fsdp_param_groups(state) for p in group.fsdp_params if hasattr(p, "_unsharded_param")}
 
 
 def fsdp2_kept() -> bool:
-    """Whether this torch's FSDP2 has the state ``FsdpKept`` puts back (FSDP2's private state, as in torch 2.14, the
-    version tested): without it an FSDP2 model is not captured by Dynamo (a checking call would leave its parameters
-    resharded)."""
-    if tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2]) < (2, 14):
-        return False
+    """Whether this torch's FSDP2 has the state ``FsdpKept`` puts back (FSDP2's private state, 2.6-2.15): without it an
+    FSDP2 model is not captured by Dynamo (a checking call would leave its parameters resharded)."""
     if any(found is None for found in (torch_api.FSDPParamGroup, torch_api.FSDPState, torch_api.get_module_fsdp_state,
                                        torch_api.ShardedState, torch_api.TrainingState)):
         return False
@@ -241,7 +237,7 @@ class FsdpKept:
         states = _fsdp_states(module)
         self.saved = [(state, state._training_state, set(state._modules_to_run_forward),
                        [(g, g._sharded_state, g._training_state, list(g._post_forward_indices))
-                        for g in state._fsdp_param_groups]) for state in states]
+                        for g in torch_api.fsdp_param_groups(state)]) for state in states]
         ctx, comm = (states[0]._state_ctx, states[0]._comm_ctx) if states else (None, None)
         self.ctx = (ctx, ctx.iter_forward_root, ctx.post_backward_final_callback_queued) if ctx is not None else None
         self.comm = (comm, list(comm.post_forward_order)) if comm is not None else None
