@@ -171,3 +171,19 @@ def source_name(node: Any) -> str:
 # The higher-order op Dynamo puts a ``torch.utils.checkpoint`` region into (2.1+; not on ``torch.ops.higher_order``
 # until first used in 2.6-2.7): without it, checkpointed regions are not opened into rows.
 tag_activation_checkpoint = _find("torch._higher_order_ops.wrap:tag_activation_checkpoint", "checkpoints kept whole")
+
+
+# ---- added by dyn-range
+
+# The backend a ``torch.compile``'d module was given, by name (2.6-2.15): ``OptimizedModule.dynamo_ctx.callback``,
+# whose wrappers each hold the one inside as ``_torchdynamo_orig_backend`` or ``_torchdynamo_orig_callable``, down to the backend's own wrapper with
+# its ``compiler_name`` ("inductor", "eager"). Without it (another layout; a ``module.compile()``, whose context is in
+# a closure), the backend is known only after the cycle, when no Inductor-compiled graph ran in it.
+def compile_backend(module: Any) -> str | None:
+    """The name of the backend ``module`` (an ``OptimizedModule``) is compiled by, or None where not known."""
+    found = getattr(getattr(module, "dynamo_ctx", None), "callback", None)
+    for _ in range(8):  # (four wrappers deep in 2.6-2.15)
+        if found is None or isinstance(name := getattr(found, "compiler_name", None), str):
+            return name if found is not None else None
+        found = getattr(found, "_torchdynamo_orig_backend", None) or getattr(found, "_torchdynamo_orig_callable", None)
+    return None
