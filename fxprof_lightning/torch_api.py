@@ -207,3 +207,11 @@ def hooked_forward(module: Any) -> Callable[..., Any] | None:
     if HOOKED_FORWARD_FRAMES or "forward" in module.__dict__ or not (module._forward_hooks or module._forward_pre_hooks):
         return None
     return _caller(module.forward) if type(module).__module__.startswith(("torch.nn.", "torch.ao.")) else None
+
+
+def compiling_answers() -> dict[Any, Any]:
+    """Dynamo's answers for "are we compiling?" while it traces, as a dict to edit (``tracing_state_functions``: a
+    function returning its cached dict in 2.11+, the dict itself in 2.6; empty where missing: those calls are then
+    answered as Dynamo answers them, and a model that branches on them is refused)."""
+    answers = tracing_state_functions() if callable(tracing_state_functions) else tracing_state_functions
+    return answers if isinstance(answers, dict) else {}

@@ -275,8 +275,8 @@ class DynamoTimer(DynamoGraphs):
         self._explored = False
         self._context = self._new_context()
         self._own_forward: Callable[..., Any] | None = None  # the installed module's own forward
-        # torch.nn submodules with hooks, each given a forward of ours while installed (``torch_api.hooked_forward``);
-        # one function per module for the whole run, as the graphs that inline it guard on it
+        # torch.nn submodules with hooks, each given a forward of ours while installed with the hooks run eagerly
+        # (``_frame_hooked``): one function per module for the whole run, as the graphs that inline it guard on it
         self._hooked: dict[int, tuple[nn.Module, Callable[..., Any]]] = {}
         self._hooked_now: list[nn.Module] = []
 
@@ -313,12 +313,8 @@ class DynamoTimer(DynamoGraphs):
             return self._timed_call(args, kwargs, state, after_capture=False, entered=entered)
 
         module.forward = forward
-        for submodule in module.modules():
-            if submodule is not module and (framed := torch_api.hooked_forward(submodule)) is not None:
-                if self._hooked.get(id(submodule), (None,))[0] is not submodule:
-                    self._hooked[id(submodule)] = (submodule, framed)
-                submodule.forward = self._hooked[id(submodule)][1]
-                self._hooked_now.append(submodule)
+        if self._way.eager_hooks:
+            self._frame_hooked(module)
         _TRACEABLE.enter()
         _frames_skipped(self._eager_hooks + ALWAYS_EAGER, True)
         if self._fsdp is not None:
@@ -336,6 +332,16 @@ class DynamoTimer(DynamoGraphs):
                 if self._fsdp is not None:
                     self._fsdp.uninstall()
         super().uninstall(module)
+
+    def _frame_hooked(self, module: nn.Module) -> None:
+        """With the hooks run eagerly, each torch.nn submodule with forward hooks gets a forward of ours where this
+        torch's Dynamo would skip its frame (``torch_api.hooked_forward``), until ``uninstall``."""
+        for submodule in module.modules():
+            if submodule is not module and (framed := torch_api.hooked_forward(submodule)) is not None:
+                if self._hooked.get(id(submodule), (None,))[0] is not submodule:
+                    self._hooked[id(submodule)] = (submodule, framed)
+                submodule.forward = self._hooked[id(submodule)][1]
+                self._hooked_now.append(submodule)
 
     def _new_context(self) -> Any:
         """A Dynamo context with a cache of its own (the user's ``torch.compile`` of the same code is untouched)."""
@@ -452,6 +458,7 @@ class DynamoTimer(DynamoGraphs):
                 _frames_skipped(self._eager_hooks, False)
                 self._eager_hooks = _hook_functions(module)
                 _frames_skipped(self._eager_hooks, True)
+                self._frame_hooked(module)
             with (torch_api.dynamo_config({**GUARD_SETTINGS, "dont_skip_tracing": way.follow}), _opened(way.opening),
                   _not_compiling(way.eager_branches), _hooks_eager(self._eager_hooks if way.eager_hooks else ()),
                   float_grouped_mm_meta()):
