@@ -357,3 +357,47 @@ def fsdp_param_groups(state: Any) -> list[Any]:
         return list(groups)
     group = getattr(state, "_fsdp_param_group", None)
     return [group] if group is not None else []
+
+
+# ---- added by dyn-range
+
+# The backend a ``torch.compile``'d module was given, by name (2.6-2.15): ``OptimizedModule.dynamo_ctx.callback``,
+# whose wrappers each hold the one inside as ``_torchdynamo_orig_backend`` or ``_torchdynamo_orig_callable``, down to the backend's own wrapper with
+# its ``compiler_name`` ("inductor", "eager"). Without it (another layout; a ``module.compile()``, whose context is in
+# a closure), the backend is known only after the cycle, when no Inductor-compiled graph ran in it.
+def compile_backend(module: Any) -> str | None:
+    """The name of the backend ``module`` (an ``OptimizedModule``) is compiled by, or None where not known."""
+    found = getattr(getattr(module, "dynamo_ctx", None), "callback", None)
+    for _ in range(8):  # (four wrappers deep in 2.6-2.15)
+        if found is None or isinstance(name := getattr(found, "compiler_name", None), str):
+            return name if found is not None else None
+        found = getattr(found, "_torchdynamo_orig_backend", None) or getattr(found, "_torchdynamo_orig_callable", None)
+    return None
+
+
+# Dynamo starts a frame at the forward of a torch.nn (or torch.ao) module that has hooks, though torch.nn's files are
+# skipped (2.14+: ``trace_rules.check_verbose`` takes the ``frame``): after a graph break at a hook run eagerly, which
+# makes Dynamo run the whole calling frame eagerly (the loop of ``Sequential.forward``), the module's ops get a graph
+# of their own. Before (checked on 2.6 and 2.11) that frame is skipped and its ops run outside the graphs, untimed:
+# ``hooked_forward`` gives such a module a forward of its own, a frame of ours that calls torch's, which Dynamo starts.
+try:
+    HOOKED_FORWARD_FRAMES = trace_rules is not None and "frame" in inspect.signature(trace_rules.check_verbose).parameters
+except (AttributeError, TypeError, ValueError):
+    HOOKED_FORWARD_FRAMES = False
+
+
+def hooked_forward(module: Any) -> Callable[..., Any] | None:
+    """Where Dynamo would skip ``module``'s forward frame though the module has forward hooks (a torch.nn module on a
+    torch without ``HOOKED_FORWARD_FRAMES``): a function calling its forward, for the module's ``forward`` attribute
+    (the same ops, the same hooks, from a frame Dynamo starts). None where nothing is needed."""
+    if HOOKED_FORWARD_FRAMES or "forward" in module.__dict__ or not (module._forward_hooks or module._forward_pre_hooks):
+        return None
+    return _caller(module.forward) if type(module).__module__.startswith(("torch.nn.", "torch.ao.")) else None
+
+
+def compiling_answers() -> dict[Any, Any]:
+    """Dynamo's answers for "are we compiling?" while it traces, as a dict to edit (``tracing_state_functions``: a
+    function returning its cached dict in 2.11+, the dict itself in 2.6; empty where missing: those calls are then
+    answered as Dynamo answers them, and a model that branches on them is refused)."""
+    answers = tracing_state_functions() if callable(tracing_state_functions) else tracing_state_functions
+    return answers if isinstance(answers, dict) else {}

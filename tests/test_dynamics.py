@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from fxprof_lightning import FXProfilerCallback, Profiler
+from fxprof_lightning import FXProfilerCallback, Profiler, torch_api
 from fxprof_lightning.cli import main as cli_main
 from fxprof_lightning.outputs.runs import load_cycle
 from fxprof_lightning.outputs.sinks import cycle_line
@@ -129,7 +129,10 @@ def test_pruning_at_an_epoch_end_is_captured_in_a_dropped_step(tmp_path, capsys)
                            wait=5, warmup=1, active=3, repeat=3, dirpath=tmp_path / "fxprof")
     first = callback.cycles[0]
     assert first.steps == [6, 7, 9] and list(first.dropped_steps) == [8] and not first.partial
-    assert first.dropped_steps[8].startswith("captured (a guard failed") and "_parameters['bias']" in first.dropped_steps[8]
+    # The failed guard is on a parameter pruning replaced: Dynamo's guard order picks which it names (2.11 and 2.14:
+    # the bias; 2.6: "KeyError on fn.__self__._modules['0']._parameters['weight']")
+    pruned = "_parameters['bias']" if tuple(map(int, torch_api.TORCH.split(".")[:2])) >= (2, 11) else "_parameters['"
+    assert first.dropped_steps[8].startswith("captured (a guard failed") and pruned in first.dropped_steps[8]
     assert first.capture_s > 0
     for cycle in callback.cycles:
         every_call_timed(cycle)

@@ -333,9 +333,11 @@ def test_a_torch_without_what_dynamo_capture_needs_is_captured_by_torch_fx(tmp_p
 
 @notices("which torch")
 def test_a_compiled_module_without_inductor_provenance_gets_its_trace_alone(tmp_path, monkeypatch):
+    from fxprof_lightning import torch_api
     from fxprof_lightning.engine import core as engine
 
     monkeypatch.setattr(engine, "missing_for_kernels", lambda: "trace.provenance_tracking_to_timeline")
+    monkeypatch.setattr(torch_api, "compile_backend", lambda module: "inductor")  # (as Inductor's, without its compile)
     lit = LitClassifier(torch.compile(SmallNet(), backend="eager"))
     callback = FXProfilerCallback(**ONE_CYCLE, module="model")
     with pytest.warns(UserWarning, match=r"provenance_tracking_to_timeline, which torch .* lacks .* node timing is off"):

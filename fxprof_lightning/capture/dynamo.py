@@ -275,6 +275,10 @@ class DynamoTimer(DynamoGraphs):
         self._explored = False
         self._context = self._new_context()
         self._own_forward: Callable[..., Any] | None = None  # the installed module's own forward
+        # torch.nn submodules with hooks, each given a forward of ours while installed with the hooks run eagerly
+        # (``_frame_hooked``): one function per module for the whole run, as the graphs that inline it guard on it
+        self._hooked: dict[int, tuple[nn.Module, Callable[..., Any]]] = {}
+        self._hooked_now: list[nn.Module] = []
 
     def install(self, module: nn.Module, backward_hooks: bool = False) -> None:
         """Make ``module(...)`` run the captured graphs until ``uninstall``; see the module docstring."""
@@ -309,6 +313,8 @@ class DynamoTimer(DynamoGraphs):
             return self._timed_call(args, kwargs, state, after_capture=False, entered=entered)
 
         module.forward = forward
+        if self._way.eager_hooks:
+            self._frame_hooked(module)
         _TRACEABLE.enter()
         _frames_skipped(self._eager_hooks + ALWAYS_EAGER, True)
         if self._fsdp is not None:
@@ -319,10 +325,23 @@ class DynamoTimer(DynamoGraphs):
             try:
                 _TRACEABLE.exit()
                 _frames_skipped(self._eager_hooks, False)
+                for submodule in self._hooked_now:
+                    submodule.__dict__.pop("forward", None)
+                self._hooked_now.clear()
             finally:  # (FSDP2's own methods back, whatever failed)
                 if self._fsdp is not None:
                     self._fsdp.uninstall()
         super().uninstall(module)
+
+    def _frame_hooked(self, module: nn.Module) -> None:
+        """With the hooks run eagerly, each torch.nn submodule with forward hooks gets a forward of ours where this
+        torch's Dynamo would skip its frame (``torch_api.hooked_forward``), until ``uninstall``."""
+        for submodule in module.modules():
+            if submodule is not module and (framed := torch_api.hooked_forward(submodule)) is not None:
+                if self._hooked.get(id(submodule), (None,))[0] is not submodule:
+                    self._hooked[id(submodule)] = (submodule, framed)
+                submodule.forward = self._hooked[id(submodule)][1]
+                self._hooked_now.append(submodule)
 
     def _new_context(self) -> Any:
         """A Dynamo context with a cache of its own (the user's ``torch.compile`` of the same code is untouched)."""
@@ -439,6 +458,7 @@ class DynamoTimer(DynamoGraphs):
                 _frames_skipped(self._eager_hooks, False)
                 self._eager_hooks = _hook_functions(module)
                 _frames_skipped(self._eager_hooks, True)
+                self._frame_hooked(module)
             with (torch_api.dynamo_config({**GUARD_SETTINGS, "dont_skip_tracing": way.follow}), _opened(way.opening),
                   _not_compiling(way.eager_branches), _hooks_eager(self._eager_hooks if way.eager_hooks else ()),
                   float_grouped_mm_meta()):
@@ -518,8 +538,12 @@ def _guarded_in(functions: tuple[Callable[..., Any], ...], failures: list[str]) 
     """Whether a guard that failed was on a value read in one of ``functions`` (the model's hooks): Dynamo ends each
     failure's lines with ``# file:line in function``."""
     places = {(os.path.basename(f.__code__.co_filename), f.__code__.co_name) for f in functions}
-    return any((os.path.basename(path), name) in places
-               for failure in failures for path, name in re.findall(r"# (\S+):\d+ in (\w+)", failure))
+    if any((os.path.basename(path), name) in places
+           for failure in failures for path, name in re.findall(r"# (\S+):\d+ in (\w+)", failure)):
+        return True
+    # Dynamo 2.6 gives no place; its guard on what a hook read names the hook's closure variable: ``L['counts']``
+    free = {name for f in functions for name in f.__code__.co_freevars}
+    return any(name in free for failure in failures for name in re.findall(r"L\['(\w+)'\]", failure))
 
 
 def _hooks_refusal(untimed: list[str]) -> str:

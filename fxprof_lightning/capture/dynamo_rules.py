@@ -60,7 +60,7 @@ def _not_compiling(on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    answers = torch_api.tracing_state_functions()
+    answers = torch_api.compiling_answers()
     saved = {f: answers[f] for f in COMPILING if f in answers}
     answers.update(dict.fromkeys(saved, False))
     try:

@@ -31,11 +31,17 @@ def _graph_break_reasons() -> list[Any]:
 
 
 # What a graph break's reason (its first line) says the code did with a tensor's value on the host: each waits for
-# the device to finish all the work queued before it (a host sync), at every call.
+# the device to finish all the work queued before it (a host sync), at every call. Dynamo's wording differs by
+# version, so each entry is a part of the first line, matched case-insensitively: "Tensor.item" (2.6; 2.11 and 2.14
+# read "Unsupported Tensor.item() call ..."), a branch as "Dynamic control flow is not supported" (2.6) or
+# "Data-dependent branching" (2.11, 2.14) in the graph that breaks, and "generic_jump TensorVariable()" in the frame
+# Dynamo starts again at the branch (all versions; after a recapture only the former may be recorded).
 HOST_READS = {
-    "Tensor.item()": "reads a tensor's value (`.item()`, `float(t)`, `bool(t)`)",
-    "Tensor.tolist()": "reads a tensor's values (`.tolist()`)",
+    "Tensor.item": "reads a tensor's value (`.item()`, `float(t)`, `bool(t)`)",
+    "Tensor.tolist": "reads a tensor's values (`.tolist()`)",
     "generic_jump TensorVariable": "branches on a tensor's value (`if t ...:`)",
+    "Data-dependent branching": "branches on a tensor's value (`if t ...:`)",
+    "Dynamic control flow is not supported": "branches on a tensor's value (`if t ...:`)",
     "Dynamic shape operator": "calls an op whose output size depends on the values (`nonzero`, a boolean mask)",
     "Data dependent operator": "needs a tensor's values on the host (`.numpy()`, a data-dependent op)",
 }
@@ -49,8 +55,8 @@ def host_reads(reasons: list[Any], root: nn.Module) -> dict[str, str]:
     found: dict[str, str] = {}
     modules = list(root.named_modules())
     for reason in reasons:
-        first = reason.reason.splitlines()[0] if reason.reason else ""
-        what = next((text for key, text in HOST_READS.items() if key in first), None)
+        first = reason.reason.splitlines()[0].lower() if reason.reason else ""
+        what = next((text for key, text in HOST_READS.items() if key.lower() in first), None)
         if what is None or not reason.user_stack:
             continue
         inner = reason.user_stack[-1]

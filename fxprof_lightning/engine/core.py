@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxprof_lightning import FxprofWarning
+from fxprof_lightning import FxprofWarning, torch_api
 from fxprof_lightning.analysis.roofline import Peaks
 from fxprof_lightning.capture.compiled import is_compiled, missing_for_kernels
 from fxprof_lightning.capture.timers import Timers
@@ -364,11 +364,18 @@ def _nothing_recorded(schedule: Schedule, steps: int) -> str | None:
             "run more steps or lower wait/skip_first")
 
 
+# torch's own backends that compile no Inductor kernels: a module compiled by one has no kernels to time.
+NOT_INDUCTOR = ("eager", "aot_eager", "aot_eager_decomp_partition", "cudagraphs")
+
+
 def _kernels_unreadable(target: nn.Module, torch_profiler: bool) -> str | None:
     """Why a torch.compile'd module's per-layer times cannot come from its kernels in this run, or None."""
     if not torch_profiler:
         return (f"{type(target).__name__} is torch.compile'd: its per-layer times come from its kernels in the "
                 "torch.profiler trace, and torch_profiler=False turns that off, so node timing is off too")
+    if (backend := torch_api.compile_backend(target)) in NOT_INDUCTOR:  # (else known after the cycle: ``collect``)
+        return (f"{type(target).__name__} is torch.compile'd, but no Inductor-compiled graph ran: its backend is "
+                f"{backend!r}, not Inductor, so its layers have no times; the torch.profiler trace is written")
     if missing := missing_for_kernels():
         return (f"{type(target).__name__} is torch.compile'd: its per-layer times come from its kernels, traced back "
                 f"to its layers by Inductor's {missing}, which torch {torch.__version__} lacks (torch 2.14 has it), so "
