@@ -34,13 +34,15 @@ def _graph_break_reasons() -> list[Any]:
 
 
 # What a graph break's reason (its first line) says the code did with a tensor's value on the host: each waits for
-# the device to finish all the work queued before it (a host sync), at every call.
+# the device to finish all the work queued before it (a host sync), at every call. Matched ignoring case, as a part
+# of the first line: 2.6-2.7 say ``Tensor.item`` and ``dynamic shape operator: ...``, later ones ``Unsupported
+# Tensor.item() call ...`` and ``Dynamic shape operator ...``.
 HOST_READS = {
-    "Tensor.item()": "reads a tensor's value (`.item()`, `float(t)`, `bool(t)`)",
-    "Tensor.tolist()": "reads a tensor's values (`.tolist()`)",
-    "generic_jump TensorVariable": "branches on a tensor's value (`if t ...:`)",
-    "Dynamic shape operator": "calls an op whose output size depends on the values (`nonzero`, a boolean mask)",
-    "Data dependent operator": "needs a tensor's values on the host (`.numpy()`, a data-dependent op)",
+    "tensor.item": "reads a tensor's value (`.item()`, `float(t)`, `bool(t)`)",
+    "tensor.tolist": "reads a tensor's values (`.tolist()`)",
+    "generic_jump tensorvariable": "branches on a tensor's value (`if t ...:`)",
+    "dynamic shape operator": "calls an op whose output size depends on the values (`nonzero`, a boolean mask)",
+    "data dependent operator": "needs a tensor's values on the host (`.numpy()`, a data-dependent op)",
 }
 
 
@@ -52,7 +54,7 @@ def host_reads(reasons: list[Any], root: nn.Module) -> dict[str, str]:
     found: dict[str, str] = {}
     modules = list(root.named_modules())
     for reason in reasons:
-        first = reason.reason.splitlines()[0] if reason.reason else ""
+        first = reason.reason.splitlines()[0].lower() if reason.reason else ""
         what = next((text for key, text in HOST_READS.items() if key in first), None)
         if what is None or not reason.user_stack:
             continue
