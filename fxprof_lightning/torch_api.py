@@ -401,3 +401,43 @@ def compiling_answers() -> dict[Any, Any]:
     answered as Dynamo answers them, and a model that branches on them is refused)."""
     answers = tracing_state_functions() if callable(tracing_state_functions) else tracing_state_functions
     return answers if isinstance(answers, dict) else {}
+
+# ---- added by sound-range
+
+# Where a Dynamo context has no cache of its own (< 2.14, ``ISOLATED_CACHE``), the frames Dynamo starts inside
+# submodules (after a graph break in a loop) keep a dropped capture's cache entries on the user's code objects: a
+# later capture of the same timer matches them (its backend compares equal) and compiles nothing. Forgetting them
+# needs the codes Dynamo compiled (``input_codes``, 2.0+), the compile each graph came from (2.1+), and invalidating
+# one entry as torch does when a guarded object dies (``ExtraState.invalidate``, 2.6+). Without them a capture after
+# a dropped one reuses the dropped graphs.
+_input_codes = _find("torch._dynamo.convert_frame:input_codes", "a dropped capture's graphs are not forgotten")
+_DeletedGuardManager = _find("torch._dynamo.guards:DeletedGuardManagerWrapper",
+                             "a dropped capture's graphs are not forgotten")
+
+
+def current_compile_id() -> Any:
+    """The id of the compile Dynamo is in (called from a backend), or None."""
+    return torch._guards.CompileContext.current_compile_id()
+
+
+def forget_compiles(compile_ids: set[Any]) -> None:
+    """Invalidate the cache entries Dynamo made in the compiles ``compile_ids`` (their guards fail from now on), where
+    a context has no cache of its own (``ISOLATED_CACHE``: a new context's cache is already empty)."""
+    if ISOLATED_CACHE or not compile_ids or _input_codes is None or _DeletedGuardManager is None:
+        return
+    for reference in list(_input_codes.seen):
+        code = reference()
+        for entry in cache_entries(code, None) if code is not None else ():
+            manager = entry.guard_manager
+            if entry.compile_id in compile_ids and getattr(manager, "cache_entry", None) is not None:
+                manager.extra_state.invalidate(manager.cache_entry, _DeletedGuardManager("dropped by fxprof_lightning"))
+
+# The MoE experts' grouped matmul (``torch._grouped_mm``, 2.8+; not in 2.6): ``flops.float_grouped_mm_meta`` gives it
+# a float32 meta kernel. Without it no model can call it, and the block changes nothing.
+grouped_mm = _find("torch:_grouped_mm", "nothing to give a meta kernel (no model can call it)")
+# What ``torch.utils.checkpoint(use_reentrant=False)`` runs at each call, looked up in its module at run time: the
+# generator's ``_impl`` (2.14+), ``_checkpoint_without_reentrant_generator`` itself before (2.6-2.13). Without
+# either, checkpointed calls are not counted (tests only; ``leaves.CHECKPOINT_INTERNALS`` takes both).
+NON_REENTRANT_CHECKPOINT = next((name for name in ("_checkpoint_without_reentrant_generator_impl",
+                                                   "_checkpoint_without_reentrant_generator")
+                                 if _find(f"torch.utils.checkpoint:{name}", "the older name is tried") is not None), None)

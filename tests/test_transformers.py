@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from fxprof_lightning import FXProfilerCallback
+from fxprof_lightning import FXProfilerCallback, torch_api
 from fxprof_lightning.capture.example_guards import GraphMismatch
 from fxprof_lightning.capture.guarded_timer import GuardedNodeTimer
 from fxprof_lightning.capture.ladder import capture
@@ -379,13 +379,14 @@ def test_gradient_checkpointed_layers_stay_whole_and_training_is_unchanged(tmp_p
 
 def test_the_graph_checkpoints_and_saves_what_the_model_saves(monkeypatch):
     calls = []
-    internal = torch.utils.checkpoint._checkpoint_without_reentrant_generator_impl
+    name = torch_api.NON_REENTRANT_CHECKPOINT  # (what checkpoint(use_reentrant=False) runs: its name differs by torch)
+    internal = getattr(torch.utils.checkpoint, name)
 
     def counted(*args, **kwargs):
         calls.append(1)
         return internal(*args, **kwargs)
 
-    monkeypatch.setattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator_impl", counted)
+    monkeypatch.setattr(torch.utils.checkpoint, name, counted)
     model = checkpointed_llama().train()
     ids = torch.randint(3, VOCAB, (2, SEQ))
 

@@ -483,6 +483,7 @@ class DynamoTimer(DynamoGraphs):
 
     def _drop(self, attempt: _Attempt) -> None:
         """Forget an attempt's graphs: a fresh Dynamo cache, so that the next call captures again."""
+        torch_api.forget_compiles({graph.compile_id for graph in self.graphs[attempt.graphs:]})
         del self.graphs[attempt.graphs:], self._uncounted[attempt.uncounted:]
         self._expected.clear()
         self._context = self._new_context()

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from fxprof_lightning import torch_api
 from fxprof_lightning.capture.checkpoints import (
     _checkpointed_bodies,
     _recompute_log,
@@ -42,6 +43,7 @@ class _Graph:
     hooked: fx.GraphModule | None = None
     anchor: _Anchor | None = None
     inputs: list[Any] = field(default_factory=list)  # the capture's inputs for counting FLOPs (``_meta_input``)
+    compile_id: Any = None  # the Dynamo compile it came from (``torch_api.forget_compiles``)
     others: dict[str, _Graph] = field(default_factory=dict)
 
 
@@ -81,7 +83,7 @@ class DynamoGraphs(NodeTimer):
         for graph_module in (captured, *_checkpointed_bodies(captured)):
             annotate_rows(graph_module, self._names, anchor.frame if anchor else "")
         graph = _Graph(captured, self._instrument(captured, self._annotate, hooked=self._cuda), anchor=anchor,
-                       inputs=[_meta_input(t) for t in example_inputs])
+                       inputs=[_meta_input(t) for t in example_inputs], compile_id=torch_api.current_compile_id())
         self.graphs.append(graph)
         # Counted when asked (``costs``, after the cycle), not here inside the capture's checked calls.
         self._uncounted.append((inline_checkpoints(captured), graph.inputs))
