@@ -441,3 +441,26 @@ grouped_mm = _find("torch:_grouped_mm", "nothing to give a meta kernel (no model
 NON_REENTRANT_CHECKPOINT = next((name for name in ("_checkpoint_without_reentrant_generator_impl",
                                                    "_checkpoint_without_reentrant_generator")
                                  if _find(f"torch.utils.checkpoint:{name}", "the older name is tried") is not None), None)
+
+
+# ---- added by main: libraries' checks Dynamo 2.6 cannot trace
+
+# ``torch.compiler.is_exporting`` (2.7+). Libraries call it inside ``try``/``except`` (transformers' masks), and where
+# it is missing Dynamo 2.6 cannot trace the ``AttributeError`` that the ``except`` catches: the capture failed. While
+# a capture is installed, a torch without it lends one that answers False, as the missing name's ``except`` does.
+HAS_IS_EXPORTING = hasattr(torch.compiler, "is_exporting")
+
+
+def _not_exporting() -> bool:
+    return False
+
+
+def lend_is_exporting(lent: bool) -> None:
+    """Put ``torch.compiler.is_exporting`` (answering False) in place, or take it back, on a torch that lacks it; the
+    same function object each time, since Dynamo's graphs guard on it."""
+    if HAS_IS_EXPORTING:
+        return
+    if lent:
+        torch.compiler.is_exporting = _not_exporting
+    elif getattr(torch.compiler, "is_exporting", None) is _not_exporting:
+        del torch.compiler.is_exporting

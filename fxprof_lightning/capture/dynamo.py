@@ -127,7 +127,7 @@ def _check_key_padding_mask(key_padding_mask: torch.Tensor, src_len: int, bsz: i
 
 class _TraceableChecks:
     """While a ``DynamoTimer`` is installed, torch's own checks that Dynamo cannot trace run as traceable equivalents
-    (``_check_key_padding_mask``): each function keeps its identity and gets the other's code, since Dynamo guards on
+    (``_check_key_padding_mask``; ``torch.compiler.is_exporting`` where this torch lacks it): each function keeps its identity and gets the other's code, since Dynamo guards on
     the code it traced (put back at uninstall, the graphs would miss their guards). Counted: timers may overlap."""
 
     def __init__(self) -> None:
@@ -136,6 +136,8 @@ class _TraceableChecks:
 
     def enter(self) -> None:
         self.users += 1
+        if self.users == 1:
+            torch_api.lend_is_exporting(True)
         function = torch_api.check_key_padding_mask
         code, ours = getattr(function, "__code__", None), _check_key_padding_mask.__code__
         if self.users == 1 and code is not None and code.co_argcount == ours.co_argcount and not code.co_freevars:
@@ -143,6 +145,8 @@ class _TraceableChecks:
 
     def exit(self) -> None:
         self.users = max(self.users - 1, 0)
+        if self.users == 0:
+            torch_api.lend_is_exporting(False)
         if self.users == 0 and self.original is not None:
             torch_api.check_key_padding_mask.__code__, self.original = self.original, None
 
