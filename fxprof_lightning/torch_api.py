@@ -464,3 +464,26 @@ def lend_is_exporting(lent: bool) -> None:
         torch.compiler.is_exporting = _not_exporting
     elif getattr(torch.compiler, "is_exporting", None) is _not_exporting:
         del torch.compiler.is_exporting
+
+# ---- added by compiled-range
+
+# Inductor's record of the post-grad nodes each kernel was made from, kept while ``trace.provenance_tracking_level``
+# is not 0 (2.11+; not 2.6, 2.8): the module ``torch._inductor.debug``, whose ``_inductor_triton_kernel_to_post_grad_
+# node_info`` (kernel ``"name:handle"`` -> post-grad node names; a fresh dict for each ``compile_fx`` call, the module's
+# own for a backward compiled lazily, after it) and ``_inductor_kernel_provenance_debug_handle`` (the last handle
+# given) are read at each post-grad pass (``kernel_provenance``). Used where ``trace.provenance_tracking_to_timeline``
+# (2.14+) is absent: 2.11-2.13. Without them, compiled modules get no per-layer times from kernels
+# (``compiled.missing_for_kernels``).
+inductor_debug = _find("torch._inductor.debug", "no per-layer times from kernels")
+PROVENANCE_LEVEL = (inductor_config is not None and hasattr(inductor_config.trace, "provenance_tracking_level")
+                    and isinstance(getattr(inductor_debug, "_inductor_triton_kernel_to_post_grad_node_info", None), dict)
+                    and isinstance(getattr(inductor_debug, "_inductor_kernel_provenance_debug_handle", None), int))
+if not PROVENANCE_LEVEL:
+    MISSING["torch._inductor.debug:_inductor_triton_kernel_to_post_grad_node_info"] = "no per-layer times from kernels"
+
+
+def kernel_provenance() -> tuple[dict[str, list[str]], int]:
+    """Inductor's kernel -> post-grad nodes record now in use, and the last debug handle it gave (``PROVENANCE_LEVEL``):
+    the kernels a graph's code generation adds after its post-grad pass have greater handles, in that dict."""
+    return (inductor_debug._inductor_triton_kernel_to_post_grad_node_info,
+            inductor_debug._inductor_kernel_provenance_debug_handle)

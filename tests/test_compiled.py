@@ -16,8 +16,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from fxprof_lightning import FXProfilerCallback
-from fxprof_lightning.capture.compiled import module_path
+from fxprof_lightning import FXProfilerCallback, torch_api
+from fxprof_lightning.capture.compiled import CompiledKernels, missing_for_kernels, module_path
 
 ONE_CYCLE = {"skip_first": 1, "wait": 0, "warmup": 1, "active": 2, "repeat": 1}
 
@@ -86,8 +86,21 @@ def train_compiled_both(tmp_path, make_model, loader_fn, steps=4):
     return callback
 
 
-def test_a_compiled_resnet_gets_per_layer_times_from_its_kernels(tmp_path):
+def without_rows(callback, recwarn) -> bool:
+    """Where this torch's Inductor cannot trace kernels back to layers (2.6, 2.8): the cycle has the trace alone,
+    and the user was told, naming the torch version."""
+    if not missing_for_kernels():
+        return False
+    (cycle,) = callback.cycles
+    assert cycle.nodes == [] and len(cycle.trace_paths) == 1
+    assert any(f"which torch {torch.__version__} lacks" in str(w.message) for w in recwarn)
+    return True
+
+
+def test_a_compiled_resnet_gets_per_layer_times_from_its_kernels(tmp_path, recwarn):
     callback = train_compiled_both(tmp_path, TinyResNet, image_loader)
+    if without_rows(callback, recwarn):
+        return
     (cycle,) = callback.cycles
     assert cycle.capture.method == "compiled" and "provenance" in cycle.capture.describe()
     rows = {n.name: n for n in cycle.nodes}
@@ -123,8 +136,10 @@ def test_a_compiled_resnet_gets_per_layer_times_from_its_kernels(tmp_path):
     assert "layer1 (Sequential)" in tree_text and "conv (Conv2d)" in tree_text
 
 
-def test_a_compiled_transformer_gets_per_layer_times_from_its_kernels(tmp_path):
+def test_a_compiled_transformer_gets_per_layer_times_from_its_kernels(tmp_path, recwarn):
     callback = train_compiled_both(tmp_path, TinyTransformer, token_loader)
+    if without_rows(callback, recwarn):
+        return
     (cycle,) = callback.cycles
     paths = {n.module_path for n in cycle.nodes}
     assert {"encoder.linear1", "encoder.linear2", "head"} <= paths  # the MLP's matmuls and the head, each its own
@@ -150,14 +165,31 @@ class WithGraphBreak(nn.Module):
         return self.second(x)
 
 
-def test_graph_breaks_are_listed_and_both_graphs_timed(tmp_path):
+def test_graph_breaks_are_listed_and_both_graphs_timed(tmp_path, recwarn):
     generator = torch.Generator().manual_seed(0)
     loader = DataLoader(TensorDataset(torch.randn(32, 8, generator=generator), torch.randint(0, 4, (32,), generator=generator)),
                         batch_size=4)
     callback = train_compiled_both(tmp_path, WithGraphBreak, lambda: loader)
+    if without_rows(callback, recwarn):
+        return
     (cycle,) = callback.cycles
     assert any("graph_break" in reason for reason in cycle.capture.graph_breaks), cycle.capture.graph_breaks
     rows = {n.module_path: n for n in cycle.nodes}
     for layer in ("first", "second"):
         assert rows[layer].calls == 2 and rows[layer].total_ms > 0 and rows[layer].bwd_total_ms > 0
     assert "graph breaks: " in cycle.capture.describe() and "\n" not in cycle.capture.describe()  # one line
+
+
+@pytest.mark.skipif(not torch_api.PROVENANCE_LEVEL or missing_for_kernels() is not None, reason="no provenance record")
+def test_each_graph_gets_the_kernels_added_to_the_record_after_its_post_grad_pass(monkeypatch):
+    """torch 2.11-2.13 keep one record of kernels per compile_fx call, and the module's own for a backward compiled
+    lazily; handles count up in each. A graph's kernels are those after its pass, up to the next pass's."""
+    monkeypatch.setattr("fxprof_lightning.capture.compiled._timeline", lambda: False)
+    kernels = CompiledKernels()
+    compile_fx = {"cpp_fused_relu_0:1": ["relu"], "extern_kernels.addmm:2": ["addmm"], "extern_kernels.mm:3": ["mm"]}
+    lazy = {"cpp_fused_sum_0:1": ["sum_1"], "extern_kernels.mm:2": ["mm_1"], "extern_kernels.mm:3": ["mm_2"]}
+    kernels.records += [(("0/0", False), compile_fx, 0), (("0/0", True), lazy, 0), (("1/0", False), compile_fx, 2),
+                        (("1/0", True), lazy, 2)]
+    found = {key: [k.event for k in graph] for key, graph in kernels.kernels().items()}
+    assert found == {("0/0", False): ["cpp_fused_relu_0", "aten::addmm"], ("0/0", True): ["cpp_fused_sum_0", "aten::mm"],
+                     ("1/0", False): ["aten::mm"], ("1/0", True): ["aten::mm"]}

@@ -9,9 +9,14 @@ each kernel is traced back to the model's modules with what Inductor knows at co
    (``aten::convolution``). All are direct children of the ``## Call CompiledFxGraph ##`` range
    of the graph that ran, forward (under ``CompiledFunction``) or backward (under
    ``CompiledFunctionBackward``).
-2. Provenance tracking (``trace.provenance_tracking_to_timeline``): for each compiled graph, the
-   kernels in the order the graph calls them, each with the post-grad FX nodes it was made from
-   (``torch._inductor.debug.get_kernel_information_jsons``).
+2. Provenance tracking: for each compiled graph, the kernels in the order the graph calls them,
+   each with the post-grad FX nodes it was made from. torch 2.14+ keeps them per graph
+   (``trace.provenance_tracking_to_timeline``, ``torch._inductor.debug.get_kernel_information_jsons``);
+   2.11-2.13 keep one record of all kernels (``trace.provenance_tracking_level``; kernels named
+   ``name:handle``, handles in the order of code generation), and a graph's kernels are those added
+   to it after the graph's post-grad pass, up to the next graph's. torch 2.6 and 2.8 record none
+   (2.9 and 2.10 not checked), and a compiled module there gets its trace alone
+   (``missing_for_kernels``).
 3. A post-grad pass (``post_grad_custom_post_pass``, chained before the user's own) notes the
    module of each post-grad node: ``nn_module_stack`` in forward graphs, ``fwd_nn_module_stack``
    (the forward op's) in backward graphs.
@@ -65,14 +70,20 @@ def is_compiled(module: nn.Module) -> bool:
 
 
 def missing_for_kernels() -> str | None:
-    """What this torch's Inductor lacks for per-layer times from kernels (None: nothing; torch 2.14 has all of it)."""
+    """What this torch's Inductor lacks for per-layer times from kernels (None: nothing; torch 2.11 has all of it)."""
     if torch_api.inductor_config is None or torch_api.functorch_config is None or torch_api.CompileContext is None:
         return "torch._inductor (or torch._functorch, torch._guards)"
-    if not hasattr(torch_api.inductor_config.trace, "provenance_tracking_to_timeline"):
-        return "trace.provenance_tracking_to_timeline"
-    if torch_api.get_kernel_information_jsons is None:
-        return "debug.get_kernel_information_jsons"
+    if _timeline():
+        return None if torch_api.get_kernel_information_jsons is not None else "debug.get_kernel_information_jsons"
+    if not torch_api.PROVENANCE_LEVEL:
+        return "trace.provenance_tracking_level"
     return None
+
+
+def _timeline() -> bool:
+    """Whether Inductor keeps each compiled graph's kernels itself (2.14+), or their record is read at each post-grad
+    pass (``torch_api.kernel_provenance``, 2.11-2.13)."""
+    return hasattr(torch_api.inductor_config.trace, "provenance_tracking_to_timeline")
 
 
 @dataclass
@@ -94,8 +105,9 @@ class _ModulePass:
     ``previous``. The function is the call Dynamo saw in the model's code (``source_fn_stack``: ``linear``,
     ``layer_norm``, ``multi_head_attention_forward``, ``add``); a backward node has its forward op's."""
 
-    def __init__(self, graphs: dict[tuple[str, bool], dict[str, tuple[str, str]]], previous: Any) -> None:
-        self.graphs, self.previous = graphs, previous
+    def __init__(self, graphs: dict[tuple[str, bool], dict[str, tuple[str, str]]], previous: Any,
+                 records: list[tuple[tuple[str, bool], dict[str, list[str]], int]] | None = None) -> None:
+        self.graphs, self.previous, self.records = graphs, previous, records
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         compile_id = torch_api.CompileContext.current_compile_id()
@@ -110,9 +122,12 @@ class _ModulePass:
             function = functions[-1][0] if functions else getattr(node.target, "__name__", str(node.target)).split(".")[0]
             origins[node.name] = (module_path(list(stack.values())[-1][0]) if stack else TOP, re.sub(r"_\d+$", "", function))
         self.graphs[(str(compile_id), backward)] = origins
-        # Inductor keeps the kernels of each graph under its compile id, and keeps the first it saw: compile ids
-        # start again after torch._dynamo.reset(), so an entry of an earlier graph with this id is dropped.
-        torch_api.get_kernel_information_jsons().pop(str((f"{REGION}{compile_id}", backward)), None)
+        if self.records is not None:  # 2.11-2.13: the graph's kernels are those added to this record from now on
+            self.records.append(((str(compile_id), backward), *torch_api.kernel_provenance()))
+        else:
+            # Inductor keeps the kernels of each graph under its compile id, and keeps the first it saw: compile ids
+            # start again after torch._dynamo.reset(), so an entry of an earlier graph with this id is dropped.
+            torch_api.get_kernel_information_jsons().pop(str((f"{REGION}{compile_id}", backward)), None)
         if self.previous is not None:
             self.previous(graph)
 
@@ -135,24 +150,29 @@ class CompiledKernels:
 
     def __init__(self) -> None:
         self.graphs: dict[tuple[str, bool], dict[str, tuple[str, str]]] = {}
+        # 2.11-2.13: at each post-grad pass, the graph, Inductor's kernel record then in use and its last handle
+        self.records: list[tuple[tuple[str, bool], dict[str, list[str]], int]] = []
         self._saved: dict[str, Any] | None = None
 
     def start(self) -> None:
         inductor_config, functorch_config = torch_api.inductor_config, torch_api.functorch_config
         if self._saved is not None:
             return
+        provenance = "provenance_tracking_to_timeline" if _timeline() else "provenance_tracking_level"
         self._saved = {
             "enable_kernel_profile": inductor_config.cpp.enable_kernel_profile,
-            "provenance_tracking_to_timeline": inductor_config.trace.provenance_tracking_to_timeline,
+            provenance: getattr(inductor_config.trace, provenance),
             "fx_graph_cache": inductor_config.fx_graph_cache,
             "enable_autograd_cache": functorch_config.enable_autograd_cache,
             "post_grad_custom_post_pass": inductor_config.post_grad_custom_post_pass,
         }
         inductor_config.cpp.enable_kernel_profile = True
-        inductor_config.trace.provenance_tracking_to_timeline = True
+        # 2.11-2.13: level 2 ("basic") records each kernel's post-grad nodes, and no pre-grad stack traces
+        setattr(inductor_config.trace, provenance, True if provenance == "provenance_tracking_to_timeline" else 2)
         inductor_config.fx_graph_cache = False
         functorch_config.enable_autograd_cache = False
-        inductor_config.post_grad_custom_post_pass = _ModulePass(self.graphs, self._saved["post_grad_custom_post_pass"])
+        inductor_config.post_grad_custom_post_pass = _ModulePass(self.graphs, self._saved["post_grad_custom_post_pass"],
+                                                                 None if _timeline() else self.records)
 
     def stop(self) -> None:
         inductor_config, functorch_config = torch_api.inductor_config, torch_api.functorch_config
@@ -160,7 +180,9 @@ class CompiledKernels:
             return
         saved, self._saved = self._saved, None
         inductor_config.cpp.enable_kernel_profile = saved["enable_kernel_profile"]
-        inductor_config.trace.provenance_tracking_to_timeline = saved["provenance_tracking_to_timeline"]
+        for provenance in ("provenance_tracking_to_timeline", "provenance_tracking_level"):
+            if provenance in saved:
+                setattr(inductor_config.trace, provenance, saved[provenance])
         inductor_config.fx_graph_cache = saved["fx_graph_cache"]
         functorch_config.enable_autograd_cache = saved["enable_autograd_cache"]
         inductor_config.post_grad_custom_post_pass = saved["post_grad_custom_post_pass"]
@@ -168,15 +190,37 @@ class CompiledKernels:
     def kernels(self) -> dict[tuple[str, bool], list[_Kernel]]:
         """Per compiled graph (compile id, backward), its kernels in call order."""
         result = {}
-        for region, kernels in torch_api.get_kernel_information_jsons().items():
-            match = re.fullmatch(rf"\('{REGION}(.+)', (True|False)\)", region)
-            if match is None:
-                continue
-            key = (match.group(1), match.group(2) == "True")
+        for key, kernels in self._post_grad_nodes().items():
             origins = self.graphs.get(key, {})
-            ordered = sorted(kernels.items(), key=lambda item: int(item[0].rsplit(":", 1)[1]))
-            result[key] = [_kernel(name.rsplit(":", 1)[0], info.get("post_grad_nodes", []), origins) for name, info in ordered]
+            ordered = sorted(kernels.items(), key=lambda item: _handle(item[0]))
+            result[key] = [_kernel(name.rsplit(":", 1)[0], nodes, origins) for name, nodes in ordered]
         return result
+
+    def _post_grad_nodes(self) -> dict[tuple[str, bool], dict[str, list[str]]]:
+        """Per compiled graph, its kernels (``"name:handle"``) and the post-grad nodes of each."""
+        if _timeline():
+            found = {}
+            for region, kernels in torch_api.get_kernel_information_jsons().items():
+                match = re.fullmatch(rf"\('{REGION}(.+)', (True|False)\)", region)
+                if match is not None:
+                    found[(match.group(1), match.group(2) == "True")] = {
+                        name: info.get("post_grad_nodes", []) for name, info in kernels.items()}
+            return found
+        # 2.11-2.13: a graph's kernels are those its code generation added to the record in use at its post-grad
+        # pass: handles after the one given then, up to the next graph's pass with the same record (a later pass
+        # of the same graph, after torch._dynamo.reset(), replaces it).
+        found = {}
+        for index, (key, record, first) in enumerate(self.records):
+            last = min((start for _, other, start in self.records[index + 1:] if other is record and start >= first),
+                       default=None)
+            found[key] = {name: nodes for name, nodes in record.items()
+                          if first < _handle(name) and (last is None or _handle(name) <= last)}
+        return found
+
+
+def _handle(kernel: str) -> int:
+    """The debug handle Inductor gave a kernel (``"cpp_fused_relu_1:3"``: 3)."""
+    return int(kernel.rsplit(":", 1)[1])
 
 
 def _kernel(name: str, post_grad_nodes: list[str], origins: dict[str, tuple[str, str]]) -> _Kernel:

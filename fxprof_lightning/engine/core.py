@@ -378,6 +378,6 @@ def _kernels_unreadable(target: nn.Module, torch_profiler: bool) -> str | None:
                 f"{backend!r}, not Inductor, so its layers have no times; the torch.profiler trace is written")
     if missing := missing_for_kernels():
         return (f"{type(target).__name__} is torch.compile'd: its per-layer times come from its kernels, traced back "
-                f"to its layers by Inductor's {missing}, which torch {torch.__version__} lacks (torch 2.14 has it), so "
+                f"to its layers by Inductor's {missing}, which torch {torch.__version__} lacks (torch 2.11 and newer have it), so "
                 "node timing is off; the torch.profiler trace is still recorded")
     return None
