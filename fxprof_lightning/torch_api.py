@@ -487,3 +487,20 @@ def kernel_provenance() -> tuple[dict[str, list[str]], int]:
     the kernels a graph's code generation adds after its post-grad pass have greater handles, in that dict."""
     return (inductor_debug._inductor_triton_kernel_to_post_grad_node_info,
             inductor_debug._inductor_kernel_provenance_debug_handle)
+
+# ---- added by guards-range
+
+# Whether Dynamo's guards catch a flip of a module parameter's ``requires_grad`` (``BackboneFinetuning`` unfreezing a
+# backbone). Not a private name: a version's behaviour. Before 2.14 (checked on 2.6.0 and 2.11.0) Dynamo's C++ guard
+# manager takes a tensor held in a dict (a module's ``_parameters``) as immutable while the dict's version tag is
+# unchanged, and skips its TENSOR_MATCH (requires_grad, dtype, shape): ``requires_grad_`` leaves the tag as it was, so
+# the graph of the frozen state passes its guards (2.11 names it ``config.skip_tensor_guards_with_matching_dict_tags``;
+# 2.6 has no setting). 2.14.1 fails the guard. Where False, the timer compares the parameters' flags itself before each
+# call (``dynamo._parameter_flags``) and captures again in a fresh cache; nothing is lost.
+PARAMETER_FLAGS_GUARDED = torch.torch_version.TorchVersion(TORCH) >= "2.14"
+# Whether Dynamo traces the module-level ``random.random()`` (a C method bound to ``random``'s own ``Random``) into its
+# graph, replaying the draw (2.14+, checked on 2.14.1); before (checked on 2.6.0, 2.11.0) it breaks the graph there and
+# draws eagerly, so the captured program is eager's, and the frame resumed after the break gets the drawn float as a
+# constant, an input of the graph from its second value on (automatic dynamic: one call missing the guards, untimed,
+# then a capture). Not a private name, nothing lost: tests read it to expect each torch's capture.
+TRACES_RANDOM_RANDOM = torch.torch_version.TorchVersion(TORCH) >= "2.14"

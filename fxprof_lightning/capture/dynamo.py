@@ -273,6 +273,7 @@ class DynamoTimer(DynamoGraphs):
         self.outside_graphs: list[str] = []  # layers that ran outside the graphs of the last capture (``Capture.untimed``)
         self.host_reads: dict[str, str] = {}  # module path -> where its forward reads a tensor's value (``host_reads``)
         self._global_hooks: tuple[tuple[int, ...], ...] = ()  # the global module hooks at the last capture
+        self._flags: _ParameterFlags | None = None  # parameters' requires_grad at the last capture (where Dynamo misses it)
         self._eager_hooks: tuple[Callable[..., Any], ...] = ()  # hook functions run eagerly (``_Way.eager_hooks``)
         # How Dynamo captures (``_explore`` may change it); FSDP2: following torch's frames (a hook's break in a loop)
         self._way, self._sharded = _Way(OPENED, follow=sharded), sharded
@@ -305,6 +306,9 @@ class DynamoTimer(DynamoGraphs):
             entered = time.perf_counter_ns()  # (the guards asked below are in the call's wall time)
             if self._pending is None and _global_hooks() != self._global_hooks:  # Dynamo does not guard on these
                 self._pending = "a global module hook (torch.nn.modules.module.register_module_*_hook) added or removed"
+            if self._pending is None and self._flags and (flipped := self._flags.flipped()):  # (< 2.14: Dynamo misses it)
+                self._pending = flipped
+                self._fresh_cache()
             state, missed = self._entry.check(args, kwargs) if self._entry is not None else (None, "")
             if missed and self._pending is None:
                 self._pending, self._streak = "a guard failed", self._streak + 1  # captured on this call, its state
@@ -407,6 +411,7 @@ class DynamoTimer(DynamoGraphs):
             self._refuse(attempt.difference)
             return own_forward(*args, **kwargs)
         self._global_hooks = _global_hooks()
+        self._flags = None if torch_api.PARAMETER_FLAGS_GUARDED else _ParameterFlags(module)
         state, missed = self._entry.check(args, kwargs) if self._entry is not None else (None, "")
         if missed:
             self._entry, state = None, None  # the guards cannot be asked before a call here (the call just captured would miss)
@@ -494,6 +499,15 @@ class DynamoTimer(DynamoGraphs):
         self._compiled = self._context(torch_api.own_code(self._own_forward))
         self._entry = _EntryGuards.of(self._compiled, self._context)
 
+    def _fresh_cache(self) -> None:
+        """Forget every graph's cache entries (their guards would pass a state they were not captured for): the next
+        capture compiles anew. The graphs stay in ``graphs``, as those of a guard failure."""
+        torch_api.forget_compiles({graph.compile_id for graph in self.graphs})
+        self._expected.clear()
+        self._context = self._new_context()
+        self._compiled = self._context(torch_api.own_code(self._own_forward))
+        self._entry = _EntryGuards.of(self._compiled, self._context)
+
     @property
     def untimed(self) -> str | None:
         if not self._misses:
@@ -530,6 +544,24 @@ def _global_hooks() -> tuple[tuple[int, ...], ...]:
     """The handles of the hooks every module runs (``register_module_forward_hook`` and its kin), which Dynamo inlines
     at capture and does not guard on: a change means capturing again."""
     return tuple(tuple(hooks) for hooks in torch_api.GLOBAL_MODULE_HOOKS)
+
+
+class _ParameterFlags:
+    """The ``requires_grad`` of the module's parameters at a capture, where Dynamo's guards miss a flip of it
+    (``torch_api.PARAMETER_FLAGS_GUARDED``): compared before each call (~30 ns a parameter)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.named = list(module.named_parameters())
+        self.flags = [p.requires_grad for _, p in self.named]
+
+    def flipped(self) -> str | None:
+        """Why the module must be captured again (a parameter's flag changed), or None."""
+        if [p.requires_grad for _, p in self.named] == self.flags:
+            return None
+        changed = [name for (name, p), flag in zip(self.named, self.flags, strict=True) if p.requires_grad != flag]
+        shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        return (f"requires_grad of {shown} changed (torch {torch_api.TORCH}'s Dynamo does not guard on a module "
+                "parameter's requires_grad; checked by fxprof_lightning)")
 
 
 # ---------------------------------------------------------------- verification
