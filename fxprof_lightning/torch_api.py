@@ -432,9 +432,6 @@ def forget_compiles(compile_ids: set[Any]) -> None:
             if entry.compile_id in compile_ids and getattr(manager, "cache_entry", None) is not None:
                 manager.extra_state.invalidate(manager.cache_entry, _DeletedGuardManager("dropped by fxprof_lightning"))
 
-# The MoE experts' grouped matmul (``torch._grouped_mm``, 2.8+; not in 2.6): ``flops.float_grouped_mm_meta`` gives it
-# a float32 meta kernel. Without it no model can call it, and the block changes nothing.
-grouped_mm = _find("torch:_grouped_mm", "nothing to give a meta kernel (no model can call it)")
 # What ``torch.utils.checkpoint(use_reentrant=False)`` runs at each call, looked up in its module at run time: the
 # generator's ``_impl`` (2.14+), ``_checkpoint_without_reentrant_generator`` itself before (2.6-2.13). Without
 # either, checkpointed calls are not counted (tests only; ``leaves.CHECKPOINT_INTERNALS`` takes both).
