@@ -1,5 +1,6 @@
 """Dynamo's rules changed while it captures: torch functions it traces into rather than keeps whole, the model's
-hooks it runs eagerly (their frames skipped), and ``torch.compiler.is_compiling()`` answered as eager answers it."""
+hooks it runs eagerly (their frames skipped), ``torch.compiler.is_compiling()`` answered as eager answers it, and
+torch's own checks that Dynamo cannot trace run as traceable twins while a timer is installed (``_TRACEABLE``)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,42 @@ def _not_compiling(on: bool) -> Iterator[None]:
         yield
     finally:
         answers.update(saved)
+
+
+def _check_key_padding_mask(key_padding_mask: torch.Tensor, src_len: int, bsz: int) -> None:
+    """``F._check_key_padding_mask`` as plain checks, the same conditions, error and message. The original passes its
+    message to ``torch._check_with`` as a closure over the mask's shape, which Dynamo cannot trace: it breaks the
+    graph inside the opened attention, which then stays one row whenever a padding mask is given."""
+    if key_padding_mask.shape[0] != bsz:
+        raise AssertionError(f"Expected key_padded_mask.shape[0] to be {bsz}, but got {key_padding_mask.shape[0]}")
+    if key_padding_mask.shape[1] != src_len:
+        raise AssertionError(f"Expected key_padded_mask.shape[1] to be {src_len}, but got {key_padding_mask.shape[1]}")
+
+
+class _TraceableChecks:
+    """While a ``DynamoTimer`` is installed, torch's own checks that Dynamo cannot trace run as traceable equivalents
+    (``_check_key_padding_mask``; ``torch.compiler.is_exporting`` where this torch lacks it): each function keeps its identity and gets the other's code, since Dynamo guards on
+    the code it traced (put back at uninstall, the graphs would miss their guards). Counted: timers may overlap."""
+
+    def __init__(self) -> None:
+        self.users = 0
+        self.original: Any = None  # torch's own code, while ours runs in its place
+
+    def enter(self) -> None:
+        self.users += 1
+        if self.users == 1:
+            torch_api.lend_is_exporting(True)
+        function = torch_api.check_key_padding_mask
+        code, ours = getattr(function, "__code__", None), _check_key_padding_mask.__code__
+        if self.users == 1 and code is not None and code.co_argcount == ours.co_argcount and not code.co_freevars:
+            self.original, function.__code__ = code, ours
+
+    def exit(self) -> None:
+        self.users = max(self.users - 1, 0)
+        if self.users == 0:
+            torch_api.lend_is_exporting(False)
+        if self.users == 0 and self.original is not None:
+            torch_api.check_key_padding_mask.__code__, self.original = self.original, None
+
+
+_TRACEABLE = _TraceableChecks()
