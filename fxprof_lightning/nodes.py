@@ -114,6 +114,8 @@ class Capture:
             value: host syncs on a GPU), module path -> what and where (``graph_breaks.host_reads``).
         untimed: ``dynamo``: layers whose parameters the forward used that no graph was given (they ran in a frame
             Dynamo ran eagerly, after a graph break inside a loop: untimed), module path -> why.
+        dynamo_messages: ``dynamo``: what Dynamo, Inductor and torch.fx logged or warned in our captures and timed
+            calls, each message once (kept off the console: ``timing.quiet.quiet_dynamo``).
         capture_s: seconds of each capture: ``dynamo``: Dynamo, the check against eager, the call; the torch.fx ladder:
             the tracing (with its retries and checks).
     """
@@ -130,6 +132,7 @@ class Capture:
     host_reads: dict[str, str] = field(default_factory=dict)
     untimed: dict[str, str] = field(default_factory=dict)
     capture_s: list[float] = field(default_factory=list)
+    dynamo_messages: list[str] = field(default_factory=list)
 
     @property
     def on_example(self) -> bool:

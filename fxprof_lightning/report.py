@@ -313,6 +313,7 @@ class CycleReport:
             "trace_files": [p.name for p in self.trace_paths], "device": self.device, "peaks": self.peaks, "phases": self.phases,
             "batch_size": self.batch_size, "dropped_steps": {str(step): why for step, why in self.dropped_steps.items()},
             "capture_s": self.capture_s, "trigger": self.trigger,
+            "dynamo_messages": list(getattr(self.capture, "dynamo_messages", None) or []),
         }
 
     def dropped_text(self) -> str:

@@ -20,6 +20,8 @@ too: ``TransformerEncoderLayer`` is opened), and breaks the graph where it canno
   captures again (and verifies) with the reason Dynamo gives (``recaptures``).
 * Its own cache (``isolate_recompiles``, or a copy of the forward's code object on a torch without it:
   ``torch_api.own_code``): the user's ``torch.compile`` of the same code is untouched.
+* Quiet: what Dynamo logs or warns in our calls through it (graph-break hints, recompiles) goes into the capture's
+  record (``Capture.dynamo_messages``), not the user's console (``timing.quiet.quiet_dynamo``).
 
 Rows: the ops of one call of a ``torch.nn`` layer without children (``Linear``, ``Conv2d``, ``BatchNorm2d`` with
 its ``num_batches_tracked`` update, ``Dropout``...) are one row named as ``torch.fx`` names a module call
@@ -50,6 +52,7 @@ from fxprof_lightning.capture.graph_breaks import _graph_break_counter, _graph_b
 from fxprof_lightning.capture.row_names import _Owners
 from fxprof_lightning.nodes import ROW, is_timed
 from fxprof_lightning.timing.flops import float_grouped_mm_meta
+from fxprof_lightning.timing.quiet import quiet_dynamo
 
 if TYPE_CHECKING:
     from fxprof_lightning.nodes import Capture
@@ -227,6 +230,7 @@ class DynamoTimer(DynamoGraphs):
         self.mismatch: str | None = None
         self.recaptures: list[str] = []
         self.capture_s: list[float] = []
+        self.dynamo_messages: list[str] = []  # what Dynamo logged or warned in our calls through it (``quiet_dynamo``)
         self._on_refused = on_refused
         self._entry: _EntryGuards | None = None  # asks the guards of the forward's own frame before a call
         self._guard_failures: list[str] = []
@@ -278,8 +282,10 @@ class DynamoTimer(DynamoGraphs):
                 if self._sharded and self.graphs:
                     self._refuse(f"{self._pending} {ONCE}")
                     return own_forward(*args, **kwargs)
-                return self._capture_call(module, own_forward, args, kwargs)
-            return self._timed_call(args, kwargs, state, after_capture=False, entered=entered)
+                with quiet_dynamo(self.dynamo_messages):  # (Dynamo's messages go to the record, not the console)
+                    return self._capture_call(module, own_forward, args, kwargs)
+            with quiet_dynamo(self.dynamo_messages, look=False):
+                return self._timed_call(args, kwargs, state, after_capture=False, entered=entered)
 
         module.forward = forward
         if self._way.eager_hooks:
@@ -489,7 +495,8 @@ class DynamoTimer(DynamoGraphs):
                   for info in self.nodes if info.target in whole}
         untimed = dict.fromkeys(self.outside_graphs, OUTSIDE_GRAPHS)
         return replace(capture, graphs=len(self.graphs), recaptures=list(self.recaptures), capture_s=list(self.capture_s),
-                       graph_breaks=self.graph_breaks(), leaves=leaves, host_reads=dict(self.host_reads), untimed=untimed)
+                       graph_breaks=self.graph_breaks(), leaves=leaves, host_reads=dict(self.host_reads), untimed=untimed,
+                       dynamo_messages=list(self.dynamo_messages))
 
     def graph_breaks(self) -> dict[str, int]:
         """Dynamo's graph breaks in this timer's captures, by reason (each code path is broken once per capture)."""

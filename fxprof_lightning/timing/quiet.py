@@ -16,20 +16,40 @@ STAGE, USDT, and the device-count error of a machine without a GPU driver). Pyth
 messages, the user's, and kineto's other warnings and errors (a trace that lost its GPU
 activity, say) still appear, in the order they were written. A user who set
 ``KINETO_LOG_LEVEL`` chose what kineto prints: then nothing is filtered.
+
+``quiet_dynamo(kept)`` does the same for Dynamo, around our captures (``DynamoTimer``'s calls that capture,
+check and time through Dynamo): what Dynamo, Inductor and torch.fx say there (a graph break's ``Tensor.item()``
+hint from ``nn.Transformer``'s causal-mask check, a recompile) is about our capture, not the user's training, so
+it goes into ``kept`` (the capture's record, ``Capture.dynamo_messages``) instead of the console:
+
+* records of the ``torch._dynamo``, ``torch._inductor`` and ``torch.fx.experimental.symbolic_shapes`` loggers
+  (and their children), held back by a filter on the handlers they reach (torch's own stderr handler), for the
+  calling thread only. A user who turned Dynamo's logs on (``TORCH_LOGS`` set, or one of those loggers' level set
+  below WARNING, as ``torch._logging.set_logs`` does) chose to see them: then the logs are left alone;
+* Python warnings whose ``warnings.warn`` call is in ``torch._dynamo``, ``torch._inductor`` or ``torch.fx``, held
+  back by a ``warnings.showwarning`` of ours for the block (not ``catch_warnings``, whose exit resets every
+  module's once-registry, so the user's own warnings would show again after each capture). Every other warning
+  (the user's, the package's ``FxprofWarning``) goes on to the ``showwarning`` that was there, as before.
+
+Dynamo's messages in the user's own ``torch.compile``, outside our captures (or in another thread), still show.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import logging
 import os
 import re
 import sys
 import tempfile
 import threading
+import warnings
 from collections.abc import Iterator
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
-__all__ = ["USER_SETTING", "is_routine_kineto_line", "quiet_kineto"]
+__all__ = ["DYNAMO_LOGGERS", "DYNAMO_MODULES", "USER_SETTING", "dynamo_logs_chosen_by_user", "is_routine_kineto_line",
+           "quiet_dynamo", "quiet_kineto"]
 
 # The environment variable by which a user sets what kineto prints; when set, we leave stderr alone.
 USER_SETTING = "KINETO_LOG_LEVEL"
@@ -125,3 +145,144 @@ def _write_all(fd: int, data: bytes) -> None:
         except OSError:  # stderr went away: what it would have shown is lost, as it would have been anyway
             return
         data = data[written:]
+
+
+# ---------------------------------------------------------------- Dynamo's messages about our captures
+
+# The loggers (with their children) whose records inside our captures are kept, not printed.
+DYNAMO_LOGGERS = ("torch._dynamo", "torch._inductor", "torch.fx.experimental.symbolic_shapes")
+# The modules whose warnings inside our captures are kept, not printed.
+DYNAMO_MODULES = ("torch._dynamo", "torch._inductor", "torch.fx")
+# The environment variable by which a user turns torch's logs on; when set, Dynamo's logs are left alone.
+TORCH_LOGS = "TORCH_LOGS"
+
+_dynamo_lock = threading.Lock()
+_kept_by_thread: dict[int, list[str]] = {}  # thread id -> where its messages go (its outermost quiet_dynamo's list)
+_held: list[tuple[logging.Handler, logging.Filter]] = []  # the filters of ours on handlers, while any block runs
+_looked: tuple[bool, list[logging.Handler]] | None = None  # at the last look: (logs chosen by the user, _handlers())
+_shown_before: Any = None  # warnings.showwarning before ours
+
+
+def _of(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def dynamo_logs_chosen_by_user() -> bool:
+    """Whether the user turned Dynamo's logs on: ``TORCH_LOGS`` set, or one of ``DYNAMO_LOGGERS`` (or a child: an
+    artifact such as ``graph_breaks`` turned on by ``torch._logging.set_logs``) set to a level below WARNING."""
+    if os.environ.get(TORCH_LOGS):
+        return True
+    if any(logging.getLogger(name).getEffectiveLevel() < logging.WARNING for name in DYNAMO_LOGGERS):
+        return True
+    loggers = list(logging.Logger.manager.loggerDict.items())
+    return any(isinstance(logger, logging.Logger) and _of(name, DYNAMO_LOGGERS) and not logger.disabled
+               and logging.NOTSET < logger.level < logging.WARNING for name, logger in loggers)
+
+
+def _add(kept: list[str], text: str) -> None:
+    text = text.rstrip()
+    if text not in kept:
+        kept.append(text)
+
+
+class _KeepDynamoRecords(logging.Filter):
+    """On a handler: a record of a Dynamo logger, emitted in a thread inside ``quiet_dynamo``, is kept, not handled."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        kept = _kept_by_thread.get(threading.get_ident())
+        if kept is None or not _of(record.name, DYNAMO_LOGGERS):
+            return True
+        try:
+            text = record.getMessage()
+        except Exception:  # a record whose arguments do not fit its message: its raw parts
+            text = f"{record.msg} {record.args}"
+        _add(kept, f"{record.levelname} {record.name}: {text}")
+        return False
+
+
+def _handlers() -> list[logging.Handler]:
+    """The handlers a Dynamo logger's record can reach (torch's stderr handler on ``torch._dynamo``, say; the user's
+    own where a logger propagates to them), and logging's last resort (used when none is found)."""
+    names = [*DYNAMO_LOGGERS, *(name for name, logger in list(logging.Logger.manager.loggerDict.items())
+                                if isinstance(logger, logging.Logger) and logger.handlers and _of(name, DYNAMO_LOGGERS))]
+    found: dict[int, logging.Handler] = {}
+    for name in names:
+        logger: logging.Logger | None = logging.getLogger(name)
+        while logger is not None:
+            found.update((id(h), h) for h in logger.handlers)
+            logger = logger.parent if logger.propagate else None
+    if logging.lastResort is not None:
+        found[id(logging.lastResort)] = logging.lastResort
+    return list(found.values())
+
+
+def _warned_in_dynamo(filename: str) -> bool:
+    """Whether the warning being shown was raised by ``DYNAMO_MODULES``' code: the first frame above the warnings
+    machinery (and this module) is the ``warnings.warn`` call's; or the file it is attributed to is theirs."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None and frame.f_globals.get("__name__") in ("warnings", __name__):
+            frame = frame.f_back
+        caller = frame.f_globals.get("__name__", "") if frame is not None else ""
+    finally:
+        del frame
+    path = filename.replace(os.sep, "/")
+    return _of(caller, DYNAMO_MODULES) or any(f"/{m.replace('.', '/')}/" in path for m in DYNAMO_MODULES)
+
+
+def _show_warning(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
+                  line: str | None = None) -> None:
+    """``warnings.showwarning`` while a ``quiet_dynamo`` block runs: Dynamo's warnings in such a block are kept."""
+    kept = _kept_by_thread.get(threading.get_ident())
+    if kept is not None and _warned_in_dynamo(filename):
+        _add(kept, f"{category.__name__} ({os.path.basename(filename)}:{lineno}): {message}")
+        return
+    shown = _shown_before
+    if shown is None or shown is _show_warning:  # (the block ended meanwhile, in another thread): as Python shows it
+        with contextlib.suppress(Exception):
+            (file or sys.stderr).write(warnings.formatwarning(message, category, filename, lineno, line))
+        return
+    shown(message, category, filename, lineno, file, line)
+
+
+@contextlib.contextmanager
+def quiet_dynamo(kept: list[str], look: bool = True) -> Iterator[None]:
+    """Keep what Dynamo says in the enclosed code (its loggers' records, its warnings) in ``kept``, each message once,
+    instead of printing it; see the module docstring. Nested blocks of a thread keep into the outermost's list.
+
+    ``look``: find the handlers and whether the user turned Dynamo's logs on anew (a look over every logger, some
+    hundred microseconds: at a capture); False, as found at the last look (a timed call: a few microseconds)."""
+    global _shown_before, _looked
+    thread = threading.get_ident()
+    with _dynamo_lock:
+        if thread in _kept_by_thread:
+            nested = True
+        else:
+            nested = False
+            first = not _kept_by_thread
+            _kept_by_thread[thread] = kept
+            if first:
+                if look or _looked is None:
+                    _looked = (dynamo_logs_chosen_by_user(), _handlers())
+                chosen, handlers = _looked
+                if not chosen and not os.environ.get(TORCH_LOGS):
+                    keeper = _KeepDynamoRecords()
+                    for handler in handlers:
+                        handler.addFilter(keeper)
+                        _held.append((handler, keeper))
+                _shown_before, warnings.showwarning = warnings.showwarning, _show_warning
+    if nested:
+        yield
+        return
+    try:
+        yield
+    finally:
+        with _dynamo_lock:
+            del _kept_by_thread[thread]
+            if not _kept_by_thread:
+                for handler, keeper in _held:
+                    handler.removeFilter(keeper)
+                _held.clear()
+                if warnings.showwarning is _show_warning:  # (else someone replaced it since: theirs stays)
+                    warnings.showwarning = _shown_before
+                _shown_before = None
