@@ -459,17 +459,13 @@ class DynamoTimer(DynamoGraphs):
 
     def _drop(self, attempt: _Attempt) -> None:
         """Forget an attempt's graphs: a fresh Dynamo cache, so that the next call captures again."""
-        torch_api.forget_compiles({graph.compile_id for graph in self.graphs[attempt.graphs:]})
+        self._fresh_cache(self.graphs[attempt.graphs:])
         del self.graphs[attempt.graphs:], self._uncounted[attempt.uncounted:]
-        self._expected.clear()
-        self._context = self._new_context()
-        self._compiled = self._context(torch_api.own_code(self._own_forward))
-        self._entry = _EntryGuards.of(self._compiled, self._context)
 
-    def _fresh_cache(self) -> None:
-        """Forget every graph's cache entries (their guards would pass a state they were not captured for): the next
-        capture compiles anew. The graphs stay in ``graphs``, as those of a guard failure."""
-        torch_api.forget_compiles({graph.compile_id for graph in self.graphs})
+    def _fresh_cache(self, graphs: list[Any] | None = None) -> None:
+        """Forget the cache entries of ``graphs`` (all: their guards would pass a state they were not captured for;
+        the graphs stay in ``graphs``, as those of a guard failure): the next capture compiles anew."""
+        torch_api.forget_compiles({graph.compile_id for graph in (self.graphs if graphs is None else graphs)})
         self._expected.clear()
         self._context = self._new_context()
         self._compiled = self._context(torch_api.own_code(self._own_forward))
