@@ -501,3 +501,8 @@ PARAMETER_FLAGS_GUARDED = torch.torch_version.TorchVersion(TORCH) >= "2.14"
 # constant, an input of the graph from its second value on (automatic dynamic: one call missing the guards, untimed,
 # then a capture). Not a private name, nothing lost: tests read it to expect each torch's capture.
 TRACES_RANDOM_RANDOM = torch.torch_version.TorchVersion(TORCH) >= "2.14"
+# Whether Dynamo traces ``torch.cuda.is_current_stream_capturing()`` where CUDA cannot be used (a CUDA build on a
+# machine without the driver): 2.14+. Before (2.6, 2.11 seen), it runs the call while tracing, which raises, where
+# eager's ``try``/``except`` (HF's ``is_tracing``) answers False: a capture that takes eager's branches of such code
+# fails there, and the model is timed by module hooks. On a machine with a GPU the call answers and nothing is lost.
+TRACES_STREAM_QUERY_WITHOUT_CUDA = torch.torch_version.TorchVersion(TORCH) >= "2.14"

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from fxprof_lightning import FXProfilerCallback, Profiler, torch_api
+from fxprof_lightning import FXProfilerCallback, FxprofWarning, Profiler, torch_api
 from fxprof_lightning.capture import dynamo as dynamo_capture
 from fxprof_lightning.capture import dynamo_rules
 
@@ -641,6 +641,11 @@ def test_llama_without_padding_is_captured_on_the_branches_eager_takes(tmp_path)
     with is_compiling() answered False takes eager's branches (the mask check breaks the graph) and is used."""
     from test_transformers import LitHF, tiny_llama
 
+    if not (torch.cuda.is_available() or torch_api.TRACES_STREAM_QUERY_WITHOUT_CUDA):  # (torch < 2.14, no usable CUDA)
+        with pytest.warns(FxprofWarning, match="is not the program eager runs"):  # refused, named; training unchanged
+            _, callback = train_both(tmp_path, lambda: LitHF(tiny_llama), steps=4, loader_fn=unpadded_lm_loader)
+        assert callback.cycles[0].capture.method == "module_hooks"
+        return
     _, callback = train_both(tmp_path, lambda: LitHF(tiny_llama), steps=4, loader_fn=unpadded_lm_loader)
     cycle = callback.cycles[0]
     assert cycle.capture.method == "dynamo" and "refused" not in cycle.capture.error

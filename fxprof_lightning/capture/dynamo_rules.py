@@ -50,8 +50,11 @@ def _hooks_eager(functions: tuple[Callable[..., Any], ...]) -> contextlib.Abstra
 
 
 # What Dynamo answers for "are we compiling?" while it traces (constant-folded: no guard on it).
+# ``torch.compiler.is_exporting`` too: Dynamo 2.11 answers it True while tracing (2.14 reads the real flag), and HF
+# keeps its attention mask on that branch.
 COMPILING = tuple(f for f in (torch.compiler.is_compiling, torch.compiler.is_dynamo_compiling,
-                              torch_api.external_is_compiling, torch_api.utils_is_compiling) if f is not None)
+                              torch_api.external_is_compiling, torch_api.utils_is_compiling,
+                              getattr(torch.compiler, "is_exporting", None)) if f is not None)
 
 
 @contextlib.contextmanager
