@@ -16,6 +16,7 @@ import importlib
 import inspect
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -501,3 +502,94 @@ PARAMETER_FLAGS_GUARDED = torch.torch_version.TorchVersion(TORCH) >= "2.14"
 # constant, an input of the graph from its second value on (automatic dynamic: one call missing the guards, untimed,
 # then a capture). Not a private name, nothing lost: tests read it to expect each torch's capture.
 TRACES_RANDOM_RANDOM = torch.torch_version.TorchVersion(TORCH) >= "2.14"
+
+# ---- added by follow-range
+
+# Following torch's own frames after a graph break (the capture's "follow" way, ``DynamoTimer._explore``): Dynamo's
+# setting ``dont_skip_tracing`` (2.8+) makes its trace rules (``trace_rules.lookup_inner``) answer "trace" for every
+# function but Dynamo's own. On 2.6-2.7, which lack the setting, ``following`` gives ``trace_rules.lookup_inner`` that
+# same answer inside the capture alone (2.6-2.15 have it, called through the module by ``check``/``check_verbose``;
+# ``getfile``, ``_module_dir`` and the two variable classes likewise). Without one of them (``FOLLOWS`` False), the
+# frames of torch's own code after a graph break run eagerly, untimed (``degraded`` says so where asked).
+_lookup_inner = _find("torch._dynamo.trace_rules:lookup_inner", "torch's frames after a break run untimed")
+_getfile = _find("torch._dynamo.trace_rules:getfile", "torch's frames after a break run untimed")
+_module_dir = _find("torch._dynamo.trace_rules:_module_dir", "torch's frames after a break run untimed")
+UserFunctionVariable = _find("torch._dynamo.variables:UserFunctionVariable", "torch's frames after a break run untimed")
+FOLLOWS = has_dynamo_setting("dont_skip_tracing") or None not in (
+    _lookup_inner, _getfile, _module_dir, SkipFunctionVariable, UserFunctionVariable)
+# Where a Dynamo context has no cache of its own (< 2.14, ``ISOLATED_CACHE``), a frame Dynamo was called for and
+# skipped by its trace rules (``trace_rules.check``, 2.6-2.15) is marked skipped on its code object, for every context
+# after: the frames of torch's own code that a capture not following them skipped (``nn.Transformer``'s layers after
+# its causal-mask check) stayed skipped in the following capture, which then gave the same graphs (checked on 2.11).
+# ``following`` notes those codes while each capture runs, and marks them not skipped again (``set_code_exec_strategy``
+# 2.8+, ``reset_code`` 2.6-2.7, as ``frames_skipped``) before a capture that follows them. Without ``trace_rules.check``
+# nothing is noted, and a following capture after another leaves torch's frames untimed as before.
+_check = getattr(trace_rules, "check", None)
+_SKIPPED: weakref.WeakSet[types.CodeType] = weakref.WeakSet()  # codes Dynamo's trace rules skipped in a capture (< 2.14)
+
+
+@contextlib.contextmanager
+def following(follow: bool) -> Any:
+    """Inside the block (one capture): Dynamo follows torch's own frames after a graph break where ``follow``
+    (``dont_skip_tracing`` is set by ``dynamo_config``; on a torch without it, ``trace_rules.lookup_inner`` answers as
+    the setting would); where a context has no cache of its own, the frames a capture before skipped are first marked
+    not skipped, and those this capture skips are noted."""
+    if follow and not FOLLOWS:
+        degraded("follow torch's own frames after a graph break",
+                 "it has neither torch._dynamo.config.dont_skip_tracing nor the trace rules to answer as it; torch's "
+                 "own code after a graph break runs eagerly, untimed")
+    saved: dict[str, Any] = {}
+    if not ISOLATED_CACHE and _check is not None:
+        if follow:
+            _unskip(list(_SKIPPED))
+            _SKIPPED.clear()
+        saved["check"] = _check
+        trace_rules.check = _noting_check
+    if follow and FOLLOWS and not has_dynamo_setting("dont_skip_tracing"):
+        saved["lookup_inner"] = _lookup_inner
+        trace_rules.lookup_inner = _followed_lookup
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(trace_rules, name, value)
+
+
+def _noting_check(obj: Any, *args: Any, **kwargs: Any) -> bool:
+    skipped = _check(obj, *args, **kwargs)
+    if skipped and isinstance(obj, types.CodeType):
+        _SKIPPED.add(obj)
+    return skipped
+
+
+def _torch_not_dynamo(filename: str) -> bool:
+    """Whether ``filename`` is torch's own code but not Dynamo's."""
+    torch_files = str(_module_dir(torch)).replace("\\", "/")
+    filename = filename.replace("\\", "/")
+    return filename.startswith(torch_files) and not filename.startswith(torch_files + "_dynamo")
+
+
+def _followed_lookup(obj: Any, name: Any = None, filename: Any = None, is_direct_call: bool = True,
+                     reasons: Any = None) -> Any:
+    """``trace_rules.lookup_inner`` as ``dont_skip_tracing`` makes it answer (2.8+): a function it would skip is traced,
+    but for Dynamo's own."""
+    rule = _lookup_inner(obj, name, filename, is_direct_call, reasons)
+    if rule is not SkipFunctionVariable:
+        return rule
+    filename = filename if filename is not None else _getfile(obj)
+    if filename is None or not _torch_not_dynamo(str(filename)):
+        return rule
+    if reasons is not None:
+        reasons.add("followed by fxprof_lightning (as torch._dynamo.config.dont_skip_tracing would)")
+    return UserFunctionVariable
+
+
+def _unskip(codes: list[types.CodeType]) -> None:
+    """Mark ``codes`` not skipped by Dynamo (those of Dynamo's own, and any holding cache entries, left as they are)."""
+    for code in codes:
+        if not _torch_not_dynamo(code.co_filename) or cache_entries(code, None):
+            continue
+        if _set_code_exec_strategy is not None and _FrameAction is not None and _FrameExecStrategy is not None:
+            _set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.DEFAULT, _FrameAction.DEFAULT))
+        elif _reset_code is not None:
+            _reset_code(code)

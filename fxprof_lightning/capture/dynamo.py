@@ -405,8 +405,7 @@ class DynamoTimer(DynamoGraphs):
         way, tried = first.way, [first]
         opens = any(isinstance(m, OPENED_BY) for m in module.modules())  # calls a function in ``OPENED``
         others = [replace(way, opening=())] if way.opening and opens and first.breaks else []
-        follows = torch_api.has_dynamo_setting("dont_skip_tracing")  # (2.8+)
-        others += [replace(way, follow=True)] if first.breaks and not way.follow and follows else []
+        others += [replace(way, follow=True)] if first.breaks and not way.follow and torch_api.FOLLOWS else []
         others += [replace(way, eager_branches=True)] if first.difference and not way.eager_branches else []
         for other in others:
             self._drop(tried[-1])
@@ -435,7 +434,8 @@ class DynamoTimer(DynamoGraphs):
                 self._eager_hooks = _hook_functions(module)
                 _frames_skipped(self._eager_hooks, True)
                 self._frame_hooked(module)
-            with (torch_api.dynamo_config({**GUARD_SETTINGS, "dont_skip_tracing": way.follow}), _opened(way.opening),
+            with (torch_api.dynamo_config({**GUARD_SETTINGS, "dont_skip_tracing": way.follow}),
+                  torch_api.following(way.follow), _opened(way.opening),
                   _not_compiling(way.eager_branches), _hooks_eager(self._eager_hooks if way.eager_hooks else ()),
                   float_grouped_mm_meta()):
                 captured = verify.run_checked(self._compiled, module, args, kwargs)
