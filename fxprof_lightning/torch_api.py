@@ -508,9 +508,10 @@ TRACES_RANDOM_RANDOM = torch.torch_version.TorchVersion(TORCH) >= "2.14"
 # Following torch's own frames after a graph break (the capture's "follow" way, ``DynamoTimer._explore``): Dynamo's
 # setting ``dont_skip_tracing`` (2.8+) makes its trace rules (``trace_rules.lookup_inner``) answer "trace" for every
 # function but Dynamo's own. On 2.6-2.7, which lack the setting, ``following`` gives ``trace_rules.lookup_inner`` that
-# same answer inside the capture alone (2.6-2.15 have it, called through the module by ``check``/``check_verbose``;
-# ``getfile``, ``_module_dir`` and the two variable classes likewise). Without one of them (``FOLLOWS`` False), the
-# frames of torch's own code after a graph break run eagerly, untimed (``degraded`` says so where asked).
+# answer for torch's own code (not Dynamo's; other skipped files, Python's own, stay skipped) inside the capture alone
+# (2.6-2.15 have it, called through the module by ``check``/``check_verbose``; ``getfile``, ``_module_dir`` and the two
+# variable classes likewise). Without one of them (``FOLLOWS`` False), the frames of torch's own code after a graph
+# break run eagerly, untimed (``degraded`` says so where asked).
 _lookup_inner = _find("torch._dynamo.trace_rules:lookup_inner", "torch's frames after a break run untimed")
 _getfile = _find("torch._dynamo.trace_rules:getfile", "torch's frames after a break run untimed")
 _module_dir = _find("torch._dynamo.trace_rules:_module_dir", "torch's frames after a break run untimed")
@@ -529,11 +530,11 @@ _SKIPPED: weakref.WeakSet[types.CodeType] = weakref.WeakSet()  # codes Dynamo's 
 
 
 @contextlib.contextmanager
-def following(follow: bool) -> Any:
-    """Inside the block (one capture): Dynamo follows torch's own frames after a graph break where ``follow``
-    (``dont_skip_tracing`` is set by ``dynamo_config``; on a torch without it, ``trace_rules.lookup_inner`` answers as
-    the setting would); where a context has no cache of its own, the frames a capture before skipped are first marked
-    not skipped, and those this capture skips are noted."""
+def following(follow: bool, settings: dict[str, Any]) -> Any:
+    """Inside the block (one capture), Dynamo's ``settings`` (``dynamo_config``), and Dynamo follows torch's own frames
+    after a graph break where ``follow`` (``dont_skip_tracing``; on a torch without it, ``trace_rules.lookup_inner``
+    answers as the setting would); where a context has no cache of its own, the frames a capture before skipped are
+    first marked not skipped, and those this capture skips are noted."""
     if follow and not FOLLOWS:
         degraded("follow torch's own frames after a graph break",
                  "it has neither torch._dynamo.config.dont_skip_tracing nor the trace rules to answer as it; torch's "
@@ -549,7 +550,8 @@ def following(follow: bool) -> Any:
         saved["lookup_inner"] = _lookup_inner
         trace_rules.lookup_inner = _followed_lookup
     try:
-        yield
+        with dynamo_config({**settings, "dont_skip_tracing": follow}):
+            yield
     finally:
         for name, value in saved.items():
             setattr(trace_rules, name, value)
@@ -571,8 +573,8 @@ def _torch_not_dynamo(filename: str) -> bool:
 
 def _followed_lookup(obj: Any, name: Any = None, filename: Any = None, is_direct_call: bool = True,
                      reasons: Any = None) -> Any:
-    """``trace_rules.lookup_inner`` as ``dont_skip_tracing`` makes it answer (2.8+): a function it would skip is traced,
-    but for Dynamo's own."""
+    """``trace_rules.lookup_inner`` as ``dont_skip_tracing`` makes it answer (2.8+) for torch's own code: a function of
+    torch's it would skip is traced, but for Dynamo's own."""
     rule = _lookup_inner(obj, name, filename, is_direct_call, reasons)
     if rule is not SkipFunctionVariable:
         return rule

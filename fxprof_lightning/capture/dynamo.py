@@ -434,8 +434,7 @@ class DynamoTimer(DynamoGraphs):
                 self._eager_hooks = _hook_functions(module)
                 _frames_skipped(self._eager_hooks, True)
                 self._frame_hooked(module)
-            with (torch_api.dynamo_config({**GUARD_SETTINGS, "dont_skip_tracing": way.follow}),
-                  torch_api.following(way.follow), _opened(way.opening),
+            with (torch_api.following(way.follow, GUARD_SETTINGS), _opened(way.opening),
                   _not_compiling(way.eager_branches), _hooks_eager(self._eager_hooks if way.eager_hooks else ()),
                   float_grouped_mm_meta()):
                 captured = verify.run_checked(self._compiled, module, args, kwargs)
