@@ -144,6 +144,14 @@ class _Attempt:
     untimed: list[str] = field(default_factory=list)  # layers that ran outside its graphs (``_untimed_layers``)
 
 
+def _follows(first: _Attempt) -> bool:
+    """Whether ``_explore`` tries following torch's own frames after a break (``torch_api.FOLLOWS``): on 2.14+ (a
+    cache per context) wherever the first capture broke; before, only where layers ran outside its graphs, since each
+    capture there changes Dynamo's state kept on the code objects (a float's automatic dynamic), which can make a
+    capture after the first score higher without timing a layer more (a helper's row then named by its caller)."""
+    return torch_api.FOLLOWS and (torch_api.ISOLATED_CACHE or bool(first.untimed))
+
+
 def _placed(node: fx.Node, first: bool) -> int:
     """A timed op's score in the choice of a way to capture (``DynamoTimer._explore``): 1 inside a submodule; -1
     outside any module in a graph after the first (code of torch's own that Dynamo followed after a graph break,
@@ -405,7 +413,7 @@ class DynamoTimer(DynamoGraphs):
         way, tried = first.way, [first]
         opens = any(isinstance(m, OPENED_BY) for m in module.modules())  # calls a function in ``OPENED``
         others = [replace(way, opening=())] if way.opening and opens and first.breaks else []
-        others += [replace(way, follow=True)] if first.breaks and not way.follow and torch_api.FOLLOWS else []
+        others += [replace(way, follow=True)] if first.breaks and not way.follow and _follows(first) else []
         others += [replace(way, eager_branches=True)] if first.difference and not way.eager_branches else []
         for other in others:
             self._drop(tried[-1])
