@@ -146,9 +146,9 @@ class _Attempt:
 
 def _follows(first: _Attempt) -> bool:
     """Whether ``_explore`` tries following torch's own frames after a break (``torch_api.FOLLOWS``): on 2.14+ (a
-    cache per context) wherever the first capture broke; before, only where layers ran outside its graphs, since each
-    capture there changes Dynamo's state kept on the code objects (a float's automatic dynamic), which can make a
-    capture after the first score higher without timing a layer more (a helper's row then named by its caller)."""
+    cache per context) wherever the first capture broke; before, only where layers ran outside its graphs: each
+    capture there leaves Dynamo state on the code objects (skip marks, automatic-dynamic sizes), and a capture after
+    the first was seen to win without timing a layer more (test_dynamics: a helper's row then named by its caller)."""
     return torch_api.FOLLOWS and (torch_api.ISOLATED_CACHE or bool(first.untimed))
 
 
