@@ -16,6 +16,7 @@ import importlib
 import inspect
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -359,8 +360,6 @@ def fsdp_param_groups(state: Any) -> list[Any]:
     return [group] if group is not None else []
 
 
-# ---- added by dyn-range
-
 # The backend a ``torch.compile``'d module was given, by name (2.6-2.15): ``OptimizedModule.dynamo_ctx.callback``,
 # whose wrappers each hold the one inside as ``_torchdynamo_orig_backend`` or ``_torchdynamo_orig_callable``, down to the backend's own wrapper with
 # its ``compiler_name`` ("inductor", "eager"). Without it (another layout; a ``module.compile()``, whose context is in
@@ -402,8 +401,6 @@ def compiling_answers() -> dict[Any, Any]:
     answers = tracing_state_functions() if callable(tracing_state_functions) else tracing_state_functions
     return answers if isinstance(answers, dict) else {}
 
-# ---- added by sound-range
-
 # Where a Dynamo context has no cache of its own (< 2.14, ``ISOLATED_CACHE``), the frames Dynamo starts inside
 # submodules (after a graph break in a loop) keep a dropped capture's cache entries on the user's code objects: a
 # later capture of the same timer matches them (its backend compares equal) and compiles nothing. Forgetting them
@@ -440,8 +437,6 @@ NON_REENTRANT_CHECKPOINT = next((name for name in ("_checkpoint_without_reentran
                                  if _find(f"torch.utils.checkpoint:{name}", "the older name is tried") is not None), None)
 
 
-# ---- added by main: libraries' checks Dynamo 2.6 cannot trace
-
 # ``torch.compiler.is_exporting`` (2.7+). Libraries call it inside ``try``/``except`` (transformers' masks), and where
 # it is missing Dynamo 2.6 cannot trace the ``AttributeError`` that the ``except`` catches: the capture failed. While
 # a capture is installed, a torch without it lends one that answers False, as the missing name's ``except`` does.
@@ -461,8 +456,6 @@ def lend_is_exporting(lent: bool) -> None:
         torch.compiler.is_exporting = _not_exporting
     elif getattr(torch.compiler, "is_exporting", None) is _not_exporting:
         del torch.compiler.is_exporting
-
-# ---- added by compiled-range
 
 # Inductor's record of the post-grad nodes each kernel was made from, kept while ``trace.provenance_tracking_level``
 # is not 0 (2.11+; not 2.6, 2.8): the module ``torch._inductor.debug``, whose ``_inductor_triton_kernel_to_post_grad_
@@ -485,8 +478,6 @@ def kernel_provenance() -> tuple[dict[str, list[str]], int]:
     return (inductor_debug._inductor_triton_kernel_to_post_grad_node_info,
             inductor_debug._inductor_kernel_provenance_debug_handle)
 
-# ---- added by guards-range
-
 # Whether Dynamo's guards catch a flip of a module parameter's ``requires_grad`` (``BackboneFinetuning`` unfreezing a
 # backbone). Not a private name: a version's behaviour. Before 2.14 (checked on 2.6.0 and 2.11.0) Dynamo's C++ guard
 # manager takes a tensor held in a dict (a module's ``_parameters``) as immutable while the dict's version tag is
@@ -506,3 +497,95 @@ TRACES_RANDOM_RANDOM = torch.torch_version.TorchVersion(TORCH) >= "2.14"
 # eager's ``try``/``except`` (HF's ``is_tracing``) answers False: a capture that takes eager's branches of such code
 # fails there, and the model is timed by module hooks. On a machine with a GPU the call answers and nothing is lost.
 TRACES_STREAM_QUERY_WITHOUT_CUDA = torch.torch_version.TorchVersion(TORCH) >= "2.14"
+
+
+# Following torch's own frames after a graph break (the capture's "follow" way, ``DynamoTimer._explore``): Dynamo's
+# setting ``dont_skip_tracing`` (2.8+) makes its trace rules (``trace_rules.lookup_inner``) answer "trace" for every
+# function but Dynamo's own. On 2.6-2.7, which lack the setting, ``following`` gives ``trace_rules.lookup_inner`` that
+# answer for torch's own code (not Dynamo's; other skipped files, Python's own, stay skipped) inside the capture alone
+# (2.6-2.15 have it, called through the module by ``check``/``check_verbose``; ``getfile``, ``_module_dir`` and the two
+# variable classes likewise). Without one of them (``FOLLOWS`` False), the frames of torch's own code after a graph
+# break run eagerly, untimed (``degraded`` says so where asked).
+_lookup_inner = _find("torch._dynamo.trace_rules:lookup_inner", "torch's frames after a break run untimed")
+_getfile = _find("torch._dynamo.trace_rules:getfile", "torch's frames after a break run untimed")
+_module_dir = _find("torch._dynamo.trace_rules:_module_dir", "torch's frames after a break run untimed")
+UserFunctionVariable = _find("torch._dynamo.variables:UserFunctionVariable", "torch's frames after a break run untimed")
+FOLLOWS = has_dynamo_setting("dont_skip_tracing") or None not in (
+    _lookup_inner, _getfile, _module_dir, SkipFunctionVariable, UserFunctionVariable)
+# Where a Dynamo context has no cache of its own (< 2.14, ``ISOLATED_CACHE``), a frame Dynamo was called for and
+# skipped by its trace rules (``trace_rules.check``, 2.6-2.15) is marked skipped on its code object, for every context
+# after: the frames of torch's own code that a capture not following them skipped (``nn.Transformer``'s layers after
+# its causal-mask check) stayed skipped in the following capture, which then gave the same graphs (checked on 2.11).
+# ``following`` notes those codes while each capture runs, and marks them not skipped again (``set_code_exec_strategy``
+# 2.8+, ``reset_code`` 2.6-2.7, as ``frames_skipped``) before a capture that follows them. Without ``trace_rules.check``
+# nothing is noted, and a following capture after another leaves torch's frames untimed as before.
+_check = getattr(trace_rules, "check", None)
+_SKIPPED: weakref.WeakSet[types.CodeType] = weakref.WeakSet()  # codes Dynamo's trace rules skipped in a capture (< 2.14)
+
+
+@contextlib.contextmanager
+def following(follow: bool, settings: dict[str, Any]) -> Any:
+    """Inside the block (one capture), Dynamo's ``settings`` (``dynamo_config``), and Dynamo follows torch's own frames
+    after a graph break where ``follow`` (``dont_skip_tracing``; on a torch without it, ``trace_rules.lookup_inner``
+    answers as the setting would); where a context has no cache of its own, the frames a capture before skipped are
+    first marked not skipped, and those this capture skips are noted."""
+    if follow and not FOLLOWS:
+        degraded("follow torch's own frames after a graph break",
+                 "it has neither torch._dynamo.config.dont_skip_tracing nor the trace rules to answer as it; torch's "
+                 "own code after a graph break runs eagerly, untimed")
+    saved: dict[str, Any] = {}
+    if not ISOLATED_CACHE and _check is not None:
+        if follow:
+            _unskip(list(_SKIPPED))
+            _SKIPPED.clear()
+        saved["check"] = _check
+        trace_rules.check = _noting_check
+    if follow and FOLLOWS and not has_dynamo_setting("dont_skip_tracing"):
+        saved["lookup_inner"] = _lookup_inner
+        trace_rules.lookup_inner = _followed_lookup
+    try:
+        with dynamo_config({**settings, "dont_skip_tracing": follow}):
+            yield
+    finally:
+        for name, value in saved.items():
+            setattr(trace_rules, name, value)
+
+
+def _noting_check(obj: Any, *args: Any, **kwargs: Any) -> bool:
+    skipped = _check(obj, *args, **kwargs)
+    if skipped and isinstance(obj, types.CodeType):
+        _SKIPPED.add(obj)
+    return skipped
+
+
+def _torch_not_dynamo(filename: str) -> bool:
+    """Whether ``filename`` is torch's own code but not Dynamo's."""
+    torch_files = str(_module_dir(torch)).replace("\\", "/")
+    filename = filename.replace("\\", "/")
+    return filename.startswith(torch_files) and not filename.startswith(torch_files + "_dynamo")
+
+
+def _followed_lookup(obj: Any, name: Any = None, filename: Any = None, is_direct_call: bool = True,
+                     reasons: Any = None) -> Any:
+    """``trace_rules.lookup_inner`` as ``dont_skip_tracing`` makes it answer (2.8+) for torch's own code: a function of
+    torch's it would skip is traced, but for Dynamo's own."""
+    rule = _lookup_inner(obj, name, filename, is_direct_call, reasons)
+    if rule is not SkipFunctionVariable:
+        return rule
+    filename = filename if filename is not None else _getfile(obj)
+    if filename is None or not _torch_not_dynamo(str(filename)):
+        return rule
+    if reasons is not None:
+        reasons.add("followed by fxprof_lightning (as torch._dynamo.config.dont_skip_tracing would)")
+    return UserFunctionVariable
+
+
+def _unskip(codes: list[types.CodeType]) -> None:
+    """Mark ``codes`` not skipped by Dynamo (those of Dynamo's own, and any holding cache entries, left as they are)."""
+    for code in codes:
+        if not _torch_not_dynamo(code.co_filename) or cache_entries(code, None):
+            continue
+        if _set_code_exec_strategy is not None and _FrameAction is not None and _FrameExecStrategy is not None:
+            _set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.DEFAULT, _FrameAction.DEFAULT))
+        elif _reset_code is not None:
+            _reset_code(code)

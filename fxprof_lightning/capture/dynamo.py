@@ -144,6 +144,14 @@ class _Attempt:
     untimed: list[str] = field(default_factory=list)  # layers that ran outside its graphs (``_untimed_layers``)
 
 
+def _follows(first: _Attempt) -> bool:
+    """Whether ``_explore`` tries following torch's own frames after a break (``torch_api.FOLLOWS``): on 2.14+ (a
+    cache per context) wherever the first capture broke; before, only where layers ran outside its graphs: each
+    capture there leaves Dynamo state on the code objects (skip marks, automatic-dynamic sizes), and a capture after
+    the first was seen to win without timing a layer more (test_dynamics: a helper's row then named by its caller)."""
+    return torch_api.FOLLOWS and (torch_api.ISOLATED_CACHE or bool(first.untimed))
+
+
 def _placed(node: fx.Node, first: bool) -> int:
     """A timed op's score in the choice of a way to capture (``DynamoTimer._explore``): 1 inside a submodule; -1
     outside any module in a graph after the first (code of torch's own that Dynamo followed after a graph break,
@@ -405,8 +413,7 @@ class DynamoTimer(DynamoGraphs):
         way, tried = first.way, [first]
         opens = any(isinstance(m, OPENED_BY) for m in module.modules())  # calls a function in ``OPENED``
         others = [replace(way, opening=())] if way.opening and opens and first.breaks else []
-        follows = torch_api.has_dynamo_setting("dont_skip_tracing")  # (2.8+)
-        others += [replace(way, follow=True)] if first.breaks and not way.follow and follows else []
+        others += [replace(way, follow=True)] if first.breaks and not way.follow and _follows(first) else []
         others += [replace(way, eager_branches=True)] if first.difference and not way.eager_branches else []
         for other in others:
             self._drop(tried[-1])
@@ -435,7 +442,7 @@ class DynamoTimer(DynamoGraphs):
                 self._eager_hooks = _hook_functions(module)
                 _frames_skipped(self._eager_hooks, True)
                 self._frame_hooked(module)
-            with (torch_api.dynamo_config({**GUARD_SETTINGS, "dont_skip_tracing": way.follow}), _opened(way.opening),
+            with (torch_api.following(way.follow, GUARD_SETTINGS), _opened(way.opening),
                   _not_compiling(way.eager_branches), _hooks_eager(self._eager_hooks if way.eager_hooks else ()),
                   float_grouped_mm_meta()):
                 captured = verify.run_checked(self._compiled, module, args, kwargs)
