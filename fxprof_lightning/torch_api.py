@@ -401,12 +401,9 @@ def compiling_answers() -> dict[Any, Any]:
     answers = tracing_state_functions() if callable(tracing_state_functions) else tracing_state_functions
     return answers if isinstance(answers, dict) else {}
 
-# Where a Dynamo context has no cache of its own (< 2.14, ``ISOLATED_CACHE``), the frames Dynamo starts inside
-# submodules (after a graph break in a loop) keep a dropped capture's cache entries on the user's code objects: a
-# later capture of the same timer matches them (its backend compares equal) and compiles nothing. Forgetting them
-# needs the codes Dynamo compiled (``input_codes``, 2.0+), the compile each graph came from (2.1+), and invalidating
-# one entry as torch does when a guarded object dies (``ExtraState.invalidate``, 2.6+). Without them a capture after
-# a dropped one reuses the dropped graphs.
+# Where a Dynamo context has no cache of its own (< 2.14), a dropped capture's entries on the user's code objects
+# (frames started inside submodules) would be matched by the next capture of the same backend. Forgetting them: the
+# codes Dynamo compiled (2.0+), each graph's compile (2.1+), invalidating one entry (2.6+); without, they are reused.
 _input_codes = _find("torch._dynamo.convert_frame:input_codes", "a dropped capture's graphs are not forgotten")
 _DeletedGuardManager = _find("torch._dynamo.guards:DeletedGuardManagerWrapper",
                              "a dropped capture's graphs are not forgotten")
@@ -414,7 +411,7 @@ _DeletedGuardManager = _find("torch._dynamo.guards:DeletedGuardManagerWrapper",
 
 def current_compile_id() -> Any:
     """The id of the compile Dynamo is in (called from a backend), or None."""
-    return torch._guards.CompileContext.current_compile_id()
+    return CompileContext.current_compile_id()
 
 
 def forget_compiles(compile_ids: set[Any]) -> None:
@@ -432,38 +429,34 @@ def forget_compiles(compile_ids: set[Any]) -> None:
 # What ``torch.utils.checkpoint(use_reentrant=False)`` runs at each call, looked up in its module at run time: the
 # generator's ``_impl`` (2.14+), ``_checkpoint_without_reentrant_generator`` itself before (2.6-2.13). Without
 # either, checkpointed calls are not counted (tests only; ``leaves.CHECKPOINT_INTERNALS`` takes both).
-NON_REENTRANT_CHECKPOINT = next((name for name in ("_checkpoint_without_reentrant_generator_impl",
-                                                   "_checkpoint_without_reentrant_generator")
-                                 if _find(f"torch.utils.checkpoint:{name}", "the older name is tried") is not None), None)
+NON_REENTRANT_CHECKPOINT = CHECKPOINT_GENERATORS[0][1] if CHECKPOINT_GENERATORS else None
 
 
-# ``torch.compiler.is_exporting`` (2.7+). Libraries call it inside ``try``/``except`` (transformers' masks), and where
-# it is missing Dynamo 2.6 cannot trace the ``AttributeError`` that the ``except`` catches: the capture failed. While
-# a capture is installed, a torch without it lends one that answers False, as the missing name's ``except`` does.
-HAS_IS_EXPORTING = hasattr(torch.compiler, "is_exporting")
+# Functions libraries call inside ``try``/``except`` that an older torch lacks: ``torch.compiler.is_exporting`` (2.7+)
+# and ``torch.xpu.is_current_stream_capturing`` (2.7+; HF's masks ask both). Where one is missing, Dynamo 2.6 cannot
+# trace the ``AttributeError`` the ``except`` catches, and the capture failed (HF Llama). While a capture is
+# installed, such a torch lends one answering False, as the missing name's ``except`` does.
+_LENT = [(owner, name) for owner, name in ((torch.compiler, "is_exporting"), (getattr(torch, "xpu", None),
+                                                                              "is_current_stream_capturing"))
+         if owner is not None and not hasattr(owner, name)]
 
 
-def _not_exporting() -> bool:
+def _answers_false() -> bool:
     return False
 
 
-def lend_is_exporting(lent: bool) -> None:
-    """Put ``torch.compiler.is_exporting`` (answering False) in place, or take it back, on a torch that lacks it; the
-    same function object each time, since Dynamo's graphs guard on it."""
-    if HAS_IS_EXPORTING:
-        return
-    if lent:
-        torch.compiler.is_exporting = _not_exporting
-    elif getattr(torch.compiler, "is_exporting", None) is _not_exporting:
-        del torch.compiler.is_exporting
+def lend_missing_queries(lent: bool) -> None:
+    """Put the missing functions (answering False) in place, or take them back; the same function object each time,
+    since Dynamo's graphs guard on it."""
+    for owner, name in _LENT:
+        if lent:
+            setattr(owner, name, _answers_false)
+        elif getattr(owner, name, None) is _answers_false:
+            delattr(owner, name)
 
 # Inductor's record of the post-grad nodes each kernel was made from, kept while ``trace.provenance_tracking_level``
-# is not 0 (2.11+; not 2.6, 2.8): the module ``torch._inductor.debug``, whose ``_inductor_triton_kernel_to_post_grad_
-# node_info`` (kernel ``"name:handle"`` -> post-grad node names; a fresh dict for each ``compile_fx`` call, the module's
-# own for a backward compiled lazily, after it) and ``_inductor_kernel_provenance_debug_handle`` (the last handle
-# given) are read at each post-grad pass (``kernel_provenance``). Used where ``trace.provenance_tracking_to_timeline``
-# (2.14+) is absent: 2.11-2.13. Without them, compiled modules get no per-layer times from kernels
-# (``compiled.missing_for_kernels``).
+# is not 0 (2.11+; not 2.6, 2.8), read at each post-grad pass (``kernel_provenance``) where 2.14's
+# ``provenance_tracking_to_timeline`` is absent. Without it, no per-layer times from kernels (``missing_for_kernels``).
 inductor_debug = _find("torch._inductor.debug", "no per-layer times from kernels")
 PROVENANCE_LEVEL = (inductor_config is not None and hasattr(inductor_config.trace, "provenance_tracking_level")
                     and isinstance(getattr(inductor_debug, "_inductor_triton_kernel_to_post_grad_node_info", None), dict)
@@ -492,11 +485,21 @@ PARAMETER_FLAGS_GUARDED = torch.torch_version.TorchVersion(TORCH) >= "2.14"
 # constant, an input of the graph from its second value on (automatic dynamic: one call missing the guards, untimed,
 # then a capture). Not a private name, nothing lost: tests read it to expect each torch's capture.
 TRACES_RANDOM_RANDOM = torch.torch_version.TorchVersion(TORCH) >= "2.14"
-# Whether Dynamo traces ``torch.cuda.is_current_stream_capturing()`` where CUDA cannot be used (a CUDA build on a
-# machine without the driver): 2.14+. Before (2.6, 2.11 seen), it runs the call while tracing, which raises, where
-# eager's ``try``/``except`` (HF's ``is_tracing``) answers False: a capture that takes eager's branches of such code
-# fails there, and the model is timed by module hooks. On a machine with a GPU the call answers and nothing is lost.
+# ``torch.cuda.is_current_stream_capturing`` (all versions) is documented to answer False where no CUDA context
+# exists, but raises on a CUDA build without its driver; eager's ``try``/``except`` (HF's ``is_tracing``) turns that
+# into False, while Dynamo before 2.14 runs the call as it traces and the capture failed (2.6, 2.11 seen: HF Llama,
+# GPT-2). On such a torch and machine it answers False while a capture is installed (its code swapped, its identity
+# kept: the graphs guard on it).
 TRACES_STREAM_QUERY_WITHOUT_CUDA = torch.torch_version.TorchVersion(TORCH) >= "2.14"
+_stream_query = _find("torch.cuda.graphs:is_current_stream_capturing", "nothing to answer")
+_STREAM_QUERY_CODE = getattr(_stream_query, "__code__", None)
+
+
+def lend_stream_query(lent: bool) -> None:
+    """Make ``is_current_stream_capturing`` answer False (``lent``), or put its code back, where it would raise."""
+    if TRACES_STREAM_QUERY_WITHOUT_CUDA or _STREAM_QUERY_CODE is None or torch.cuda.is_available():
+        return
+    _stream_query.__code__ = _answers_false.__code__ if lent else _STREAM_QUERY_CODE
 
 
 # Following torch's own frames after a graph break (the capture's "follow" way, ``DynamoTimer._explore``): Dynamo's
@@ -589,3 +592,7 @@ def _unskip(codes: list[types.CodeType]) -> None:
             _set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.DEFAULT, _FrameAction.DEFAULT))
         elif _reset_code is not None:
             _reset_code(code)
+# Whether Dynamo goes on in a frame after a graph break inside a loop there (seen: 2.11, 2.14, 2.15 yes; 2.6 no):
+# without it, Dynamo runs that whole frame eagerly, and the layers it calls run outside the graphs, untimed, each
+# named in ``Capture.untimed`` (HF Llama's ``lm_head`` on 2.6).
+RESUMES_IN_LOOPS = torch.torch_version.TorchVersion(TORCH) >= "2.11"

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from fxprof_lightning import FXProfilerCallback, FxprofWarning, Profiler, torch_api
+from fxprof_lightning import FXProfilerCallback, Profiler, torch_api
 from fxprof_lightning.capture import dynamo as dynamo_capture
 from fxprof_lightning.capture import dynamo_rules
 
@@ -514,7 +514,7 @@ def test_llama_in_bf16_with_a_padding_mask(tmp_path):
     capture = callback.cycles[0].capture
     assert capture.method == "dynamo" or "differs from eager" in capture.error, capture.error
     # HF asks torch.compiler.is_exporting() in a try/except; torch 2.6 has none, and is lent one only while installed.
-    assert hasattr(torch.compiler, "is_exporting") == torch_api.HAS_IS_EXPORTING
+    assert not any(hasattr(owner, name) for owner, name in torch_api._LENT)
 
 
 class CheckpointFirst(nn.Module):
@@ -641,15 +641,14 @@ def test_llama_without_padding_is_captured_on_the_branches_eager_takes(tmp_path)
     with is_compiling() answered False takes eager's branches (the mask check breaks the graph) and is used."""
     from test_transformers import LitHF, tiny_llama
 
-    if not (torch.cuda.is_available() or torch_api.TRACES_STREAM_QUERY_WITHOUT_CUDA):  # (torch < 2.14, no usable CUDA)
-        with pytest.warns(FxprofWarning, match="is not the program eager runs"):  # refused, named; training unchanged
-            _, callback = train_both(tmp_path, lambda: LitHF(tiny_llama), steps=4, loader_fn=unpadded_lm_loader)
-        assert callback.cycles[0].capture.method == "module_hooks"
-        return
     _, callback = train_both(tmp_path, lambda: LitHF(tiny_llama), steps=4, loader_fn=unpadded_lm_loader)
     cycle = callback.cycles[0]
     assert cycle.capture.method == "dynamo" and "refused" not in cycle.capture.error
-    assert {"model_layers_0_self_attn_q_proj", "model_layers_1_mlp_down_proj", "lm_head"} <= names(cycle)
+    assert {"model_layers_0_self_attn_q_proj", "model_layers_1_mlp_down_proj"} <= names(cycle)
+    if torch_api.RESUMES_IN_LOOPS:
+        assert "lm_head" in names(cycle)
+    else:  # (torch 2.6: a graph break in a loop runs the frame that calls lm_head eagerly) untimed, and said so
+        assert "graph break inside a loop" in cycle.capture.untimed["lm_head"]
 
 
 def tiny_mixtral() -> nn.Module:

@@ -95,7 +95,8 @@ class _TraceableChecks:
     def enter(self) -> None:
         self.users += 1
         if self.users == 1:
-            torch_api.lend_is_exporting(True)
+            torch_api.lend_missing_queries(True)
+            torch_api.lend_stream_query(True)
         function = torch_api.check_key_padding_mask
         code, ours = getattr(function, "__code__", None), _check_key_padding_mask.__code__
         if self.users == 1 and code is not None and code.co_argcount == ours.co_argcount and not code.co_freevars:
@@ -104,7 +105,8 @@ class _TraceableChecks:
     def exit(self) -> None:
         self.users = max(self.users - 1, 0)
         if self.users == 0:
-            torch_api.lend_is_exporting(False)
+            torch_api.lend_missing_queries(False)
+            torch_api.lend_stream_query(False)
         if self.users == 0 and self.original is not None:
             torch_api.check_key_padding_mask.__code__, self.original = self.original, None
 
