@@ -231,9 +231,14 @@ check_key_padding_mask = _find("torch.nn.functional:_check_key_padding_mask", "n
 # The hooks every module runs (``register_module_forward_hook`` and kin; 2.6-2.15): without them, none are seen.
 GLOBAL_MODULE_HOOKS = tuple(_find(f"torch.nn.modules.module:_global_{name}_hooks", "no global hooks seen", {})
                             for name in ("forward_pre", "forward", "backward_pre", "backward"))
-# The inputs a checkpointed region keeps for its recompute (2.14+; not 2.6, 2.11): without it, they are counted as
-# saved activations in the checking call.
-checkpoint_save_inputs = _find("torch.utils.checkpoint:_CheckpointFrame.save_inputs", "its kept inputs counted")
+# Where a checkpointed region saves the inputs it keeps for its recompute, seen from the pack hook: inside
+# ``_CheckpointFrame.save_inputs`` (2.14+); before (2.6-2.13) inside the ``_NoopSaveInputs.apply`` that
+# ``_checkpoint_without_reentrant_generator`` calls. Without it they are counted as saved activations in the checking
+# calls (HF's gradient checkpointing, whose inputs come as arguments or from a closure, was refused on 2.6 and 2.11).
+_save_inputs = _find("torch.utils.checkpoint:_CheckpointFrame.save_inputs", "the generator's frame looked for")
+CHECKPOINT_INPUT_SAVERS = tuple(found.__code__ for found in (
+    _save_inputs or _find("torch.utils.checkpoint:_checkpoint_without_reentrant_generator", "inputs counted"),)
+    if found is not None)
 # What non-reentrant checkpointing runs at each call (the fx capture refuses traced values there): the generator
 # (2.6-2.15) and its ``_impl`` (2.14+; not 2.6, 2.11); without both, only ``CheckpointFunction.apply`` is watched.
 CHECKPOINT_GENERATORS = tuple(

@@ -496,7 +496,11 @@ def test_hf_gradient_checkpointing_is_kept_and_opened(tmp_path, reentrant):
     cycle = callback.cycles[0]
     assert cycle.capture.method == "dynamo" and "refused" not in cycle.capture.error
     rows = names(cycle)
-    assert {"model_layers_0_self_attn_q_proj", "model_layers_1_mlp_down_proj", "lm_head"} <= rows
+    assert {"model_layers_0_self_attn_q_proj", "model_layers_1_mlp_down_proj"} <= rows
+    if torch_api.RESUMES_IN_LOOPS:
+        assert "lm_head" in rows
+    else:  # (torch 2.6: a graph break in a loop runs the frame that calls lm_head eagerly) untimed, and said so
+        assert "graph break inside a loop" in cycle.capture.untimed["lm_head"]
     assert {n.name for n in cycle.nodes if n.op == "recompute"} == {"model_layers_0_recompute", "model_layers_1_recompute"}
     assert cycle.whole_share == 0
     projection = next(n for n in cycle.nodes if n.name == "model_layers_1_mlp_down_proj")

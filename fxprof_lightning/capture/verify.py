@@ -126,7 +126,6 @@ def _reentrant_checked_as_not() -> contextlib.AbstractContextManager[None]:
     return patched([(torch.utils.checkpoint.CheckpointFunction, "apply", apply)])
 
 
-_SAVE_INPUTS = torch_api.checkpoint_save_inputs
 
 
 def _checkpoint_inputs_saved() -> bool:
@@ -134,13 +133,11 @@ def _checkpoint_inputs_saved() -> bool:
     ``_CheckpointFrame.save_inputs``). Those are not counted: eager passes some of a region's inputs as arguments
     and reads others from a closure (HF passes ``partial(layer, **kwargs)``), the captured graph passes them all,
     and they are alive in both either way."""
-    if _SAVE_INPUTS is None:
-        return False
     frame = sys._getframe(2)
     for _ in range(3):
         if frame is None:
             return False
-        if frame.f_code is _SAVE_INPUTS.__code__:
+        if frame.f_code in torch_api.CHECKPOINT_INPUT_SAVERS:
             return True
         frame = frame.f_back
     return False
