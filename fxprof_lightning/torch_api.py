@@ -231,14 +231,12 @@ check_key_padding_mask = _find("torch.nn.functional:_check_key_padding_mask", "n
 # The hooks every module runs (``register_module_forward_hook`` and kin; 2.6-2.15): without them, none are seen.
 GLOBAL_MODULE_HOOKS = tuple(_find(f"torch.nn.modules.module:_global_{name}_hooks", "no global hooks seen", {})
                             for name in ("forward_pre", "forward", "backward_pre", "backward"))
-# Where a checkpointed region saves the inputs it keeps for its recompute, seen from the pack hook: inside
-# ``_CheckpointFrame.save_inputs`` (2.14+); before (2.6-2.13) inside the ``_NoopSaveInputs.apply`` that
-# ``_checkpoint_without_reentrant_generator`` calls. Without it they are counted as saved activations in the checking
-# calls (HF's gradient checkpointing, whose inputs come as arguments or from a closure, was refused on 2.6 and 2.11).
-_save_inputs = _find("torch.utils.checkpoint:_CheckpointFrame.save_inputs", "the generator's frame looked for")
-CHECKPOINT_INPUT_SAVERS = tuple(found.__code__ for found in (
-    _save_inputs or _find("torch.utils.checkpoint:_checkpoint_without_reentrant_generator", "inputs counted"),)
-    if found is not None)
+# Where a checkpointed region saves the inputs kept for its recompute, seen from the pack hook: ``_CheckpointFrame.
+# save_inputs`` (2.14+); before, the ``_NoopSaveInputs.apply`` that ``_checkpoint_without_reentrant_generator`` calls
+# (2.6-2.13). Without it they count as saved activations in the checking calls (HF's checkpointing refused).
+_saver = (_find("torch.utils.checkpoint:_CheckpointFrame.save_inputs", "the generator's frame looked for")
+          or _find("torch.utils.checkpoint:_checkpoint_without_reentrant_generator", "kept inputs counted"))
+CHECKPOINT_INPUT_SAVERS = (_saver.__code__,) if _saver is not None else ()
 # What non-reentrant checkpointing runs at each call (the fx capture refuses traced values there): the generator
 # (2.6-2.15) and its ``_impl`` (2.14+; not 2.6, 2.11); without both, only ``CheckpointFunction.apply`` is watched.
 CHECKPOINT_GENERATORS = tuple(
@@ -597,7 +595,6 @@ def _unskip(codes: list[types.CodeType]) -> None:
             _set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.DEFAULT, _FrameAction.DEFAULT))
         elif _reset_code is not None:
             _reset_code(code)
-# Whether Dynamo goes on in a frame after a graph break inside a loop there (seen: 2.11, 2.14, 2.15 yes; 2.6 no):
-# without it, Dynamo runs that whole frame eagerly, and the layers it calls run outside the graphs, untimed, each
-# named in ``Capture.untimed`` (HF Llama's ``lm_head`` on 2.6).
+# Whether Dynamo goes on after a graph break inside a loop (2.11, 2.14, 2.15 yes; 2.6 no: the frame runs eagerly,
+# its layers untimed, each named in ``Capture.untimed``: HF Llama's ``lm_head``).
 RESUMES_IN_LOOPS = torch.torch_version.TorchVersion(TORCH) >= "2.11"
