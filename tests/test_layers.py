@@ -75,7 +75,7 @@ def test_backward_timing_can_be_turned_off(tmp_path):
 
 @pytest.mark.parametrize("torch_profiler", [False, pytest.param(True, marks=pytest.mark.slow)])  # events of our
 # backward-only profiler / of the trace (the slow tier: the same model and checks, the events from the trace)
-def test_backward_covers_resnet18_and_in_place_relu_is_fine(tmp_path, torch_profiler):
+def test_backward_covers_resnet18_and_in_place_relu_is_fine(tmp_path, torch_profiler, two_threads):
     def resnet():
         return LitClassifier(resnet18(num_classes=4))  # ReLU(inplace=True) throughout
 

@@ -152,7 +152,7 @@ def test_module_hooks_give_each_backward_event_to_the_innermost_module_once():
     assert sum(sum(ns) for ns in backward.values()) == inside  # nothing counted twice, nothing lost
 
 
-def test_backward_marks_by_hooks_cover_the_backward_pass_as_events_do():
+def test_backward_marks_by_hooks_cover_the_backward_pass_as_events_do(two_threads):
     """The hook path (CUDA's, and CPU's when another profiler is running), run here on the host clock."""
     model = resnet18(num_classes=5)  # in-place ReLUs, residual branches
     timer = NodeTimer(trace_module(model))
