@@ -404,12 +404,10 @@ def compiling_answers() -> dict[Any, Any]:
     answers = tracing_state_functions() if callable(tracing_state_functions) else tracing_state_functions
     return answers if isinstance(answers, dict) else {}
 
-# Where a Dynamo context has no cache of its own (< 2.14), a dropped capture's entries on the user's code objects
-# (frames started inside submodules) would be matched by the next capture of the same backend. Forgetting them: the
-# codes Dynamo compiled (2.0+), each graph's compile (2.1+), invalidating one entry (2.6+); without, they are reused.
-_input_codes = _find("torch._dynamo.convert_frame:input_codes", "a dropped capture's graphs are not forgotten")
-_DeletedGuardManager = _find("torch._dynamo.guards:DeletedGuardManagerWrapper",
-                             "a dropped capture's graphs are not forgotten")
+# Forgetting compiled graphs (a dropped capture's where a context has no cache of its own, < 2.14; a compiled module's
+# compiled without Inductor's records): the codes Dynamo compiled (2.0+), invalidating one entry (2.6+). Without: kept.
+_input_codes = _find("torch._dynamo.convert_frame:input_codes", "compiled graphs are not forgotten")
+_DeletedGuardManager = _find("torch._dynamo.guards:DeletedGuardManagerWrapper", "compiled graphs are not forgotten")
 
 
 def current_compile_id() -> Any:
@@ -417,16 +415,17 @@ def current_compile_id() -> Any:
     return CompileContext.current_compile_id()
 
 
-def forget_compiles(compile_ids: set[Any]) -> None:
-    """Invalidate the cache entries Dynamo made in the compiles ``compile_ids`` (their guards fail from now on), where
-    a context has no cache of its own (``ISOLATED_CACHE``: a new context's cache is already empty)."""
-    if ISOLATED_CACHE or not compile_ids or _input_codes is None or _DeletedGuardManager is None:
+def forget_compiles(compile_ids: set[Any], shared: bool = False) -> None:
+    """Invalidate the cache entries of the compiles ``compile_ids`` (ids or ``"0/0"``; the next call compiles again):
+    our captures' where a context has no cache of its own (``ISOLATED_CACHE``), or (``shared``) the user's own."""
+    if (ISOLATED_CACHE and not shared) or not compile_ids or _input_codes is None or _DeletedGuardManager is None:
         return
     for reference in list(_input_codes.seen):
         code = reference()
         for entry in cache_entries(code, None) if code is not None else ():
             manager = entry.guard_manager
-            if entry.compile_id in compile_ids and getattr(manager, "cache_entry", None) is not None:
+            if ((entry.compile_id in compile_ids or str(entry.compile_id) in compile_ids)
+                    and getattr(manager, "cache_entry", None) is not None):
                 manager.extra_state.invalidate(manager.cache_entry, _DeletedGuardManager("dropped by fxprof_lightning"))
 
 # What ``torch.utils.checkpoint(use_reentrant=False)`` runs at each call, looked up in its module at run time: the

@@ -136,6 +136,26 @@ def test_a_compiled_resnet_gets_per_layer_times_from_its_kernels(tmp_path, recwa
     assert "layer1 (Sequential)" in tree_text and "conv (Conv2d)" in tree_text
 
 
+def test_a_model_compiled_before_the_profiler_started_gets_its_rows_from_the_next_cycle(tmp_path, recwarn):
+    """An earlier fit in the same process compiled the model without Inductor's kernel records (a notebook, a test
+    suite): the first cycle says so, the graphs compile again, and the next cycle has the rows; training unchanged."""
+    torch._dynamo.reset()
+    weights = []
+    for name, callbacks in (("plain", []), ("profiled", [FXProfilerCallback(**{**ONE_CYCLE, "repeat": 2}, module="model")])):
+        pl.seed_everything(3, verbose=False)
+        lit = LitClassifier(torch.compile(TinyResNet()))  # the same forward code: its compiled graph is reused
+        make_trainer(tmp_path / name, callbacks, max_steps=8).fit(lit, image_loader())
+        weights.append(lit.state_dict())
+    assert all(torch.equal(t, weights[0][k]) for k, t in weights[1].items()), "training was changed"
+    if missing_for_kernels():
+        return
+    first, second = callbacks[0].cycles
+    assert first.nodes == [] and len(first.trace_paths) == 1
+    assert any("compiled before the profiler started" in str(w.message) for w in recwarn)
+    rows = {n.name: n for n in second.nodes}
+    assert rows["stem"].total_ms > 0 and rows["fc"].bwd_total_ms > 0
+
+
 def test_a_compiled_transformer_gets_per_layer_times_from_its_kernels(tmp_path, recwarn):
     callback = train_compiled_both(tmp_path, TinyTransformer, token_loader)
     if without_rows(callback, recwarn):

@@ -32,7 +32,9 @@ The settings are made at the start of the run, before the module compiles (compi
 its first call), and taken back at the end: they add a profiler range check to each C++ kernel
 (inactive without a profiler), and turn off Inductor's FX graph cache and AOTAutograd's cache
 while they hold (a cached graph would skip the post-grad pass), so the module compiles as on a
-cold start. They change no generated computation.
+cold start. They change no generated computation. Graphs compiled before them (an earlier run in the same process)
+have no record: the cycle that finds them says so and drops their cache entries, so they compile again at their next
+call and the next cycle has their rows.
 """
 
 from __future__ import annotations
@@ -260,6 +262,7 @@ class KernelTimer(Uninterrupted):
     bwd: list[list[int]] = field(default_factory=list)
     fused: dict[str, list[str]] = field(default_factory=dict)  # row name -> the kernels fused across its modules
     unattributed_ns: int = 0  # kernels of the graphs' calls that matched no known kernel
+    unknown_graphs: set[str] = field(default_factory=set)  # compile ids of graphs that ran with no kernel record
     calls: int = 0
     graph_calls: int = 0  # calls of compiled graphs in the last events read (0: no Inductor kernels ran)
     mem_delta: list[list[int]] = field(default_factory=list)
@@ -279,12 +282,20 @@ class KernelTimer(Uninterrupted):
     without_events = ""
 
     def collect(self, backward: Any, trace_events: list[tuple[str, int, int, int, int]]) -> str | None:
-        """The rows and samples from the cycle's trace events (``read``); says so when no compiled graph ran."""
+        """The rows and samples from the cycle's trace events (``read``); says so when no compiled graph ran. Graphs
+        compiled before the profiler started (an earlier run in this process) have no kernel record: they are
+        compiled again at their next call, so the next cycle has their rows."""
         self.read(trace_events)
+        if self.unknown_graphs:
+            torch_api.forget_compiles(self.unknown_graphs, shared=True)
+        if not self.nodes and self.unknown_graphs:
+            return (f"the module's compiled graphs ({', '.join(sorted(self.unknown_graphs))}) were compiled before the "
+                    "profiler started (an earlier run in this process), without Inductor's record of which layer each "
+                    "kernel comes from, so this cycle has no per-layer times (the trace is written); they compile again "
+                    "at their next call, and the next cycle has them")
         if not self.graph_calls:
             return ("the module is torch.compile'd, but no Inductor-compiled graph ran in the recorded steps (another "
-                    "backend, or a graph compiled before the profiler started), so its layers have no times; the "
-                    "torch.profiler trace is written")
+                    "backend?), so its layers have no times; the torch.profiler trace is written")
         return None
 
     def node_ranges(self) -> None:
@@ -330,8 +341,14 @@ class KernelTimer(Uninterrupted):
         samples: dict[bool, list[tuple[int, dict[int, int]]]] = {False: [], True: []}  # (graph, ns per row) per call
         rows_of_graph: dict[int, set[int]] = {}  # the rows each graph's kernels went to (id of its kernel list)
         starts = [(e.thread, e.start) for e in timeline]
-        for call, region, backward in _calls(timeline):
+        known = {compile_id for compile_id, _ in self.kernels.graphs}  # the graphs our post-grad pass saw
+        calls = _calls(timeline)
+        self.unknown_graphs = {region for _, region, _ in calls if region is not None and region not in known}
+        for call, region, backward in calls:
             children = _children(timeline, starts, call)
+            if region in self.unknown_graphs:
+                self.unattributed_ns += sum(c.end - c.start for c in children)
+                continue
             graph = kernels.get((region, backward)) if region is not None else None
             if graph is None:  # a graph not found by its id: the one whose kernels match the call's children best
                 candidates = [k for (_, is_backward), k in kernels.items() if is_backward == backward]
