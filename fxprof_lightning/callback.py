@@ -98,8 +98,8 @@ class FXProfilerCallback(Callback, HoldsSettings):
 
     @property
     def schedule(self) -> Schedule:
-        """Which steps are idle, warm-up or recorded (the engine's ``Schedule``)."""
-        return self.profiler.schedule
+        """Which steps are idle, warm-up or recorded: the schedule as given (``torch.profiler.schedule``'s)."""
+        return self.profiler.settings.schedule
 
     @property
     def cycles(self) -> list[CycleReport]:

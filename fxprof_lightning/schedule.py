@@ -7,7 +7,7 @@ A pure function of the step number with exactly the semantics of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch.profiler import ProfilerAction
 
@@ -89,6 +89,21 @@ class Schedule:
         """Warm-up and recorded steps of ``cycle``, in order."""
         first = self.first_traced_step(cycle)
         return list(range(first, first + self.warmup + self.active))
+
+    def with_lead(self) -> Schedule:
+        """The schedule the profiler follows: this one, but with ``warmup=0`` the last idle step before each cycle is a
+        warm-up step of its own (the module is captured there, and torch.profiler starts there), so that the recorded
+        steps are those ``torch.profiler.schedule`` names, none given up to a capture. Where no idle step comes before
+        a cycle (``wait=0``), the capture falls in its first recorded step, which the cycle replaces and names.
+
+        Example:
+            >>> s = Schedule(skip_first=1, wait=2, warmup=0, active=3, repeat=1)
+            >>> s.with_lead(), s.with_lead().recorded_steps(0) == s.recorded_steps(0) == [3, 4, 5]
+            (Schedule(wait=1, warmup=1, active=3, repeat=1, skip_first=1), True)
+        """
+        if self.warmup or not self.wait:
+            return self
+        return replace(self, wait=self.wait - 1, warmup=1)
 
     def recorded_steps(self, cycle: int) -> list[int]:
         """The ``active`` steps of ``cycle``, in order."""

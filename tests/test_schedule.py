@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import LitClassifier, image_loader, make_trainer, notices
 
 from fxprof_lightning import FXProfilerCallback, Schedule
 from fxprof_lightning.schedule import ProfilerAction
@@ -34,6 +35,36 @@ def test_cycle_arithmetic_agrees_with_actions(skip_first, wait, warmup, active, 
         if steps[-1] < 120:
             assert s.action(steps[-1]) is ProfilerAction.RECORD_AND_SAVE
             assert {s.cycle_of(step) for step in s.traced_steps(c)} == {c}
+
+
+@pytest.mark.parametrize(("skip_first", "wait", "warmup", "active", "repeat"), COMBOS)
+def test_the_schedule_followed_records_the_same_steps(skip_first, wait, warmup, active, repeat):
+    """``with_lead``: a warm-up step of ours before each cycle without one, where an idle step is there to take it."""
+    given = Schedule(skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat)
+    followed = given.with_lead()
+    recording = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
+    assert [given.action(s) in recording for s in range(120)] == [followed.action(s) in recording for s in range(120)]
+    assert [given.action(s) for s in range(120) if given.action(s) is not ProfilerAction.NONE] == [
+        followed.action(s) for s in range(120) if given.action(s) is not ProfilerAction.NONE]
+    assert followed.warmup == (1 if warmup == 0 and wait else warmup)
+
+
+@pytest.mark.parametrize(("options", "recorded"), [
+    ({"skip_first": 1, "wait": 2, "warmup": 0, "active": 3, "repeat": 1}, [[3, 4, 5]]),  # the issue's: was 4-6
+    ({"skip_first": 0, "wait": 1, "warmup": 0, "active": 2, "repeat": 2}, [[1, 2], [4, 5]]),
+    ({"skip_first": 2, "wait": 1, "warmup": 1, "active": 2, "repeat": 2}, [[4, 5], [8, 9]]),
+])
+@notices("the Trainer has no logger")
+def test_a_trainer_records_the_steps_torch_profiler_schedule_records(tmp_path, options, recorded):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns about warmup=0
+        reference = torch.profiler.schedule(**options)
+    callback = FXProfilerCallback(**options, module="model", pictures=False)
+    make_trainer(tmp_path, [callback], max_steps=10, logger=False).fit(LitClassifier(), image_loader(samples=40))
+    assert [c.steps for c in callback.cycles] == recorded
+    steps = [s for c in recorded for s in c]
+    assert steps == [s for s in range(10) if reference(s) in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)][:len(steps)]
+    assert not any(c.dropped_steps for c in callback.cycles) and all(c.nodes for c in callback.cycles)
 
 
 def test_documented_example():

@@ -81,7 +81,9 @@ class Engine(HoldsSettings):
         if module is None or not (isinstance(module, nn.Module) or callable(module)):
             raise ValueError(f"module must be the nn.Module to profile (or a function returning it), got {module!r}")
         self.module = module
-        self.schedule = self.settings.schedule
+        # The steps followed: the user's schedule (``settings.schedule``, exactly torch.profiler's), with a warm-up step
+        # of our own before each cycle where it has none (``Schedule.with_lead``): the same recorded steps.
+        self.schedule = self.settings.schedule.with_lead()
         self.dirpath = Path(self.settings.dirpath if self.settings.dirpath is not None else DEFAULT_DIRPATH)
         self.peaks: Peaks | bool | None = self.settings.peaks  # measured at the first report (False: could not be)
         self.sinks: list[Sink] = checked_sinks(sinks) if sinks is not None else [CsvSink(), PictureSink(), ConsoleSink()]
@@ -238,7 +240,7 @@ class Engine(HoldsSettings):
     def end_run(self) -> None:
         """Profiling ends: remove the first-call recorders, put Inductor's settings back and let the sinks finish (rank 0)."""
         self.timers.stop()
-        if self.rank == 0 and not self._train.cycles and (why := _nothing_recorded(self.schedule, self._train.step)):
+        if self.rank == 0 and not self._train.cycles and (why := _nothing_recorded(self.settings.schedule, self._train.step)):
             self.warn(why)
         if self.follow is not None:
             self.follow.end(self.dirpath)
