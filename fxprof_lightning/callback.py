@@ -129,9 +129,19 @@ class FXProfilerCallback(Callback, HoldsSettings):
                            f"the per-cycle CSV and traces are still written under {out_dir}", category=FxprofWarning)
 
     def _resolve_target(self) -> nn.Module:
-        """The submodule at ``module=``, or a ValueError listing the children that do exist."""
+        """The submodule at ``module=``, or a ValueError listing the children that do exist. Without ``module=``: the
+        LightningModule where it has a ``forward`` of its own, else its one child with parameters (the model its
+        ``training_step`` calls); with several such children, the user is asked to choose."""
         module: nn.Module = self._pl_module
         path = self.module_path
+        if path is None and type(module).forward is pl.LightningModule.forward:
+            children = [name for name, child in module.named_children() if next(child.parameters(), None) is not None]
+            if len(children) == 1:
+                return module.get_submodule(children[0])
+            if children:
+                rank_zero_warn(f"FXProfilerCallback: {type(module).__name__} has no forward of its own and several child "
+                               f"modules ({', '.join(children)}), so no layer is timed: pass module='{children[0]}' (or "
+                               "another) to time the one to look at", category=FxprofWarning)
         for depth, part in enumerate(path.split(".") if path else []):
             child = getattr(module, part, None)
             if not isinstance(child, nn.Module):

@@ -193,8 +193,37 @@ def test_node_ranges_can_be_left_out_of_the_trace(tmp_path):
 
 def test_a_target_forward_that_never_runs_is_reported(tmp_path):
     callback = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=1, repeat=1)  # LitClassifier.forward is unused
-    with pytest.warns(UserWarning, match=r"LitClassifier.forward did not run in the recorded steps \[1\].*module="):
+    with pytest.warns(UserWarning, match=r"LitClassifier.forward did not run in the recorded steps \[1\].*module='model'; "
+                                         r"its child modules are: model"):
         _train(tmp_path, [callback], steps=3)
+    assert callback.cycles[0].nodes == []
+
+
+class NoForward(LitClassifier):
+    """As in the README's quickstart: no forward of its own, ``training_step`` calls ``self.model``."""
+
+    forward = pl.LightningModule.forward
+
+
+@notices("the Trainer has no logger")
+def test_without_module_the_one_child_training_step_calls_is_timed(tmp_path):
+    callback = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=1, repeat=1, pictures=False)
+    make_trainer(tmp_path, [callback], max_steps=3, logger=False).fit(NoForward(), image_loader())
+    assert {n.name for n in callback.cycles[0].nodes} == SMALLNET_NODES
+
+
+class TwoModels(NoForward):
+    def __init__(self) -> None:
+        super().__init__()
+        self.critic = torch.nn.Linear(4, 1)
+
+
+@notices("the Trainer has no logger", "TwoModels.forward did not run")
+def test_without_module_several_children_are_named_for_the_user_to_choose(tmp_path):
+    callback = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=1, repeat=1, pictures=False)
+    with pytest.warns(UserWarning, match=r"TwoModels has no forward of its own and several child modules \(model, critic\)"
+                                         r".*pass module='model'"):
+        make_trainer(tmp_path, [callback], max_steps=3, logger=False).fit(TwoModels(), image_loader())
     assert callback.cycles[0].nodes == []
 
 

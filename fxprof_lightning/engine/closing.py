@@ -76,7 +76,8 @@ def close_cycle(engine: Engine, stage: Stage, gather: bool, tracked: list[str] |
             cycle.nodes = rows
     if cycle is None:
         return
-    nothing = cycle.nothing_timed(stage.name, type(target).__name__, nodes)
+    nothing = cycle.nothing_timed(stage.name, type(target).__name__, nodes,
+                                 [name for name, _ in target.named_children()] if target is not None else [])
     if nothing is not None:
         engine.warn(nothing)
     if not cycle.recorded:

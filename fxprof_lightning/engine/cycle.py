@@ -107,8 +107,8 @@ class Cycle:
         """Whether the cycle recorded (counted or dropped) fewer than the ``scheduled`` steps."""
         return len(self.recorded) + len(self.dropped) < scheduled
 
-    def nothing_timed(self, stage: str, module: str, nodes: list[NodeStats] | None) -> str | None:
-        """Why the cycle has no node to show, for a warning (None: nothing to say)."""
+    def nothing_timed(self, stage: str, module: str, nodes: list[NodeStats] | None, children: list[str]) -> str | None:
+        """Why the cycle has no node to show, for a warning (None: nothing to say); ``children``: the module's."""
         if not self.recorded:
             if not self.dropped:
                 return None
@@ -117,7 +117,9 @@ class Cycle:
                     "in their place; it has no report")
         if self.timer is None or nodes or not self.timer.progress.usable or self.timer.traits.reads_trace_events:
             return None
-        why = self.untimed or "If the training step calls a submodule instead, profile that submodule (the Lightning callback: module='...')."
+        why = self.untimed or ("If the training step calls a submodule instead, profile that submodule (the Lightning "
+                               f"callback: module='{children[0] if children else '...'}'; its child modules are: "
+                               f"{', '.join(children) or '(none)'}).")
         return (f"{module}.forward {'did not run' if self.untimed is None else 'ran untimed'} in the recorded steps "
                 f"{self.recorded}, so no node was timed. {why}")
 
