@@ -69,9 +69,7 @@ def main() -> None:
         enable_progress_bar=False,  # keeps the profiler's one line per cycle readable
     )
     trainer.fit(LitResNet(), DataLoader(data, batch_size=args.batch_size, num_workers=0))
-    print(f"\nPer-cycle traces, tables and pictures: {logger.log_dir}/fxprof/cycle_*/")
-    print(f"Look first (one offline page): python -m fxprof_lightning report {logger.log_dir}/fxprof --html")
-    print(f"Then TensorBoard:              tensorboard --logdir {logger.root_dir}")
+    # The callback's summary ends with where to look (the report command, TensorBoard, the traces): nothing to add.
 
 
 if __name__ == "__main__":
