@@ -9,7 +9,7 @@ engine's.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -122,7 +122,7 @@ class FXProfilerCallback(Callback, HoldsSettings):
         out_dir = self.dirpath if self.dirpath is not None else Path(trainer.log_dir or trainer.default_root_dir) / DEFAULT_DIRPATH
         self.profiler.dirpath = out_dir
         logdir = next((lg.root_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), out_dir)
-        self.profiler.sinks = [CsvSink(), PictureSink(), LoggerSink(trainer.loggers), ConsoleSink(logdir=logdir),
+        self.profiler.sinks = [CsvSink(), PictureSink(), LoggerSink(trainer.loggers), ConsoleSink(logdir=logdir, write=_printer(trainer)),
                                *self.extra_sinks]
         if not trainer.loggers:
             rank_zero_warn("FXProfilerCallback: the Trainer has no logger, so no scalars or text are logged; "
@@ -291,6 +291,12 @@ class FXProfilerCallback(Callback, HoldsSettings):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._wake()
         self.profiler.load_state_dict(state_dict)
+
+
+def _printer(trainer: pl.Trainer) -> Callable[[str], None]:
+    """Prints through the Trainer's progress bar (its ``print`` writes above a running bar), else ``print``."""
+    bar = trainer.progress_bar_callback
+    return bar.print if bar is not None else print
 
 
 @dataclass

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gzip
+import io
 import json
 import re
 
@@ -11,6 +13,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import LitClassifier, SmallNet, image_loader, make_trainer, notices, read_events
+from lightning.pytorch.callbacks import TQDMProgressBar
 from tensorboard.util import tensor_util
 from torch import nn
 
@@ -424,3 +427,19 @@ def test_the_measured_backward_is_accounted_for(tmp_path):
     markdown = cycle.to_markdown()
     assert f"| {UNOWNED_ENGINE} |  | {unowned[UNOWNED_ENGINE][1]:.3f} |" in markdown
     assert load_cycle(cycle.directory).forward_wall_ms == cycle.forward_wall_ms  # cycle.jsonl keeps it
+
+
+@notices("the Trainer has no logger")
+def test_cycle_lines_start_on_a_line_of_their_own_under_a_progress_bar(tmp_path):
+    """Lightning's tqdm progress bar (the default where rich is not installed), on the terminal that stdout shares: the
+    line goes through the bar's ``print``, which clears the bar first, where a plain print landed after
+    ``it/s, v_num=0]`` on the bar's line. (Rich's bar takes plain prints above itself.)"""
+    terminal = io.StringIO()
+    callback = FXProfilerCallback(skip_first=0, wait=1, warmup=1, active=1, repeat=2, module="model", pictures=False)
+    with contextlib.redirect_stdout(terminal), contextlib.redirect_stderr(terminal):
+        pl.Trainer(default_root_dir=str(tmp_path), callbacks=[TQDMProgressBar(), callback], max_steps=8, logger=False, accelerator="cpu",
+                   enable_model_summary=False, enable_checkpointing=False).fit(LitClassifier(), image_loader())
+    text = terminal.getvalue()
+    starts = [m.start() for m in re.finditer("FXProfilerCallback: cycle", text)]
+    assert len(starts) == 2 and "it/s" in text  # the bar was drawn
+    assert all(text[i - 1] in "\r\n" for i in starts), [text[i - 40:i + 30] for i in starts]

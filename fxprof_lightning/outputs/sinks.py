@@ -323,22 +323,26 @@ class ConsoleSink:
     Args:
         every_cycle: print the line per cycle (the end-of-run summary always comes).
         logdir: the directory to name in the ``tensorboard --logdir`` hint (default: the profiler's ``dirpath``).
+        write: prints a text (the Lightning callback: the progress bar's ``print``, so that a line never lands
+            inside the bar's).
     """
 
-    def __init__(self, every_cycle: bool = True, logdir: str | os.PathLike | None = None) -> None:
+    def __init__(self, every_cycle: bool = True, logdir: str | os.PathLike | None = None,
+                 write: Callable[[str], None] = print) -> None:
         self.every_cycle = every_cycle
         self.logdir = logdir
+        self.write = write
 
     def write_cycle(self, report: CycleReport, display: Display) -> None:
         if self.every_cycle:
-            print(cycle_line(report, display.name))
+            self.write(cycle_line(report, display.name))
         if display.verbose:
             for text in cycle_texts(report, display.top_k, display.module_depth).values():
-                print(f"\n{text}\n")
+                self.write(f"\n{text}\n")
 
     def close(self, run: RunSummary) -> None:
         if run.cycles:
-            print(summary(run.cycles, run.display.name, run.dirpath, self.logdir or run.dirpath, run.cost))
+            self.write(summary(run.cycles, run.display.name, run.dirpath, self.logdir or run.dirpath, run.cost))
 
 
 def cycle_line(report: CycleReport, name: str) -> str:
