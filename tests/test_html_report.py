@@ -213,7 +213,7 @@ def test_page_shows_every_section_with_the_runs_numbers(trained, page_of_run):
     slow = page.tables["slowest"]
     assert len(slow) == min(SLOWEST_ROWS, len(last.nodes))
     for row, node in zip(slow, last.nodes, strict=False):
-        assert row[1:3] == [node.layer, node.name] and row[4:7] == [ms_text(node.median_ms), ms_text(node.bwd_median_ms),
+        assert row[1:3] == [node.layer, node.name] and row[4:7] == [ms_text(node.mean_ms), ms_text(node.bwd_mean_ms),
                                                      ms_text((node.total_ms + node.bwd_total_ms) / len(last.steps))]
 
     # the advice stored with the last cycle, one item each, code spans as text (the roofline's advice depends on the

@@ -156,7 +156,8 @@ def _cycles(shown: list[CycleReport], found: dict[int, Verdict], total: int) -> 
 
 
 def _slowest(cycle: CycleReport) -> str:
-    """The slowest nodes: per-call medians, ms per step and share of the node time, with a bar."""
+    """The slowest nodes: per-call means (the console's and the Markdown's numbers; times calls per step, the ms per
+    step beside them), ms per step and share of the node time, with a bar."""
     if not cycle.nodes:
         return f'<p class="note">Cycle {cycle.index} timed no node.</p>'
     steps = max(len(cycle.steps), 1)
@@ -165,14 +166,14 @@ def _slowest(cycle: CycleReport) -> str:
     for rank, n in enumerate(cycle.nodes[:SLOWEST_ROWS], start=1):
         share = 100 * (n.total_ms + n.bwd_total_ms) / grand
         rows.append([str(rank), f"<code>{_e(n.layer or n.name)}</code>", f"<code>{_e(n.name)}</code>",
-                     _e(n.op.removeprefix("call_")), ms_text(n.median_ms),
-                     ms_text(n.bwd_median_ms), ms_text((n.total_ms + n.bwd_total_ms) / steps), f"{share:.1f}%",
+                     _e(n.op.removeprefix("call_")), ms_text(n.mean_ms),
+                     ms_text(n.bwd_mean_ms), ms_text((n.total_ms + n.bwd_total_ms) / steps), f"{share:.1f}%",
                      f'<span class="share" style="width:{1.6 * share:.1f}px;background:{PALETTE[0]}"></span>'])
     head = ["#", "layer", "node", "op", "fwd ms/call", "bwd ms/call", "fwd+bwd ms/step", "share", ""]
     more = len(cycle.nodes) - SLOWEST_ROWS
     tail = (f'<p class="note">{more} faster node(s) not shown (fx_nodes.csv in the cycle directory has every one).'
             "</p>" if more > 0 else "")
-    return (f"<p>ms per call are medians over the cycle's calls; share: of the cycle's summed node time (forward "
+    return (f"<p>ms per call are means over the cycle's calls (the trend below: medians); share: of the cycle's summed node time (forward "
             f"{ms_text(cycle.forward_ms_per_step)} + backward {ms_text(cycle.backward_ms_per_step)} ms per step).</p>\n"
             + _table(head, rows, "slowest", numeric=(0, 4, 5, 6, 7)) + tail)
 
