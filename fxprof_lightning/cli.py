@@ -450,7 +450,7 @@ def check_cycles(cycles: list[CycleReport], options: dict) -> dict[int, Verdict]
     """
     watch = RegressionWatch(BASELINE_CYCLES, **options)
     return {id(cycle): watch.check(cycle.nodes, cycle.step_ms, cycle.step_cpu_ms, cycle.partial, cycle.modules,
-                                   step_rows(cycle)) for cycle in cycles}
+                                   step_rows(cycle), cycle.step_wait_ms) for cycle in cycles}
 
 
 def cycle_table(cycles: list[CycleReport], found: dict[int, Verdict]) -> list[str]:

@@ -201,6 +201,7 @@ class CycleReport:
         ranges: FSDP2's ranges in the trace (all-gather, reduce-scatter... per module), slowest first.
         step_ms: wall time of each recorded step (from its start to the next step's start), rank 0's.
         step_cpu_ms: this process's CPU time (all threads) over each recorded step.
+        step_wait_ms: where Linux reports CPU pressure, the time some task waited for a CPU in each recorded step.
         regressions: nodes slower than in the earlier cycles beyond the noise (``regressions.Regression``), confirmed
             (flagged in the sound cycle before too, or beyond what noise can explain; ``regressions.Verdict``).
         unconfirmed: nodes flagged for the first time: the next sound cycle confirms them or not.
@@ -249,6 +250,7 @@ class CycleReport:
     ranges: list[RangeStats] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)
     step_cpu_ms: list[float] = field(default_factory=list)
+    step_wait_ms: list[float] = field(default_factory=list)
     regressions: list[Any] = field(default_factory=list)
     unconfirmed: list[Any] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
@@ -306,6 +308,7 @@ class CycleReport:
             "forward_ms_per_step": self.forward_ms_per_step, "backward_ms_per_step": self.backward_ms_per_step,
             "backward_wall_ms": self.backward_wall_ms, "backward_outside_ms": self.backward_outside_ms,
             "forward_wall_ms": self.forward_wall_ms, "step_ms": self.step_ms, "step_cpu_ms": self.step_cpu_ms,
+            "step_wait_ms": self.step_wait_ms,
             "capture": self.capture.describe() if self.capture is not None else None,
             "regressions": [asdict(r) for r in self.regressions],
             "unconfirmed": [asdict(r) for r in self.unconfirmed], "advice": self.advice,

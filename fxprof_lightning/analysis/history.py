@@ -59,7 +59,7 @@ class StageHistory:
                 nodes = with_roofline(nodes, peaks)
             described = describe_peaks(peaks)
         verdict = self.watch.check(nodes, report.step_ms, report.step_cpu_ms, report.partial, report.modules,
-                                   step_rows(report))
+                                   step_rows(report), report.step_wait_ms)
         self.tables = [*self.tables, nodes][-HISTORY:]
         advice = advise(nodes, self.tables, verdict.regressions, report.ranks, phases=report.phases,
                         host_reads=getattr(report.capture, "host_reads", None),

@@ -44,7 +44,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from fxprof_lightning.analysis.trust import cpu_per_wall, distortion, step_spread
+from fxprof_lightning.analysis.trust import cpu_per_wall, distortion, step_spread, waited_share
 from fxprof_lightning.report import CycleReport, ModuleStats, NodeStats
 
 __all__ = [
@@ -416,8 +416,9 @@ class RegressionWatch:
         self.baseline: list[Sequence[NodeStats]] = []  # the recent sound cycles' tables
         self.medians: list[float] = []  # and their median step ms
         self.cpu: list[float] = []  # and their CPU s per wall s
+        self.wait: list[float] = []  # and the share of their wall time some task waited for a CPU (where known)
         self._flagged: dict[tuple[str, str], float] = {}  # flagged in the last sound cycle: ms per call it added
-        self._held: tuple[Sequence[NodeStats], float, float | None] | None = None  # that cycle, if only flags in question
+        self._held: tuple[Sequence[NodeStats], float, float | None, float | None] | None = None  # that cycle, if only flags in question
 
     def _confirms(self, change: Regression) -> bool:
         """Whether the same row was flagged in the sound cycle before at the same level (``same_level``)."""
@@ -425,16 +426,18 @@ class RegressionWatch:
                           self.same_level)
 
     def check(self, nodes: Sequence[NodeStats], step_ms: list[float], step_cpu_ms: list[float] = (),
-              partial: bool = False, modules: Sequence[ModuleStats] = (), steps: Sequence[NodeStats] = ()) -> Verdict:
+              partial: bool = False, modules: Sequence[ModuleStats] = (), steps: Sequence[NodeStats] = (),
+              step_wait_ms: Sequence[float] = ()) -> Verdict:
         """``modules``: the cycle's module tree; a module slower per step that has nodes the last baseline cycle
         did not (a loop run more times, a branch taken) is flagged as ``"module <path>"`` (see ``module_rows``).
-        ``steps``: the step's time outside the node rows as rows (``step_rows``), watched as the nodes are."""
+        ``steps``: the step's time outside the node rows as rows (``step_rows``), watched as the nodes are.
+        ``step_wait_ms``: the CPU pressure of each recorded step, where the machine reports it (``trust``)."""
         if partial:
             return Verdict(skipped="partial")
         recent = self.baseline[-self.baseline_cycles:]
         shared = shared_factor(recent, nodes) if recent else 1.0
-        cpu = cpu_per_wall(step_ms, list(step_cpu_ms))
-        load = distortion(step_ms, self.medians, shared, cpu, self.cpu)
+        cpu, wait = cpu_per_wall(step_ms, list(step_cpu_ms)), waited_share(step_ms, list(step_wait_ms))
+        load = distortion(step_ms, self.medians, shared, cpu, self.cpu, wait, self.wait)
         if load is not None:
             return Verdict(skipped="distorted", distortion=load)
         verdict = Verdict()
@@ -466,14 +469,16 @@ class RegressionWatch:
                              for r in (*verdict.regressions, *verdict.unconfirmed)}
         if short and not verdict.regressions and not verdict.unconfirmed:
             verdict.skipped = f"baseline: {len(self.baseline)} of {MIN_BASELINE} earlier cycles"
-        entry = (rows, statistics.median(step_ms or [0.0]), cpu)
+        entry = (rows, statistics.median(step_ms or [0.0]), cpu, wait)
         if verdict.unconfirmed and not verdict.regressions:
             self._held = entry  # in question: kept out of the baseline until the next sound cycle decides
             return verdict
         held, self._held = self._held, None
-        for table, median, used in ([held] if held is not None and verdict.regressions else []) + [entry]:
+        for table, median, used, waited in ([held] if held is not None and verdict.regressions else []) + [entry]:
             self.baseline = [*self.baseline, table][-self.history:]
             self.medians = [*self.medians, median][-self.history:]
             if used is not None:
                 self.cpu = [*self.cpu, used][-self.history:]
+            if waited is not None:
+                self.wait = [*self.wait, waited][-self.history:]
         return verdict

@@ -12,18 +12,38 @@ process CPU time of each recorded step (``CycleReport.step_ms``, ``step_cpu_ms``
   in proportion*: their median slowdown (``regressions.shared_factor``) at least ``SHARED_LOAD``
   (1.5x) and at least half the step's. A step that got slower because a few nodes did is no load:
   it shows as the regression of those nodes, however large.
+
+Where Linux reports CPU pressure (``/proc/pressure/cpu``: the time some task was ready to run and waited for a
+core), the share of the recorded steps' wall time spent so (``step_wait_ms``) replaces the jump and the CPU-per-wall
+drop: a rise above ``WAIT_LIMIT`` (30 %) and twice the earlier cycles', with the nodes slower in proportion, is load.
+A slower step with less CPU per wall second and no task waiting is not: a process that waits 30 ms for its data
+leaves its intra-op threads asleep, and every node after the wait runs up to 2x slower, with no other task asking for
+the cores (the step's data phase is then what the watch flags).
 """
 
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
-__all__ = ["CPU_DROP", "JUMP_LIMIT", "SHARED_LOAD", "SPREAD_LIMIT", "cpu_per_wall", "distortion", "step_spread"]
+__all__ = ["CPU_DROP", "JUMP_LIMIT", "SHARED_LOAD", "SPREAD_LIMIT", "WAIT_LIMIT", "cpu_per_wall", "cpu_waited_us",
+           "distortion", "step_spread", "waited_share"]
 
 SPREAD_LIMIT = 0.5
 JUMP_LIMIT = 2.0
 CPU_DROP = 0.6
 SHARED_LOAD = 1.5
+WAIT_LIMIT = 0.3
+_PRESSURE = Path("/proc/pressure/cpu")
+
+
+def cpu_waited_us() -> int | None:
+    """Microseconds some task of the machine (or container) waited for a CPU since boot, or None where Linux does not
+    say (``/proc/pressure/cpu``, the ``some`` line's ``total``)."""
+    try:
+        return int(_PRESSURE.read_text().split("total=", 1)[1].split(None, 1)[0])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def step_spread(step_ms: list[float]) -> float | None:
@@ -38,6 +58,16 @@ def step_spread(step_ms: list[float]) -> float | None:
     return (max(step_ms) - min(step_ms)) / middle if middle > 0 else None
 
 
+def waited_share(step_ms: list[float], step_wait_ms: list[float]) -> float | None:
+    """The share of the recorded steps' wall time in which some task waited for a CPU (None without a reading).
+
+    >>> waited_share([10.0, 10.0], [1.0, 3.0])
+    0.2
+    """
+    wall = sum(step_ms)
+    return sum(step_wait_ms) / wall if wall > 0 and step_wait_ms and len(step_wait_ms) == len(step_ms) else None
+
+
 def cpu_per_wall(step_ms: list[float], step_cpu_ms: list[float]) -> float | None:
     """The process's CPU time over the wall time of the recorded steps (None without steps)."""
     wall = sum(step_ms)
@@ -45,12 +75,14 @@ def cpu_per_wall(step_ms: list[float], step_cpu_ms: list[float]) -> float | None
 
 
 def distortion(step_ms: list[float], earlier_medians: list[float], shared: float = 1.0,
-               cpu: float | None = None, earlier_cpu: list[float] = ()) -> str | None:
+               cpu: float | None = None, earlier_cpu: list[float] = (), wait: float | None = None,
+               earlier_wait: list[float] = ()) -> str | None:
     """Why a cycle's numbers look distorted by other load, or None when they look sound.
 
     ``earlier_medians`` are the median step times of the run's earlier sound cycles, ``earlier_cpu``
     their ``cpu_per_wall``; ``cpu`` is this cycle's; ``shared`` how much slower its nodes ran as a
-    whole than in those cycles (``regressions.shared_factor``).
+    whole than in those cycles (``regressions.shared_factor``); ``wait`` this cycle's ``waited_share`` where the
+    machine reports it (then the CPU-per-wall drop is not asked), ``earlier_wait`` the earlier cycles'.
 
     >>> distortion([10.0, 10.5, 10.2], [10.1]) is None
     True
@@ -60,6 +92,9 @@ def distortion(step_ms: list[float], earlier_medians: list[float], shared: float
     True
     >>> distortion([30.0, 30.2, 30.1], [10.0], shared=2.9)
     "its median step took 30.1 ms, 3.0x the earlier cycles' 10.0 ms, with its nodes 2.9x slower as a whole"
+    >>> distortion([40.0, 40.2], [10.0], shared=1.6, cpu=0.5, earlier_cpu=[1.9], wait=0.01, earlier_wait=[0.01])
+    >>> distortion([15.0, 15.2], [10.0], shared=1.6, cpu=1.0, earlier_cpu=[1.9], wait=0.55, earlier_wait=[0.02])
+    'some task waited for a CPU 55% of its recorded steps (2% in the earlier cycles; /proc/pressure/cpu), with its nodes 1.6x slower as a whole'
     """
     reasons = []
     spread = step_spread(step_ms)
@@ -71,10 +106,15 @@ def distortion(step_ms: list[float], earlier_medians: list[float], shared: float
         now, before = statistics.median(step_ms), statistics.median(earlier_medians)
         jump = now / before if before > 0 else 1.0
     in_proportion = shared >= SHARED_LOAD and shared >= 1 + (jump - 1) / 2
-    if jump > JUMP_LIMIT and in_proportion:
+    if jump > JUMP_LIMIT and in_proportion and wait is None:  # (where the CPU pressure is known, it decides)
         reasons.append(f"its median step took {now:.1f} ms, {jump:.1f}x the earlier cycles' {before:.1f} ms, "
                        f"with its nodes {shared:.1f}x slower as a whole")
-    if cpu is not None and earlier_cpu and shared >= SHARED_LOAD:
+    if wait is not None:
+        before_wait = statistics.median(earlier_wait) if earlier_wait else 0.0
+        if wait > max(WAIT_LIMIT, 2 * before_wait) and shared >= SHARED_LOAD:
+            reasons.append(f"some task waited for a CPU {100 * wait:.0f}% of its recorded steps ({100 * before_wait:.0f}% "
+                           f"in the earlier cycles; /proc/pressure/cpu), with its nodes {shared:.1f}x slower as a whole")
+    elif cpu is not None and earlier_cpu and shared >= SHARED_LOAD:
         before_cpu = statistics.median(earlier_cpu)
         if before_cpu > 0 and cpu < CPU_DROP * before_cpu:
             reasons.append(f"the process got {cpu:.2f} CPU s per wall s, {before_cpu:.2f} in the earlier cycles "

@@ -21,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from fxprof_lightning import torch_api
+from fxprof_lightning.analysis.trust import cpu_waited_us
 from fxprof_lightning.capture.timers import Timer
 from fxprof_lightning.engine.statistics import summarize_modules, summarize_nodes, summarize_ranges
 from fxprof_lightning.nodes import Capture, NodeInfo
@@ -56,9 +57,10 @@ class Cycle:
     backward_wall_ns: list[int] = field(default_factory=list)
     samples_at_step: int = 0  # the timer's call count when the step in progress began
     hooks_now: bool = False  # the step in progress times backward with hooks
-    step_start: tuple[int, float] | None = None  # perf_counter_ns, process_time of the recorded step in progress
+    step_start: tuple[int, float, int | None] | None = None  # perf_counter_ns, process_time, CPU waited (us) at its start
     step_ms: list[float] = field(default_factory=list)
     step_cpu_ms: list[float] = field(default_factory=list)
+    step_wait_ms: list[float] = field(default_factory=list)  # where Linux says: ms some task waited for a CPU, per step
     device: dict[str, float] | None = None  # where the trace's GPU time went (gpu_trace.summary)
     phases: list[dict[str, int]] = field(default_factory=list)  # ns per phase of each recorded step (step_phases)
     batch_sizes: list[int] = field(default_factory=list)  # samples in each recorded step, where the driver said
@@ -143,16 +145,19 @@ class Cycle:
                                         self.timer.progress.interruptions if self.timer is not None else 0, sequence_nr_now(),
                                         len(self.step_ms), len(self.phases), len(self.batch_sizes),
                                         len(self.backward_wall_ns))
-            self.step_start = (time.perf_counter_ns(), time.process_time())
+            self.step_start = (time.perf_counter_ns(), time.process_time(), cpu_waited_us())
 
     def end_step(self, module: nn.Module, step: int, recording: bool) -> None:
         """The step ends (``step_trace`` then ends it in the trace). A recorded step in which the timer was
         interrupted (a capture, a call that missed the guards and ran untimed) is dropped: its samples, times and
         phases are forgotten and the step is named in ``dropped`` with why."""
         if self.step_start is not None:
-            wall, cpu = self.step_start
+            wall, cpu, waited = self.step_start
             self.step_ms.append((time.perf_counter_ns() - wall) / 1e6)
             self.step_cpu_ms.append((time.process_time() - cpu) * 1e3)
+            waited_now = cpu_waited_us() if waited is not None else None
+            if waited_now is not None:
+                self.step_wait_ms.append((waited_now - waited) / 1e3)
             self.step_start = None
         if self.timer is not None:
             self.timer.uninstall(module)
@@ -166,7 +171,7 @@ class Cycle:
         if mark is not None and progress is not None and progress.interruptions > mark.interruptions:
             mark.forget()
             self._dropped_sequences.append((mark.sequence_nr, sequence_nr_now()))
-            del self.step_ms[mark.steps:], self.step_cpu_ms[mark.steps:], self.phases[mark.phases:]
+            del self.step_ms[mark.steps:], self.step_cpu_ms[mark.steps:], self.step_wait_ms[mark.steps:], self.phases[mark.phases:]
             del self.batch_sizes[mark.batch_sizes:], self.backward_wall_ns[mark.backward_walls:]
             self.dropped[step] = progress.interrupted_by
         else:
@@ -240,7 +245,7 @@ class Cycle:
         report = CycleReport(index=self.index, steps=self.recorded, directory=self.directory, partial=partial, ranks=ranks,
                              stage=stage, nodes=nodes, capture=self.described_capture(),
                              trace_paths=list(self.trace.paths) if self.trace is not None else [],
-                             step_ms=self.step_ms, step_cpu_ms=self.step_cpu_ms, device=self.device,
+                             step_ms=self.step_ms, step_cpu_ms=self.step_cpu_ms, step_wait_ms=self.step_wait_ms, device=self.device,
                              phases=_mean_phases(self.phases),
                              batch_size=round(statistics.mean(self.batch_sizes)) if self.batch_sizes else None,
                              dropped_steps=dict(self.dropped), capture_s=self.capture_s)

@@ -35,7 +35,8 @@ SEARCH_DEPTH = 4  # levels below the given path searched for cycle directories
 SUMMARY_FIELDS = {  # taken from the summary as they are, when present: name -> accepted JSON types
     "index": (int,), "stage": (str,), "steps": (list,), "partial": (bool,), "ranks": (int,),
     "backward_wall_ms": (int, float, type(None)), "backward_outside_ms": (int, float, type(None)),
-    "forward_wall_ms": (int, float, type(None)), "step_ms": (list,), "step_cpu_ms": (list,), "advice": (list,),
+    "forward_wall_ms": (int, float, type(None)), "step_ms": (list,), "step_cpu_ms": (list,), "step_wait_ms": (list,),
+    "advice": (list,),
     "distortion": (str, type(None)), "tracked": (list,), "phases": (dict,), "peaks": (str, type(None)),
     "batch_size": (int, type(None)), "dropped_steps": (dict,), "capture_s": (int, float),
     "trigger": (str,),
@@ -121,7 +122,7 @@ def load_cycle(directory: str | os.PathLike) -> CycleReport:
             if not isinstance(value, types) or (types == (int,) and isinstance(value, bool)):
                 expected = " or ".join(t.__name__ for t in types)
                 raise RunError(f"{summary_path}: {name} is {value!r}, not a {expected}")
-            if name in ("steps", "step_ms", "step_cpu_ms") and not all(
+            if name in ("steps", "step_ms", "step_cpu_ms", "step_wait_ms") and not all(
                     isinstance(v, int | float) and not isinstance(v, bool) for v in value):
                 raise RunError(f"{summary_path}: {name} holds something other than numbers: {value!r}")
             if name == "phases" and not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value.values()):

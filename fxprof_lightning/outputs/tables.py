@@ -9,7 +9,7 @@ import io
 import statistics
 from dataclasses import asdict, fields
 
-from fxprof_lightning.analysis.trust import cpu_per_wall, step_spread
+from fxprof_lightning.analysis.trust import cpu_per_wall, step_spread, waited_share
 from fxprof_lightning.report import CycleReport, ModuleStats, NodeStats, RangeStats
 
 __all__ = ["markdown", "modules_csv", "modules_text", "nodes_csv", "ranges_csv", "step_csv"]
@@ -89,6 +89,9 @@ def markdown(report: CycleReport, top_k: int | None = None) -> str:
             trust += f", spread {100 * spread:.0f}%"
         if cpu is not None:
             trust += f", {cpu:.2f} CPU s per wall s"
+        wait = waited_share(report.step_ms, report.step_wait_ms)
+        if wait is not None:
+            trust += f", some task waited for a CPU {100 * wait:.0f}% of the time"
         lines += [trust + ".", ""]
     if report.distortion:
         lines += [f"**These numbers look distorted by other load:** {report.distortion}.", ""]
