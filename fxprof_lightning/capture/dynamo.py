@@ -46,7 +46,14 @@ from torch import fx, nn
 
 from fxprof_lightning import torch_api
 from fxprof_lightning.capture import verify
-from fxprof_lightning.capture.dynamo_rules import _TRACEABLE, _frames_skipped, _hooks_eager, _not_compiling, _opened
+from fxprof_lightning.capture.dynamo_rules import (
+    _TRACEABLE,
+    _frames_skipped,
+    _guarded_functions,
+    _hooks_eager,
+    _not_compiling,
+    _opened,
+)
 from fxprof_lightning.capture.dynamo_timing import DynamoGraphs
 from fxprof_lightning.capture.graph_breaks import _graph_break_counter, _graph_break_reasons, host_reads
 from fxprof_lightning.capture.row_names import _Owners
@@ -248,6 +255,7 @@ class DynamoTimer(DynamoGraphs):
         self._global_hooks: tuple[tuple[int, ...], ...] = ()  # the global module hooks at the last capture
         self._flags: _ParameterFlags | None = None  # parameters' requires_grad at the last capture (where Dynamo misses it)
         self._eager_hooks: tuple[Callable[..., Any], ...] = ()  # hook functions run eagerly (``_Way.eager_hooks``)
+        self._eager_functions: tuple[Callable[..., Any], ...] = ()  # and the functions whose reads failed guards
         # How Dynamo captures (``_explore`` may change it); FSDP2: following torch's frames (a hook's break in a loop)
         self._way, self._sharded = _Way(OPENED, follow=sharded), sharded
         self._explored = False
@@ -353,12 +361,15 @@ class DynamoTimer(DynamoGraphs):
             attempt = self._explore(module, eager, state, args, kwargs, attempt)
         hooks = _hook_functions(module) if not self._way.eager_hooks and not self._way.follow else ()
         in_a_row, in_hooks = self._streak >= RECAPTURES_IN_A_ROW, _guarded_in(hooks, self._guard_failures)
-        if attempt.difference is None and hooks and (in_a_row or in_hooks):  # a hook changes what Dynamo guards on
+        found = _guarded_functions(module, self._guard_failures) if in_a_row and not in_hooks else ()
+        # A hook, or a function the forward calls, changes what Dynamo guards on: run eagerly, between graphs.
+        if attempt.difference is None and ((hooks and (in_a_row or in_hooks)) or found):
             self._drop(attempt)
+            self._eager_functions += found
             self._way = replace(self._way, eager_hooks=True)
             self._streak = 0
             attempt = self._attempt(module, eager, state, args, kwargs, self._way)
-            if attempt.difference is None and attempt.untimed:
+            if attempt.difference is None and attempt.untimed and not found:  # (a function: its time is its row)
                 attempt.difference = _hooks_refusal(attempt.untimed)
             hooks_now_eager = True
         for why, count in attempt.breaks.items():
@@ -372,7 +383,7 @@ class DynamoTimer(DynamoGraphs):
         if hooks_now_eager:
             why = (f"{RECAPTURES_IN_A_ROW} calls in a row, each right after a capture" if in_a_row else
                    "a guard on what a hook's code read")
-            reason += f" ({why}): from now on the model's forward hooks run eagerly, between graphs"
+            reason += f" ({why}): from now on {_run_eagerly(found)}, between graphs"
         if reason != "first call":
             self.recaptures.append(reason)
         self.interrupted_by = f"captured ({reason})"
@@ -439,7 +450,7 @@ class DynamoTimer(DynamoGraphs):
             before, self._inputs_seen = self.calls, set()
             if way.eager_hooks:
                 _frames_skipped(self._eager_hooks, False)
-                self._eager_hooks = _hook_functions(module)
+                self._eager_hooks = _hook_functions(module) + self._eager_functions
                 _frames_skipped(self._eager_hooks, True)
                 self._frame_hooked(module)
             with (torch_api.following(way.follow, GUARD_SETTINGS), _opened(way.opening),
@@ -552,6 +563,14 @@ def _guarded_in(functions: tuple[Callable[..., Any], ...], failures: list[str]) 
     # Dynamo 2.6 gives no place; its guard on what a hook read names the hook's closure variable: ``L['counts']``
     free = {name for f in functions for name in f.__code__.co_freevars}
     return any(name in free for failure in failures for name in re.findall(r"L\['(\w+)'\]", failure))
+
+
+def _run_eagerly(functions: tuple[Callable[..., Any], ...]) -> str:
+    """What runs eagerly: the functions found (``_guarded_functions``), or the model's hooks."""
+    if not functions:
+        return "the model's forward hooks run eagerly"
+    return ", ".join(f"{f.__name__} ({os.path.basename(f.__code__.co_filename)}:{f.__code__.co_firstlineno})"
+                     for f in functions) + (" run" if len(functions) > 1 else " runs") + " eagerly"
 
 
 def _hooks_refusal(untimed: list[str]) -> str:

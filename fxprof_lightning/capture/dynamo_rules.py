@@ -5,6 +5,9 @@ torch's own checks that Dynamo cannot trace run as traceable twins while a timer
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -112,3 +115,23 @@ class _TraceableChecks:
 
 
 _TRACEABLE = _TraceableChecks()
+
+
+def _guarded_functions(root: torch.nn.Module, failures: list[str]) -> tuple[Callable[..., Any], ...]:
+    """The plain Python functions (not a module's ``forward``) whose reads the failed guards were on (Dynamo ends each
+    failure's lines with ``# file:line in function``): a helper that reads a step counter from a global makes Dynamo
+    guard on its value, which changes at every call. Run eagerly, between graphs, it is a row of its own, named by
+    the line that calls it. Found among the names of the module's forwards' globals."""
+    places = {(os.path.basename(path), int(line), name)
+              for failure in failures for path, line, name in re.findall(r"# (\S+):(\d+) in (\w+)", failure)}
+    # Dynamo 2.6 gives no place: the globals its guards name (``G['STEP']``), read by the function's code
+    read = {name for failure in failures for name in re.findall(r"G\['(\w+)'\]", failure)} if not places else set()
+    found: dict[int, Callable[..., Any]] = {}
+    for module in root.modules():
+        for value in getattr(type(module).forward, "__globals__", {}).values():
+            code = getattr(value, "__code__", None)
+            if isinstance(value, types.FunctionType) and code.co_name != "forward" and (read & set(code.co_names) or any(
+                    name == code.co_name and os.path.basename(code.co_filename) == path and code.co_firstlineno <= line
+                    for path, line, name in places)):
+                found[id(value)] = value
+    return tuple(found.values())

@@ -1,0 +1,78 @@
+"""Planted causes with a known answer: the slowdown is flagged and named by the function and line that brings it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import notices
+from torch import nn
+
+from fxprof_lightning import Profiler
+
+STEP = {"now": 0}  # a step counter the model's helper reads: Dynamo guards on its value, which changes every step
+SLOW_FROM = 30
+
+
+def work(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    repeats = 6 if STEP["now"] >= SLOW_FROM else 1  # the layer's work grows 6x from step 30
+    for _ in range(repeats):
+        x = torch.tanh(x @ w)
+    return x
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(64, 256), nn.Linear(256, 4)
+        self.w = nn.Parameter(torch.randn(256, 256) / 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(work(torch.relu(self.inp(x)), self.w))
+
+
+def train(profiled: bool) -> tuple[Net, Profiler | None]:
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.randn(64, 64)
+    prof = Profiler(model, wait=0, warmup=1, active=3, repeat=12, pictures=False, sinks=[]) if profiled else None
+    if prof is not None:
+        prof.start()
+    for step in range(48):
+        STEP["now"] = step
+        model(data).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if prof is not None:
+            prof.step()
+    if prof is not None:
+        prof.stop()
+    return model, prof
+
+
+@notices("counted no step")
+def test_a_helper_that_reads_a_step_counter_is_run_eagerly_and_its_slowdown_named_by_its_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    plain, _ = train(profiled=False)
+    model, prof = train(profiled=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values(), strict=True))
+    # Dynamo guarded on STEP["now"] at every call: after three captures in a row, ``work`` runs eagerly, between
+    # graphs, and the capture goes on (no module hooks timing the model whole).
+    last = prof.cycles[-1]
+    assert last.capture.method == "dynamo", last.capture.describe()
+    assert any(f"work (test_planted_causes.py:{work.__code__.co_firstlineno}) runs eagerly" in r
+               for r in last.capture.recaptures)
+    line = f"Net.forward (test_planted_causes.py:{Net.forward.__code__.co_firstlineno + 1}): return self.out(work("
+    assert any(n.name.startswith(line) for n in last.nodes), [n.name for n in last.nodes]
+    def row_ms(cycle) -> float:
+        return next(n.mean_ms for n in cycle.nodes if n.name.startswith(line))
+
+    before = [c for c in prof.cycles if c.steps[-1] < SLOW_FROM and c.nodes and not c.distortion]
+    after = [c for c in prof.cycles if c.steps[0] > SLOW_FROM and not c.distortion]
+    if len(before) < 3 or not after:  # the watch needs 3 sound cycles before; another process left too few
+        pytest.skip(f"too few cycles not distorted by other load to judge: {[c.distortion for c in prof.cycles]}")
+    assert min(map(row_ms, after)) > 3 * max(map(row_ms, before))  # 6x the work
+    # Flagged by that line in the first sound cycles after (a busy machine may leave the next ones distorted)
+    flagged = {r.node for c in after[:3] for r in (*c.regressions, *c.unconfirmed)}
+    assert any(node.startswith(line) for node in flagged), (flagged, [c.distortion for c in prof.cycles])
+    assert not any(c.regressions for c in before)
