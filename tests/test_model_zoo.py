@@ -1,7 +1,7 @@
 """benchmarks/model_zoo.py --quick runs end to end, and its HuggingFace rows are what the README claims.
 
 Every quick HF model (trained by a real Trainer with and without the callback) must be timed node by node
-(``traced_on_example``, no leaf, no module hooks) and end with weights bitwise equal to the run without the callback.
+(``dynamo``, no leaf, no module hooks) and end with weights bitwise equal to the run without the callback.
 """
 
 import subprocess
