@@ -3,11 +3,11 @@
 A timer times one train/eval mode of the module. ``Timers.for_module`` picks it on the mode's first use and keeps it:
 
 * a ``torch.compile``'d module: ``KernelTimer`` (``compiled``), its rows read from the cycle's trace;
-* else ``DynamoTimer`` (``dynamo``), which captures at its first call and again when a guard fails (FSDP2's
-  hooks run eagerly between its graphs);
 * ``ModuleHookTimer`` (module hooks: a row per module call) where Dynamo cannot be used: this torch lacks what the
   capture needs (``missing_for_dynamo``: the user is warned once, with the torch version), or the module is sharded
-  and this torch's FSDP2 hooks cannot be kept in the graphs (``fsdp2_kept``: warned too).
+  by FSDP2 and this torch's FSDP2 lacks the state the capture's checking calls put back (``fsdp2_kept``: warned too);
+* else ``DynamoTimer`` (``dynamo``), which captures at its first call and again when a guard fails (FSDP2's
+  hooks run eagerly between its graphs).
 
 A timer that stops fitting the calls (``usable`` False: a Dynamo capture refused) is replaced by module hooks for
 that mode.
