@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_capture.py [--quick] [--threads N]
 
 Per model: the seconds of the first (capturing) call of ``DynamoTimer`` (Dynamo's trace, the eager and the graph
-call compared forward and backward, the call itself) against ``capture()`` of the torch.fx ladder; then, no_grad
+call compared forward and backward, the call itself); then, no_grad
 and with grad, what a timed call adds to the graph it runs (``guard_cost_us``: measured inside each call, at several
 Python stack depths), with the guard check and the stance alone, and ``DynamoTimer``'s own check of the guards before
 each timed call (``entry``, ``entry_check_us``). Models: an MLP of 100 blocks of Linear, LayerNorm
@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from run_info import parse_args
 
 from fxprof_lightning.capture.dynamo import GUARD_SETTINGS, DynamoTimer
-from fxprof_lightning.capture.ladder import capture
 
 T = TypeVar("T")
 
@@ -125,16 +124,14 @@ def guard_cost_us(model: nn.Module, x: torch.Tensor, rounds: int, grad: bool) ->
             "guard": us(guard), "stance": us(stance), "graph": us(graph)}
 
 
-def capture_seconds(model: nn.Module, x: torch.Tensor) -> tuple[float, float, int]:
-    """(Dynamo capture call s, torch.fx ladder capture s, Dynamo rows)."""
+def capture_seconds(model: nn.Module, x: torch.Tensor) -> tuple[float, int]:
+    """(Dynamo capture call s, Dynamo rows)."""
     timer = DynamoTimer(True)
     timer.install(model)
     model(x).sum().backward()
     timer.uninstall(model)
     model.zero_grad()
-    start = time.perf_counter()
-    capture(model)
-    return timer.capture_s[0], time.perf_counter() - start, len(timer.nodes)
+    return timer.capture_s[0], len(timer.nodes)
 
 
 def entry_check_us(model: nn.Module, x: torch.Tensor, grad: bool, calls: int = 400) -> float:
@@ -160,14 +157,14 @@ def main() -> None:
     rounds = 5 if args.quick else 50
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {rounds} rounds x {len(DEPTHS)} stack depths")
-    print(f"{'model':<12} {'modules':>7} {'rows':>5} {'dynamo capture s':>17} {'fx capture s':>13}")
+    print(f"{'model':<12} {'modules':>7} {'rows':>5} {'dynamo capture s':>17}")
     models = [("MLP-300", mlp300(), torch.randn(8, 32)),
               ("ResNet18", torchvision.models.resnet18(num_classes=10), torch.randn(2, 3, 64, 64))]
     for name, model, x in models:
         modules = sum(1 for _ in model.modules()) - 1
-        dynamo_s, fx_s, rows = capture_seconds(model, x)
+        dynamo_s, rows = capture_seconds(model, x)
         torch._dynamo.reset()
-        print(f"{name:<12} {modules:>7} {rows:>5} {dynamo_s:>17.2f} {fx_s:>13.2f}")
+        print(f"{name:<12} {modules:>7} {rows:>5} {dynamo_s:>17.2f}")
     print("\nPer timed call, median us: added = the call less its graph (guards, input gathering, stance); worst: at the "
           "worst stack depth; guard: the guard check alone; stance: the stance alone; graph: the graph inside the call")
     print(f"{'model':<12} {'grad':>7} {'added':>8} {'worst':>8} {'guard':>8} {'stance':>7} {'graph':>9} {'entry':>7}")

@@ -1,6 +1,5 @@
 """Whether the capture survives the ways people really train: twenty-four patterns, each trained through a real
-Lightning ``Trainer`` without the callback, with it (``capture="dynamo"``) and with it (``capture="fx"``), compared
-bitwise.
+Lightning ``Trainer`` without the callback and with it (the Dynamo capture, the only one), compared bitwise.
 
     .venv/bin/python benchmarks/bench_patterns.py [--quick] [--only SUBSTRING] [--details] [--threads N]
 
@@ -13,21 +12,20 @@ a GAN generator called under ``no_grad`` and with grad in each step (manual opti
 reads a step counter it keeps (``self.calls += 1``), GPT-2 checkpointed with ``use_reentrant=True``,
 ``StochasticWeightAveraging`` on a ResNet18 (``max_epochs=2`` of 6 steps: SWA from epoch 1, then its BatchNorm
 epoch with ``momentum=None``), a plain function of the user's with a graph break (a call Dynamo skips) that takes
-5 ms more from ``CHANGE_STEP``, and a Python loop over a batch's rows in a plain function. Each is trained three times from the same ``pl.seed_everything``:
+5 ms more from ``CHANGE_STEP``, and a Python loop over a batch's rows in a plain function. Each is trained twice from the same ``pl.seed_everything``:
 (a) without our callback, (b) with ``FXProfilerCallback(skip_first=0, wait=1, warmup=1, active=2, repeat=0,
-module="model", capture="dynamo", pictures=False)`` (it records steps 2-3, 6-7, 10-11), (c) the same with
-``capture="fx"`` (the torch.fx capture ladder). ``max_steps`` is 12 for the mid-run patterns and Mask R-CNN (its box
+module="model", capture="dynamo", pictures=False)`` (it records steps 2-3, 6-7, 10-11). ``max_steps`` is 12 for the mid-run patterns and Mask R-CNN (its box
 counts change at every step: Dynamo makes each dimension dynamic at its second value, so its first steps all capture
 again), 24 for the GAN (Lightning counts each of its two optimizers' steps), 5 otherwise. Every
 model is built from a config (nothing downloaded) and kept tiny; everything runs on the CPU. ``--quick`` runs
 patterns 1, 3, 7 and 9; ``--only`` runs the patterns whose name contains the substring; ``--details`` prints every
 callback warning in full and ``capture.describe()`` under each row.
 
-Columns, one row per pattern and capture, (b) or (c) against (a):
-    pattern, capture: the pattern and the callback's ``capture`` option.
-    method: ``cycles[-1].capture.method`` (``dynamo``; or a torch.fx ladder method; ``module_hooks`` is a fallback).
+Columns, one row per pattern, (b) against (a):
+    pattern, capture: the pattern and the callback's ``capture`` option (``dynamo``).
+    method: ``cycles[-1].capture.method`` (``dynamo``; ``module_hooks`` is a fallback).
     rows: ``len(cycles[-1].nodes)``.
-    graphs, breaks: ``capture.graphs`` and ``sum(capture.graph_breaks.values())`` (Dynamo only; 0 on the ladder).
+    graphs, breaks: ``capture.graphs`` and ``sum(capture.graph_breaks.values())`` .
     recap: ``len(capture.recaptures)``: captures made again because a guard failed.
     whole%: ``CycleReport.whole_share``, max over the run's cycles: percent of node time in rows that time a block
         whole (leaf modules, torch functions kept as one call, every row under module hooks).
@@ -722,26 +720,23 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             ref = train(pattern, None)
-            for capture in ("dynamo", "fx"):
-                run = train(pattern, capture)
-                row, lines = row_for(pattern, capture, ref, run, args.details)
-                rows.append(row)
-                print("\n".join(lines), flush=True)
-                if run.error and "traceback" in run.state:
-                    print("    ! " + run.state["traceback"].strip().splitlines()[-1][:300])
+            run = train(pattern, "dynamo")
+            row, lines = row_for(pattern, "dynamo", ref, run, args.details)
+            rows.append(row)
+            print("\n".join(lines), flush=True)
+            if run.error and "traceback" in run.state:
+                print("    ! " + run.state["traceback"].strip().splitlines()[-1][:300])
         except Exception as error:  # the comparison itself failed
             print(f"{pattern.name}: failed: {type(error).__name__}: {str(error)[:200]}", flush=True)
-        print(f"    ({pattern.name}: {time.perf_counter() - t0:.1f} s for the three runs)", flush=True)
+        print(f"    ({pattern.name}: {time.perf_counter() - t0:.1f} s for the two runs)", flush=True)
     print("-" * 160)
-    for capture in ("dynamo", "fx"):
-        mine = [r for r in rows if r.capture == capture]
-        ckpt = [r for r in mine if r.ckpt != "-"]
-        print(f"{capture:>6}: {len(mine)} patterns; node-level {sum(r.node_level for r in mine)}; "
-              f"whole% <= 10: {sum(r.whole is not None and r.whole <= 10 for r in mine)}; "
-              f"weights bitwise {sum(r.weights == 'yes' for r in mine)}, buffers {sum(r.buffers == 'yes' for r in mine)}, "
-              f"grads {sum(r.grads == 'yes' for r in mine)}; "
-              f"checkpointing kept {sum(r.ckpt == 'yes' for r in ckpt)}/{len(ckpt)}; "
-              f"crashed {sum(r.crashed for r in mine)}")
+    ckpt = [r for r in rows if r.ckpt != "-"]
+    print(f"dynamo: {len(rows)} patterns; node-level {sum(r.node_level for r in rows)}; "
+          f"whole% <= 10: {sum(r.whole is not None and r.whole <= 10 for r in rows)}; "
+          f"weights bitwise {sum(r.weights == 'yes' for r in rows)}, buffers {sum(r.buffers == 'yes' for r in rows)}, "
+          f"grads {sum(r.grads == 'yes' for r in rows)}; "
+          f"checkpointing kept {sum(r.ckpt == 'yes' for r in ckpt)}/{len(ckpt)}; "
+          f"crashed {sum(r.crashed for r in rows)}")
     print(f"total {time.perf_counter() - started:.0f} s")
 
 

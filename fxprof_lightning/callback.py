@@ -165,7 +165,7 @@ class FXProfilerCallback(Callback, HoldsSettings):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.profiler.prepare("train")  # capture (or start recording a call to trace on) before the first timed step
+        self.profiler.prepare("train")  # choose the timer before the first timed step
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:

@@ -99,13 +99,11 @@ class Capture:
     """How a module was captured.
 
     Attributes:
-        method: ``"symbolic_trace"``, ``"symbolic_trace+leaves"``, ``"traced_on_example"``,
-            ``"traced_on_example+leaves"``, ``"module_hooks"`` or ``"compiled"`` (a torch.compile'd module,
-            timed from its kernels: ``capture/compiled.py``).
-        graph_module: the traced graph (None for ``module_hooks``).
-        leaves: submodules traced as single nodes, with the error that made them leaves.
-        error: why tracing the whole module failed ('' when it did not).
-        guards: guard nodes of a graph traced on an example (0 for the other methods).
+        method: ``"dynamo"``, ``"module_hooks"`` (where Dynamo cannot be used) or ``"compiled"`` (a
+            torch.compile'd module, timed from its kernels: ``capture/compiled.py``).
+        graph_module: the graph timed (None for ``module_hooks``).
+        leaves: blocks timed as single rows, with why.
+        error: ``dynamo`` and ``compiled``: how the rows are made; ``module_hooks``: why Dynamo was not used.
         fused: ``compiled``: the rows whose kernels were fused across modules, with those kernels.
         graph_breaks: ``compiled`` and ``dynamo``: Dynamo's graph breaks, by reason, with their counts.
         graphs: ``dynamo``: the graphs captured so far (one per graph break and per recapture).
@@ -116,15 +114,13 @@ class Capture:
             Dynamo ran eagerly, after a graph break inside a loop: untimed), module path -> why.
         dynamo_messages: ``dynamo``: what Dynamo, Inductor and torch.fx logged or warned in our captures and timed
             calls, each message once (kept off the console: ``timing.quiet.quiet_dynamo``).
-        capture_s: seconds of each capture: ``dynamo``: Dynamo, the check against eager, the call; the torch.fx ladder:
-            the tracing (with its retries and checks).
+        capture_s: seconds of each ``dynamo`` capture: Dynamo, the check against eager, the call.
     """
 
     method: str
     graph_module: fx.GraphModule | None = None
     leaves: dict[str, str] = field(default_factory=dict)
     error: str = ""
-    guards: int = 0
     fused: dict[str, list[str]] = field(default_factory=dict)
     graph_breaks: dict[str, int] = field(default_factory=dict)
     graphs: int = 0
@@ -134,20 +130,11 @@ class Capture:
     capture_s: list[float] = field(default_factory=list)
     dynamo_messages: list[str] = field(default_factory=list)
 
-    @property
-    def on_example(self) -> bool:
-        """Whether the graph was traced on a recorded call (and must be run with guards honoured)."""
-        return self.method.startswith("traced_on_example")
-
     def describe(self) -> str:
         """One line for logs and reports."""
         text = self.method
         if self.leaves:
             text += f" ({len(self.leaves)} leaf module(s): " + "; ".join(f"{k} [{v}]" for k, v in self.leaves.items()) + ")"
-        if self.on_example:
-            text += (f" (torch.fx failed on the module's own forward: {self.error}; traced on a recorded call "
-                     f"instead, with {self.guards} guard(s) that send a call the graph does not fit to the "
-                     "module's own forward)")
         if self.method == "dynamo":
             text += f" ({self.error}; {self.graphs} graph(s)"
             if self.graph_breaks:
@@ -158,7 +145,7 @@ class Capture:
                 text += f"; untimed, outside the graphs: {', '.join(self.untimed)} ({next(iter(self.untimed.values()))})"
             text += ")"
         if self.method == "module_hooks":
-            text += f" (torch.fx failed on the module's own forward: {self.error})"
+            text += f" ({self.error})"
         if self.method == "compiled":
             text += f" ({self.error}; kernels fused across modules: "
             text += "; ".join(f"{row} [{', '.join(kernels)}]" for row, kernels in self.fused.items()) or "none"

@@ -288,9 +288,8 @@ class CycleReport:
 
     @property
     def whole_share(self) -> float:
-        """Percent of node time (forward and backward) in rows that time a block whole: a leaf module of the
-        torch.fx capture, a torch function Dynamo's capture kept as one call (both named in ``capture.leaves`` with
-        why), every module under module hooks."""
+        """Percent of node time (forward and backward) in rows that time a block whole: a torch function Dynamo's
+        capture kept as one call (named in ``capture.leaves`` with why), every module under module hooks."""
         if self.capture is None or not self.nodes:
             return 0.0
         leaves = self.capture.leaves

@@ -84,7 +84,7 @@ def degraded(feature: str, why: str) -> None:
 # (``own_code``): Dynamo keeps its cache on the code object, so the user's ``torch.compile`` of the same forward is
 # untouched. (Frames Dynamo starts after a graph break inside a submodule share the user's code objects there; a
 # backend-match guard keeps each backend's graphs apart.)
-_optimize = _find("torch._dynamo.eval_frame:_optimize", "no Dynamo capture: torch.fx's capture")
+_optimize = _find("torch._dynamo.eval_frame:_optimize", "no Dynamo capture: module hooks")
 try:
     ISOLATED_CACHE = _optimize is not None and "isolate_recompiles" in inspect.signature(_optimize).parameters
 except (TypeError, ValueError):
@@ -218,9 +218,6 @@ tag_activation_checkpoint = _find("torch._higher_order_ops.wrap:tag_activation_c
 
 # ---------------------------------------------------------------- Dynamo, continued
 
-# Dynamo itself (2.0+), whose ``mark_static_address`` and kin the fx capture makes ignore traced values: without it,
-# there are no marks to ignore.
-dynamo = _find("torch._dynamo", "no compile marks to ignore")
 # Older aliases of ``torch.compiler.is_compiling`` (2.6-2.15): without one, the public two are answered alone.
 external_is_compiling = _find("torch._dynamo.external_utils:is_compiling", "the public is_compiling answered alone")
 utils_is_compiling = _find("torch._utils:is_compiling", "the public is_compiling answered alone")
@@ -237,12 +234,6 @@ GLOBAL_MODULE_HOOKS = tuple(_find(f"torch.nn.modules.module:_global_{name}_hooks
 _saver = (_find("torch.utils.checkpoint:_CheckpointFrame.save_inputs", "the generator's frame looked for")
           or _find("torch.utils.checkpoint:_checkpoint_without_reentrant_generator", "kept inputs counted"))
 CHECKPOINT_INPUT_SAVERS = (_saver.__code__,) if _saver is not None else ()
-# What non-reentrant checkpointing runs at each call (the fx capture refuses traced values there): the generator
-# (2.6-2.15) and its ``_impl`` (2.14+; not 2.6, 2.11); without both, only ``CheckpointFunction.apply`` is watched.
-CHECKPOINT_GENERATORS = tuple(
-    (torch.utils.checkpoint, name) for name in ("_checkpoint_without_reentrant_generator_impl",
-                                                 "_checkpoint_without_reentrant_generator")
-    if _find(f"torch.utils.checkpoint:{name}", "the other name watched") is not None)
 
 # ---------------------------------------------------------------- the autograd engine: capture and timing
 
@@ -263,9 +254,6 @@ AUTOGRAD = types.SimpleNamespace(sequence_nr=sequence_nr_now)
 queue_callback = _function("torch.autograd:Variable._execution_engine.queue_callback", "backward ends fail at use")
 # Where a backward pass starts (2.6-2.15): without it, the search for a collective's node goes to the stack's top.
 engine_run_backward = _find("torch.autograd.graph:_engine_run_backward", "the stack searched to its top")
-# The grad-mode switch as a plain call (2.6-2.15), the fx capture's grad-mode nodes: without it, the public
-# ``torch.set_grad_enabled`` (called, it switches the same way).
-set_grad_enabled = _find("torch._C:_set_grad_enabled", "torch.set_grad_enabled", torch.set_grad_enabled)
 
 # ---------------------------------------------------------------- the profiler's C++ side: backward events
 
@@ -310,7 +298,7 @@ def torch_profiler_running() -> bool:
     """Whether a torch.profiler session runs (read at each call: torch sets it)."""
     return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", False))
 
-# ---------------------------------------------------------------- dispatch, fx and pytree: FLOPs and the fx capture
+# ---------------------------------------------------------------- dispatch and pytree: FLOPs and the checks
 
 # Python kernels (meta ones) in dispatch (2.6-2.15): FLOP counting runs under it; without it, ops whose meta kernel
 # is Python's get no FLOPs (each reported as a node without one).
@@ -323,14 +311,8 @@ grouped_mm = _find("torch:ops.aten._grouped_mm", "no FLOP formula for it")
 # Fake tensors' cache (``FakeTensorMode.cache``, 2.6-2.15): its entries made while our kernel was in place are dropped;
 # without it, nothing to drop.
 FakeTensorMode = _find("torch._subclasses.fake_tensor:FakeTensorMode", "no fake-tensor cache to clear")
-# The nodes symbolic tracing adds for a ``None`` or a constant argument (2.6-2.15): the fx capture takes them out;
-# without one, its nodes are not there to take out.
-assert_is_none = _find("torch.fx._symbolic_trace:_assert_is_none", "none of its nodes")
-torch_assert = _find("torch:_assert", "none of its nodes")
-# Nested containers' leaves (2.6-2.15): the capture and the checks rest on them (they fail at use without them).
-tree_flatten = _function("torch.utils._pytree:tree_flatten", "the capture fails at use")
+# Nested containers' leaves (2.6-2.15): the checks rest on them (they fail at use without them).
 tree_leaves = _function("torch.utils._pytree:tree_leaves", "the checks fail at use")
-tree_map = _function("torch.utils._pytree:tree_map", "the fx capture fails at use")
 
 # ---------------------------------------------------------------- Inductor: per-layer times of compiled modules
 
@@ -427,11 +409,6 @@ def forget_compiles(compile_ids: set[Any], shared: bool = False) -> None:
             if ((entry.compile_id in compile_ids or str(entry.compile_id) in compile_ids)
                     and getattr(manager, "cache_entry", None) is not None):
                 manager.extra_state.invalidate(manager.cache_entry, _DeletedGuardManager("dropped by fxprof_lightning"))
-
-# What ``torch.utils.checkpoint(use_reentrant=False)`` runs at each call, looked up in its module at run time: the
-# generator's ``_impl`` (2.14+), ``_checkpoint_without_reentrant_generator`` itself before (2.6-2.13). Without
-# either, checkpointed calls are not counted (tests only; ``leaves.CHECKPOINT_INTERNALS`` takes both).
-NON_REENTRANT_CHECKPOINT = CHECKPOINT_GENERATORS[0][1] if CHECKPOINT_GENERATORS else None
 
 
 # Functions libraries call inside ``try``/``except`` that an older torch lacks: ``torch.compiler.is_exporting`` (2.7+)

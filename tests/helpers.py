@@ -101,8 +101,7 @@ def resnet18(**kwargs) -> nn.Module:
     return torchvision.models.resnet18(**kwargs)
 
 
-# The torch.fx ladder (``capture="fx"``), which no torch of the range needs any more and which is to be retired
-# (issue 39): two of its tests, whose tracing differs on torch 2.6's torch.fx, run on torch 2.14 and newer only.
-LADDER_ON_NEWER_TORCH = pytest.mark.skipif(
-    tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2]) < (2, 14),
-    reason="the torch.fx ladder (capture='fx', to be retired) is tested on torch 2.14 and newer")
+
+def trace_module(model: nn.Module) -> torch.fx.GraphModule:
+    """The model's graph for a ``NodeTimer`` of its own (tests of node timing itself): torch.fx's public tracing."""
+    return torch.fx.symbolic_trace(model)

@@ -238,19 +238,24 @@ def test_no_logger_warns_and_still_writes_files(tmp_path):
     assert len(callback.cycles[0].trace_paths) == 1
 
 
-def test_a_model_fx_cannot_trace_at_all_is_timed_by_module_hooks(tmp_path):
-    class Branchy(SmallNet):
-        def forward(self, x):
-            x = super().forward(x)
-            return x if x.sum() > 0 else -x
+def test_where_dynamo_cannot_be_used_the_model_is_timed_by_module_hooks(tmp_path, monkeypatch):
+    from fxprof_lightning.capture import timers
 
-    callback = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=1, repeat=1, module="model", capture="fx")
-    with pytest.warns(UserWarning, match=r"could not trace Branchy whole, so it is timed by module_hooks .*TraceError"):
-        _train(tmp_path, [callback], steps=4, model=LitClassifier(Branchy()))
+    monkeypatch.setattr(timers, "missing_for_dynamo", lambda: "torch._dynamo.optimize has no isolate_recompiles")
+    callback = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=1, repeat=1, module="model")
+    with pytest.warns(UserWarning, match=r"lacks what the Dynamo capture needs .* SmallNet are timed by module hooks"):
+        _train(tmp_path, [callback], steps=4, model=LitClassifier(SmallNet()))
     (cycle,) = callback.cycles
     assert cycle.capture.method == "module_hooks" and len(cycle.trace_paths) == 1
     assert {n.name for n in cycle.nodes} == {"(root)", "conv", "bn", "drop", "head"}
     assert "fxprof/forward_ms_per_step" in read_events(tmp_path / "logs" / "version_0").Tags()["scalars"]
+
+
+def test_capture_fx_is_refused_with_what_to_do_instead():
+    with pytest.raises(ValueError, match=r"torch.fx capture was removed.*Dynamo capture .* works on torch 2\.6 and newer"
+                                         r".*Drop the capture argument"):
+        FXProfilerCallback(capture="fx")
+    assert FXProfilerCallback(capture="dynamo").profiler.settings.capture == "dynamo"  # still accepted
 
 
 def test_a_failing_profiler_never_ends_training(tmp_path):

@@ -17,10 +17,10 @@ from fxprof_lightning import FXProfilerCallback, Profiler
 from fxprof_lightning.capture.compiled import missing_for_kernels
 from fxprof_lightning.capture.dynamo import missing_for_dynamo
 
-# On a torch older than the one tested (2.14), what it lacks is named once and the capture is torch.fx's.
+# On a torch older than the one tested (2.14), what it lacks is named once and module hooks time the layers.
 OLD_TORCH = notices("lacks what the Dynamo capture needs", "which torch")
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), OLD_TORCH]
-METHOD = "dynamo" if missing_for_dynamo() is None else "symbolic_trace"
+METHOD = "dynamo" if missing_for_dynamo() is None else "module_hooks"
 SCHEDULE = {"skip_first": 1, "wait": 1, "warmup": 1, "active": 2, "repeat": 2}
 LAYERS = ("conv", "bn", "head")
 

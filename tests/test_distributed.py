@@ -22,7 +22,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import LitClassifier, SmallNet, image_loader, read_events
+from helpers import LitClassifier, image_loader, read_events
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -256,97 +256,3 @@ def test_rank_zero_logs_each_cycle_once(ddp_run):
 # ------------------------------------------------------------------- one rank without node timing
 
 
-class RankZeroUntraceable(SmallNet):
-    """Data-dependent control flow on rank 0 only: torch.fx can trace this module on rank 1 alone."""
-
-    def forward(self, x):
-        x = super().forward(x)
-        if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
-            return x if x.sum() > 0 else -x
-        return x
-
-
-def test_a_rank_that_cannot_trace_is_timed_by_module_hooks_and_gathered(tmp_path):
-    profiler = FXProfilerCallback(skip_first=1, wait=0, warmup=1, active=2, repeat=1, module="model", top_k=3, capture="fx",
-                                  dirpath=tmp_path / "fxprof")
-    reports = fit_ddp(tmp_path, profiler, LitClassifier(RankZeroUntraceable()), max_steps=5)  # returns: no hang
-
-    warned = reports[0]["warnings"]
-    assert any("torch.fx could not trace RankZeroUntraceable whole, so it is timed by module_hooks" in w for w in warned)
-    assert not [w for w in warned if "failed while" in w], warned  # profiling went on
-    hook_nodes = {"(root)", "conv", "bn", "drop", "head"}  # rank 0: one node per module, its self time
-    for report in reports.values():
-        (cycle,) = report["cycles"]
-        assert (cycle["steps"], cycle["ranks"]) == ([2, 3], 2)  # both ranks timed something
-        slowest = {name: rank for name, _, rank, _ in cycle["nodes"]}
-        assert set(slowest) == SMALLNET_NODES | hook_nodes  # tables merged by node name
-        # a node only one rank has is that rank's: functional ops from rank 1's graph, the root from rank 0's hooks
-        assert (slowest["relu"], slowest["mean"], slowest["(root)"]) == (1, 1, 0)
-
-    directory = tmp_path / "fxprof" / "cycle_0000"
-    traces = {int(TRACE_NAME.match(p.name).group(1)): p for p in directory.iterdir() if TRACE_NAME.match(p.name)}
-    assert sorted(traces) == [0, 1]
-    names = {rank: {e.get("name") for e in read_trace(path)["traceEvents"]} for rank, path in traces.items()}
-    assert all({"ProfilerStep#2", "ProfilerStep#3"} <= n for n in names.values())
-    assert SMALLNET_NODES <= names[1]  # a range per FX node on rank 1
-    assert hook_nodes - {"(root)"} <= names[0] and not {"relu", "mean"} & names[0]  # a range per module on rank 0
-
-    rows = read_csv(directory / "fx_nodes.csv")
-    assert {r["name"]: int(r["slowest_rank"]) for r in rows} == slowest
-    events = read_events(tmp_path / "logs" / "version_0")
-    assert [e.step for e in events.Scalars("fxprof/forward_ms_per_step")] == [3]
-    ((step, markdown),) = texts(events, "fxprof/layers/text_summary")
-    assert step == 3 and "mean over 2 ranks" in markdown.splitlines()[0]
-
-
-class ChdirPerRank(pl.Callback):
-    """Moves each spawned rank into ``<root>/cwd<rank>``, so that a relative ``dirpath`` differs between ranks."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-
-    def setup(self, trainer, pl_module, stage):
-        os.chdir(self.root / f"cwd{trainer.global_rank}")
-
-
-def test_a_rank_whose_profiling_fails_neither_hangs_nor_counts(tmp_path):
-    # Rank 1's relative dirpath "fxprof" is a file: its cycle directory cannot be made, so profiling is off on
-    # rank 1 from its first traced step on, while rank 0 profiles and waits for rank 1's table in the gather.
-    (tmp_path / "cwd0").mkdir()
-    (tmp_path / "cwd1").mkdir()
-    (tmp_path / "cwd1" / "fxprof").write_text("not a directory")
-    profiler = FXProfilerCallback(skip_first=1, wait=0, warmup=1, active=2, repeat=1, module="model", dirpath="fxprof")
-    cwd = os.getcwd()
-    reports = fit_ddp(tmp_path, profiler, LitClassifier(), max_steps=5, callbacks=(ChdirPerRank(tmp_path),))
-    assert os.getcwd() == cwd  # only the spawned ranks moved
-
-    assert reports[1]["cycles"] == []  # nothing opened, nothing reported, yet it took part in the gather
-    (cycle,) = reports[0]["cycles"]
-    assert (cycle["steps"], cycle["ranks"]) == ([2, 3], 1)
-    assert {name for name, *_ in cycle["nodes"]} == SMALLNET_NODES
-    assert {slowest for _, _, slowest, _ in cycle["nodes"]} == {0}
-    directory = tmp_path / "cwd0" / "fxprof" / "cycle_0000"
-    assert cycle["directory"] == "fxprof/cycle_0000"
-    assert sorted(TRACE_NAME.match(p.name).group(1) for p in directory.iterdir() if TRACE_NAME.match(p.name)) == ["0"]
-    assert {r["slowest_rank"] for r in read_csv(directory / "fx_nodes.csv")} == {"0"}
-    assert (tmp_path / "cwd1" / "fxprof").read_text() == "not a directory"
-    ((_, markdown),) = texts(read_events(tmp_path / "logs" / "version_0"), "fxprof/layers/text_summary")
-    assert "mean over" not in markdown and "slowest rank" not in markdown
-
-
-class ReplacedOnRankZero(LitClassifier):
-    """Builds its real network in ``setup()`` on rank 0 (Lightning's hook for building models): an untraceable one."""
-
-    def setup(self, stage):
-        if self.global_rank == 0:
-            model = RankZeroUntraceable()
-            model.load_state_dict(self.model.state_dict())
-            self.model = model
-
-
-def test_a_model_replaced_in_setup_is_the_one_timed(tmp_path):
-    profiler = FXProfilerCallback(skip_first=1, wait=0, warmup=1, active=2, repeat=1, module="model", capture="fx",
-                                  dirpath=tmp_path / "fxprof")
-    reports = fit_ddp(tmp_path, profiler, ReplacedOnRankZero(), max_steps=5)  # the run itself finishes
-    # rank 0 trains RankZeroUntraceable, so it should say that torch.fx cannot trace it (and fall back to hooks)
-    assert any("torch.fx could not trace RankZeroUntraceable" in w for w in reports[0]["warnings"]), reports[0]["warnings"]

@@ -235,23 +235,6 @@ def test_misuse_is_named():
         prof.begin_step("test")
 
 
-@notices("torch.fx could not trace")
-def test_a_submodule_with_hooks_stays_whole_so_its_hooks_run(tmp_path):
-    def model_with_hook(calls):
-        torch.manual_seed(0)
-        model = SmallNet()
-        model.head.register_forward_hook(lambda module, args, output: calls.append(1) or output * 0.5)
-        return model
-
-    plain_calls, profiled_calls = [], []
-    plain = train(6, model=model_with_hook(plain_calls), seed=1)
-    with Profiler(model_with_hook(profiled_calls), wait=0, warmup=1, active=2, dirpath=tmp_path, sinks=[], capture="fx") as prof:
-        profiled = train(6, prof, seed=1)
-    assert len(profiled_calls) == len(plain_calls) == 6  # the hook ran in the timed steps too
-    assert prof.cycles[0].capture.leaves == {"head": "has forward hooks: they run only when the module is called whole"}
-    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), profiled.state_dict().values(), strict=True))
-
-
 def test_a_fabric_loop(tmp_path):
     from lightning.fabric import Fabric
 
@@ -292,9 +275,8 @@ def test_validation_entered_in_training_mode_leaves_the_training_cycle_alone(tmp
     assert [c.nodes for c in prof.val_cycles] == [[]]
 
 
-@notices("torch.fx could not trace")
 def test_an_error_of_the_own_forward_in_the_other_mode_is_the_users_and_runs_once(tmp_path):
-    class Picky(torch.nn.Module):  # traced on a recorded call (a shape branch); raises on odd batches in eval mode
+    class Picky(torch.nn.Module):  # a shape branch; raises on odd batches in eval mode
         def __init__(self) -> None:
             super().__init__()
             self.lin, self.calls = torch.nn.Linear(4, 4), 0
@@ -306,17 +288,17 @@ def test_an_error_of_the_own_forward_in_the_other_mode_is_the_users_and_runs_onc
             return self.lin(x) if x.shape[0] > 1 else x
 
     model = Picky()
-    with Profiler(model, wait=0, warmup=0, active=2, repeat=2, dirpath=tmp_path, sinks=[], capture="fx") as prof:
+    with Profiler(model, wait=0, warmup=0, active=2, repeat=2, dirpath=tmp_path, sinks=[]) as prof:
         for step in range(4):
             model(torch.randn(2, 4)).sum().backward()
-            if step == 2:  # the second cycle runs the graph traced on the first call
+            if step == 2:  # the second cycle runs the graph captured in the first
                 model.eval()
                 with pytest.raises(ValueError, match="odd batch"):
                     model(torch.randn(3, 4))
                 model.train()
             prof.step()
     assert model.calls == 1  # not run again as if the graph had failed
-    assert prof.cycles[1].capture.method == "traced_on_example" and prof.cycles[1].nodes  # the graph is still used
+    assert prof.cycles[1].capture.method == "dynamo" and prof.cycles[1].nodes  # the graph is still used
 
 
 def test_the_callbacks_settings_are_its_engines_checked_once_never_set_afterwards():

@@ -200,7 +200,7 @@ def test_node_ranges_of_a_real_trace_give_each_node_its_own_kernels(tmp_path):
     torch.manual_seed(0)
     model = MLP()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with Profiler(model, dirpath=tmp_path, wait=0, warmup=1, active=2, repeat=1, capture="fx") as prof:
+    with Profiler(model, dirpath=tmp_path, wait=0, warmup=1, active=2, repeat=1) as prof:
         for _ in range(3):
             model(torch.randn(4, 8)).sum().backward()
             optimizer.step()

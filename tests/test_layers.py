@@ -1,4 +1,4 @@
-"""Per-layer numbers: backward per node, module tree, FLOPs, the capture ladder and awkward models.
+"""Per-layer numbers: backward per node, module tree, FLOPs, module hooks where Dynamo cannot be used, and awkward models.
 
 Every model here trains through a real Trainer to the end, reports how it was captured, and
 ends with weights bitwise equal to the same model trained without the profiler.
@@ -13,7 +13,7 @@ import json
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import LitClassifier, SmallNet, image_loader, make_trainer, notices, read_events, resnet18
+from helpers import LitClassifier, SmallNet, image_loader, make_trainer, notices, read_events, resnet18, trace_module
 from tensorboard.util import tensor_util
 from torch import nn
 from torch.nn import functional as F
@@ -164,7 +164,7 @@ def test_module_tree_self_and_total_without_double_counting(tmp_path):
 
 
 def test_flops_and_output_bytes_match_flop_counter(tmp_path):
-    _, callback = train_both(tmp_path, LitClassifier, capture="fx")  # FLOPs are counted on torch.fx graphs only
+    _, callback = train_both(tmp_path, LitClassifier)
     (cycle,) = callback.cycles
     nodes = by_name(cycle)
     x = torch.randn(4, 3, 8, 8)  # batch 4 of 3x8x8, as image_loader gives
@@ -176,40 +176,7 @@ def test_flops_and_output_bytes_match_flop_counter(tmp_path):
     assert nodes["conv"].out_bytes == 4 * 16 * 8 * 8 * 4
     assert nodes["conv"].bwd_flops > 0 and nodes["relu"].fwd_flops == 0
     assert nodes["conv"].fwd_gflops_per_s == pytest.approx(nodes["conv"].fwd_flops / (nodes["conv"].mean_ms * 1e6))
-    ((timer, _),) = callback.profiler.timers.chosen.values()
-    assert len(timer._costs) == 1  # counted once for the one input signature
-
-
-class DataDependentBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(16, 16)
-
-    def forward(self, x):
-        return self.lin(x) if x.mean() > 0 else -self.lin(x)
-
-
-class PartlyTraceable(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 16, 3, padding=1)
-        self.block = DataDependentBlock()
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x):
-        x = F.relu(self.conv(x)).mean(dim=(2, 3))
-        return self.head(self.block(x))
-
-
-@notices("FLOPs not counted")
-def test_one_untraceable_block_becomes_a_leaf_and_the_rest_keeps_nodes(tmp_path):
-    with pytest.warns(UserWarning, match=r"timed by symbolic_trace\+leaves \(1 leaf module\(s\): block \[TraceError"):
-        _, callback = train_both(tmp_path, lambda: LitClassifier(PartlyTraceable()), capture="fx")
-    (cycle,) = callback.cycles
-    assert cycle.capture.method == "symbolic_trace+leaves" and list(cycle.capture.leaves) == ["block"]
-    assert {"conv", "relu", "mean", "block", "head"} == set(by_name(cycle))
-    assert by_name(cycle)["block"].op == "call_module" and by_name(cycle)["block"].bwd_calls == 2
-    assert "captured by symbolic_trace+leaves" in cycle.to_markdown()
+    assert cycle.capture.graphs == 1  # counted on the one graph captured
 
 
 class DictInput(nn.Module):
@@ -264,9 +231,12 @@ class NothingTraceable(nn.Module):
         return self.head(self.body(x).mean(dim=(2, 3)))
 
 
-def test_a_model_with_only_untraceable_code_is_timed_by_module_hooks(tmp_path):
-    with pytest.warns(UserWarning, match="timed by module_hooks"):
-        profiled, callback = train_both(tmp_path, lambda: LitClassifier(NothingTraceable()), capture="fx")
+def test_where_dynamo_cannot_be_used_module_hooks_time_the_model(tmp_path, monkeypatch):
+    from fxprof_lightning.capture import timers
+
+    monkeypatch.setattr(timers, "missing_for_dynamo", lambda: "torch._dynamo.optimize has no isolate_recompiles")
+    with pytest.warns(UserWarning, match="layers of NothingTraceable are timed by module hooks"):
+        profiled, callback = train_both(tmp_path, lambda: LitClassifier(NothingTraceable()))
     (cycle,) = callback.cycles
     assert cycle.capture.method == "module_hooks"
     nodes = by_name(cycle)
@@ -319,16 +289,18 @@ def test_a_compiled_module_without_torch_profiler_gets_a_clear_message(tmp_path)
 
 
 @notices("lacks what the Dynamo capture needs")
-def test_a_torch_without_what_dynamo_capture_needs_is_captured_by_torch_fx(tmp_path, monkeypatch, recwarn):
+def test_a_torch_without_what_dynamo_capture_needs_is_timed_by_module_hooks_and_told_once(tmp_path, monkeypatch, recwarn):
     # As torch 2.11 on the H200 we were lent (2026-11-26): no isolate_recompiles, and the capture raised TypeError.
     from fxprof_lightning.capture import timers
 
     monkeypatch.setattr(timers, "missing_for_dynamo", lambda: "torch._dynamo.optimize has no isolate_recompiles")
     _, callback = train_both(tmp_path, LitClassifier)
     (cycle,) = callback.cycles
-    assert cycle.capture.method == "symbolic_trace" and {n.name for n in cycle.nodes} >= {"conv", "bn", "head"}
+    assert cycle.capture.method == "module_hooks" and {n.name for n in cycle.nodes} >= {"conv", "bn", "head"}
+    assert "has no isolate_recompiles" in cycle.capture.describe()
     told = [str(w.message) for w in recwarn if "lacks what the Dynamo capture needs" in str(w.message)]
-    assert len(told) == 1 and "has no isolate_recompiles; torch 2.14 has it), so SmallNet is captured by torch.fx" in told[0]
+    assert len(told) == 1 and f"torch {torch.__version__} lacks" in told[0]
+    assert "has no isolate_recompiles; torch 2.14 has it), so the layers of SmallNet are timed by module hooks" in told[0]
 
 
 @notices("which torch")
@@ -355,9 +327,7 @@ def test_cuda_device_time_and_memory_leave_results_unchanged():
     expected.sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    from fxprof_lightning.capture.ladder import capture
-
-    timer = NodeTimer(capture(model).graph_module, device="cuda")
+    timer = NodeTimer(trace_module(model), device="cuda")
     timer.install(model)
     torch.manual_seed(1)
     out = model(x)

@@ -5,16 +5,11 @@ import time
 
 import pytest
 import torch
-from helpers import SmallNet, resnet18
+from helpers import SmallNet, resnet18, trace_module
 
-from fxprof_lightning.capture.ladder import capture
 from fxprof_lightning.capture.module_hooks import ModuleHookTimer
 from fxprof_lightning.nodes import describe_target
 from fxprof_lightning.timing.node_timing import BackwardEvents, NodeTimer
-
-
-def trace_module(model):
-    return capture(model).graph_module
 
 
 def _forward_backward(model, x):

@@ -478,7 +478,7 @@ def test_lightning_demo_transformer_is_timed_layer_by_layer(tmp_path):
 
 
 def checkpointed_llama(reentrant: bool | None = None):
-    from test_transformers import tiny_llama
+    from hf_models import tiny_llama
 
     model = tiny_llama()
     # every decoder layer through torch.utils.checkpoint: HF's default kwargs (use_reentrant=False since
@@ -490,7 +490,7 @@ def checkpointed_llama(reentrant: bool | None = None):
 @pytest.mark.slow  # (4-6 s each: the quick loop stays under 3 minutes)
 @pytest.mark.parametrize("reentrant", [None, True])
 def test_hf_gradient_checkpointing_is_kept_and_opened(tmp_path, reentrant):
-    from test_transformers import LitHF, lm_loader
+    from hf_models import LitHF, lm_loader
 
     _, callback = train_both(tmp_path, lambda: LitHF(lambda: checkpointed_llama(reentrant)), steps=4, loader_fn=lm_loader)
     cycle = callback.cycles[0]
@@ -511,7 +511,7 @@ def test_llama_in_bf16_with_a_padding_mask(tmp_path):
     """HF builds its attention mask differently while Dynamo traces (``is_torchdynamo_compiling()``): in bf16 the
     gradients could differ from eager's. Either the graph is bitwise eager's and used, or it is refused with the
     first differing tensor named; training is unchanged either way."""
-    from test_transformers import LitHF, lm_loader, tiny_llama
+    from hf_models import LitHF, lm_loader, tiny_llama
 
     _, callback = train_both(tmp_path, lambda: LitHF(tiny_llama), steps=4, loader_fn=lm_loader,
                              trainer_kwargs={"precision": "bf16-mixed"})
@@ -610,22 +610,12 @@ def test_checkpointed_regions_under_the_users_own_profiler(tmp_path):
 def test_wav2vec2_with_its_numpy_masks(tmp_path):
     """SpecAugment draws its masks with NumPy's random functions: they must draw from NumPy's own state, as in eager
     (Dynamo's default draws them from torch's, and the graph was refused)."""
-    from test_transformers import LitHF, audio_loader, tiny_wav2vec2
+    from hf_models import LitHF, audio_loader, tiny_wav2vec2
 
     _, callback = train_both(tmp_path, lambda: LitHF(tiny_wav2vec2), steps=4, loader_fn=audio_loader)
     cycle = callback.cycles[0]
     assert cycle.capture.method == "dynamo" and "refused" not in cycle.capture.error
     assert any(name.startswith("wav2vec2_feature_extractor_conv_layers_0") for name in names(cycle))
-
-
-def test_fx_names_the_torch_nn_composites_it_times_whole(tmp_path):
-    _, callback = train_both(tmp_path, lambda: Lit(Encoder()), steps=4, capture="fx",
-                             loader_fn=lambda: DataLoader(Tokens(), batch_size=4, collate_fn=pad))
-    cycle = callback.cycles[0]
-    assert "TransformerEncoderLayer has submodules" in cycle.capture.leaves["layer"]
-    layer = next(n for n in cycle.nodes if n.op == "call_module" and n.target == "layer")
-    grand = sum(n.total_ms + n.bwd_total_ms for n in cycle.nodes)
-    assert cycle.whole_share == pytest.approx(100 * (layer.total_ms + layer.bwd_total_ms) / grand)
 
 
 def unpadded_lm_loader():
@@ -643,7 +633,7 @@ def unpadded_lm_loader():
 def test_llama_without_padding_is_captured_on_the_branches_eager_takes(tmp_path):
     """The first capture keeps the mask, saves other tensors than eager and is refused; the capture made again
     with is_compiling() answered False takes eager's branches (the mask check breaks the graph) and is used."""
-    from test_transformers import LitHF, tiny_llama
+    from hf_models import LitHF, tiny_llama
 
     _, callback = train_both(tmp_path, lambda: LitHF(tiny_llama), steps=4, loader_fn=unpadded_lm_loader)
     cycle = callback.cycles[0]
@@ -671,7 +661,7 @@ def test_mixtral_with_router_logits_is_timed_expert_by_expert(tmp_path):
     """HF's MoE experts run ``torch._grouped_mm``, whose meta kernel takes bfloat16 and float16 only while the CPU
     kernel computes float32: on eager's branches Dynamo could not trace it (before 2026-11-25: refused, module
     hooks, no FLOPs). The router logits' output-capturing hooks break the graph (a ContextVar), nothing is left whole."""
-    from test_transformers import LitHF
+    from hf_models import LitHF
 
     _, callback = train_both(tmp_path, lambda: LitHF(tiny_mixtral), steps=4, loader_fn=unpadded_lm_loader)
     cycle = callback.cycles[0]

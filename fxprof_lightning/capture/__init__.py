@@ -1,1 +1,1 @@
-"""The capture: how a module's forward becomes timed rows (Dynamo by default, the torch.fx ladder, compiled models, module hooks), and which timer times it."""
+"""The capture: how a module's forward becomes timed rows (Dynamo by default, compiled models, module hooks where Dynamo cannot be used), and which timer times it."""

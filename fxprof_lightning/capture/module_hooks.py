@@ -1,4 +1,4 @@
-"""Module-level timing with hooks, for modules torch.fx cannot trace at all.
+"""Module-level timing with hooks, where the Dynamo capture cannot be used.
 
 ``ModuleHookTimer`` has the interface of ``NodeTimer`` (``nodes``, ``fwd``, ``bwd_ns``,
 ``reset``, ``add_backward``, ``resolve``, ``install``, ``uninstall``), with one "node" per

@@ -3,45 +3,51 @@
 A timer times one train/eval mode of the module. ``Timers.for_module`` picks it on the mode's first use and keeps it:
 
 * a ``torch.compile``'d module: ``KernelTimer`` (``compiled``), its rows read from the cycle's trace;
-* ``capture="dynamo"`` (the default): ``DynamoTimer`` (``dynamo``), which captures at its first call
-  and again when a guard fails (FSDP2's hooks run eagerly between its graphs);
-* ``capture="fx"``: the ladder (``capture``): a ``NodeTimer`` on the traced graph, a ``GuardedNodeTimer`` on a
-  graph traced on a recorded call of the module (the mode's first call is recorded by ``observe_first_call``,
-  and module hooks time it until then), or a ``ModuleHookTimer`` when nothing traces.
+* ``ModuleHookTimer`` (module hooks: a row per module call) where Dynamo cannot be used: this torch lacks what the
+  capture needs (``missing_for_dynamo``: the user is warned once, with the torch version), or the module is sharded
+  by FSDP2 and this torch's FSDP2 lacks the state the capture's checking calls put back (``fsdp2_kept``: warned too);
+* else ``DynamoTimer`` (``dynamo``), which captures at its first call and again when a guard fails (FSDP2's
+  hooks run eagerly between its graphs).
 
-A timer that stops fitting the calls (``usable`` False: a graph traced on an example that a call does not fit,
-a Dynamo capture refused) is replaced by module hooks for that mode.
+A timer that stops fitting the calls (``usable`` False: a Dynamo capture refused) is replaced by module hooks for
+that mode.
+
+``capture`` is an option with one value left, ``"dynamo"`` (``CAPTURES``); ``check_capture`` refuses the others,
+and says what became of ``"fx"`` (the torch.fx capture, removed).
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from fxprof_lightning.capture.compiled import MECHANISM, CompiledKernels, KernelTimer
 from fxprof_lightning.capture.dynamo import DYNAMO, DynamoTimer, missing_for_dynamo
-from fxprof_lightning.capture.guarded_timer import GuardedNodeTimer
-from fxprof_lightning.capture.ladder import capture
 from fxprof_lightning.capture.module_hooks import ModuleHookTimer
-from fxprof_lightning.capture.recorded_call import Example, observe_first_call
 from fxprof_lightning.capture.verify import fsdp2_kept, is_fsdp
 from fxprof_lightning.nodes import Capture
-from fxprof_lightning.timing.node_timing import NodeTimer
 from fxprof_lightning.timing.readings import Collected, Progress, Traits
 
-__all__ = ["CAPTURES", "Timer", "Timers"]
+__all__ = ["CAPTURES", "Timer", "Timers", "check_capture"]
 
-CAPTURES = ("dynamo", "fx")
+CAPTURES = ("dynamo",)
+
+
+def check_capture(capture: str) -> None:
+    """Refuse a ``capture`` option other than ``"dynamo"``; ``"fx"`` is told that the torch.fx capture is gone."""
+    if capture == "fx":
+        raise ValueError("capture='fx' is no longer an option: the torch.fx capture was removed, and the Dynamo "
+                         "capture (the default) works on torch 2.6 and newer. Drop the capture argument.")
+    if capture not in CAPTURES:
+        raise ValueError(f"capture must be one of {', '.join(map(repr, CAPTURES))}, got {capture!r}")
 
 
 class Timer(Protocol):
-    """What the engine asks of a timer (``NodeTimer`` and its ``GuardedNodeTimer``, ``DynamoTimer``;
+    """What the engine asks of a timer (``NodeTimer`` and its ``DynamoTimer``;
     ``ModuleHookTimer``, ``KernelTimer``), all of it read as values (``timing.readings``): the engine writes into no
     timer. ``Readings`` gives ``traits``, ``progress`` and ``collected`` to every timer class. (``Timers``, which
     makes the timers, also asks a timer that stopped fitting for its ``refusal``: the capture side's, not the engine's.)
@@ -90,35 +96,29 @@ class Timers:
         self.compiled: CompiledKernels | None = None  # a compiled module: the Inductor settings its kernels need
         self._kernels: CompiledKernels | None = None  # kept for the process: graphs compiled in earlier runs
         self._timers: dict[bool, tuple[Timer, Capture]] = {}
-        self._examples: dict[bool, Example] = {}  # a recorded call per mode, until a capture uses it
-        self._observers: dict[bool, RemovableHandle] = {}  # recording the first call of a mode
         self._told_missing = False  # the user was told that this torch cannot capture with Dynamo
 
     def start(self, capture: str, backward: bool, ranges: bool, compiled: bool) -> None:
         """A new run: forget every capture.
 
         Args:
-            capture: ``"dynamo"`` or ``"fx"``.
+            capture: ``"dynamo"`` (``CAPTURES``).
             backward: time each node's backward too.
             ranges: timers keep what writes a range per node into the trace (module hooks open a range per call).
             compiled: the module is torch.compile'd: its kernels are followed from before its first call (the
                 kernels of graphs an earlier run compiled are remembered).
         """
-        if capture not in CAPTURES:
-            raise ValueError(f"capture must be one of {', '.join(map(repr, CAPTURES))}, got {capture!r}")
+        check_capture(capture)
         self.stop()
         self.capture, self.backward, self.ranges = capture, backward, ranges
-        self._timers, self._examples, self._told_missing = {}, {}, False
+        self._timers, self._told_missing = {}, False
         if compiled:
             self._kernels = self._kernels or CompiledKernels()
             self._kernels.start()
         self.compiled = self._kernels if compiled else None
 
     def stop(self) -> None:
-        """Remove the hooks waiting for a mode's first call and put Inductor's settings back."""
-        for handle in self._observers.values():
-            handle.remove()
-        self._observers = {}
+        """Put Inductor's settings back."""
         if self.compiled is not None:
             self.compiled.stop()
 
@@ -126,10 +126,6 @@ class Timers:
     def chosen(self) -> dict[bool, tuple[Timer, Capture]]:
         """The timer and capture of each train/eval mode chosen so far (``True``: training)."""
         return dict(self._timers)
-
-    def waiting_for_first_call(self, training: bool) -> bool:
-        """Whether module hooks time the mode until its first call is recorded (then the graph is traced on it)."""
-        return training in self._observers
 
     def for_module(self, module: nn.Module) -> tuple[Timer, Capture]:
         """The timer of the module's current mode, chosen on first use; module hooks once its graph stopped fitting."""
@@ -145,62 +141,34 @@ class Timers:
         return entry
 
     def _choose(self, module: nn.Module) -> tuple[Timer, Capture]:
-        training = module.training
         if self.compiled is not None:
             return KernelTimer(self.compiled), Capture("compiled", error=MECHANISM)
+        name = type(module).__name__
+        missing = missing_for_dynamo()
+        if missing:
+            if not self._told_missing:
+                self._told_missing = True
+                self.warn(f"torch {torch.__version__} lacks what the Dynamo capture needs ({missing}; torch 2.14 has "
+                          f"it), so the layers of {name} are timed by module hooks instead")
+            return self._hook_timer(module), Capture("module_hooks", error=f"torch {torch.__version__}: {missing}")
+        sharded = any(is_fsdp(m) for m in module.modules())
+        if sharded and not fsdp2_kept():
+            why = f"torch {torch.__version__}'s FSDP2 lacks the state a checking call of the capture must put back"
+            self.warn(f"{name} is sharded by FSDP2 and {why}, so its layers are timed by module hooks")
+            return self._hook_timer(module), Capture("module_hooks", error=why)
         device = next(module.parameters(), None)
         device = device.device.type if device is not None else "cpu"
         # The node ranges are written into the trace after it is exported (``add_node_ranges``), from the node
         # timestamps; on CUDA the trace's kernels then give each node its device time (``gpu_trace``).
-        sharded = any(is_fsdp(m) for m in module.modules())
-        missing = missing_for_dynamo() if self.capture == "dynamo" else None
-        if missing and not self._told_missing:
-            self._told_missing = True
-            self.warn(f"torch {torch.__version__} lacks what the Dynamo capture needs ({missing}; torch 2.14 has it), "
-                      f"so {type(module).__name__} is captured by torch.fx instead")
-        if self.capture == "dynamo" and not missing and (not sharded or fsdp2_kept()):
-            # FSDP2's hooks are ``torch._dynamo.disable``d: each breaks the graph, and a break inside a loop (blocks
-            # called in a loop) makes Dynamo run that frame eagerly; following torch's own frames then captures the
-            # forward of each torch.nn layer that frame calls (the sharded blocks' own forwards are captured anyway).
-            timer = DynamoTimer(training, backward=self.backward, device=device, trace_ranges=self.ranges,
-                                on_refused=functools.partial(self._refused, module, training),
-                                sharded=sharded)
-            return timer, Capture("dynamo", error=DYNAMO)
-        example = self._examples.pop(training, None)
-        started = time.perf_counter()
-        how = capture(module, example)
-        how.capture_s = [time.perf_counter() - started]
-        if how.graph_module is None and example is None:  # no warning yet: the recorded call may do better
-            if training not in self._observers:
-                self._observers[training] = observe_first_call(module, training, functools.partial(self._observed, training))
-            return self._hook_timer(module), how
-        if how.on_example:
-            timer = GuardedNodeTimer(how.graph_module, backward=self.backward, device=device, trace_ranges=self.ranges,
-                                     on_mismatch=functools.partial(self._mismatch, module, training))
-        elif how.graph_module is not None:
-            timer = NodeTimer(how.graph_module, backward=self.backward, device=device, trace_ranges=self.ranges)
-        else:
-            timer = self._hook_timer(module)
-        if how.method != "symbolic_trace":
-            self.warn(f"torch.fx could not trace {type(module).__name__} whole, so it is timed by {how.describe()}")
-        return timer, how
+        # FSDP2's hooks are ``torch._dynamo.disable``d: each breaks the graph, and a break inside a loop (blocks
+        # called in a loop) makes Dynamo run that frame eagerly; following torch's own frames then captures the
+        # forward of each torch.nn layer that frame calls (the sharded blocks' own forwards are captured anyway).
+        timer = DynamoTimer(module.training, backward=self.backward, device=device, trace_ranges=self.ranges,
+                            on_refused=functools.partial(self._refused, module, module.training), sharded=sharded)
+        return timer, Capture("dynamo", error=DYNAMO)
 
     def _hook_timer(self, module: nn.Module) -> ModuleHookTimer:
         return ModuleHookTimer(module, annotate=self.ranges)
-
-    def _observed(self, training: bool, example: Example) -> None:
-        """Runs inside the module's call: keep the example; the mode's next cycle captures again with it."""
-        self._examples[training] = example
-        self._observers.pop(training, None)
-        self._timers.pop(training, None)
-
-    def _mismatch(self, module: nn.Module, training: bool, reason: str) -> None:
-        mode = "training" if training else "evaluation"
-        self.warn(
-            f"a call of {type(module).__name__} does not fit the graph traced on its first {mode} call ({reason}). "
-            f"That call ran the module's own forward, so training is unchanged; {mode} steps are timed by module "
-            "hooks from now on (a cycle that had already recorded steps with the graph reports no node times)."
-        )
 
     def _refused(self, module: nn.Module, training: bool, reason: str) -> None:
         mode = "training" if training else "evaluation"

@@ -35,7 +35,7 @@ def open_cycle(engine: Engine, stage: Stage, other: Stage) -> Cycle:
     index = stage.index_at(engine.schedule, stage.step)
     directory = stage.directory_for(engine.dirpath, index, engine._taken)
     target = engine.target
-    # Capture first: tracing on a recorded call runs the module, which no trace should record.
+    # The timer first: no trace should record what choosing it runs.
     timer, how = engine.timers.for_module(target) if engine._fx_on else (None, None)
     if timer is not None and other.open is not None and other.open.timer is timer:  # one timer, one cycle
         engine.warn(f"the {stage.name} cycle from step {stage.step} would share the open {other.name} cycle's timer "
@@ -44,10 +44,6 @@ def open_cycle(engine: Engine, stage: Stage, other: Stage) -> Cycle:
         timer, how = None, None
     trace = _trace_for(engine, stage, other, index, directory, timer)
     stage.opened(engine.follow, engine.schedule, index, directory)
-    if how is not None and engine.timers.waiting_for_first_call(target.training):
-        engine.warn(f"torch.fx could not trace {type(target).__name__} whole, so it is timed by "
-                    f"{how.describe()} in this cycle, which starts at its first call; later cycles are traced on "
-                    "that call")
     cycle = Cycle(index, directory, trace, timer, how, target.training)
     if trace is not None:
         trace.node_ranges = functools.partial(cycle.node_ranges, functools.partial(_type_name, target))

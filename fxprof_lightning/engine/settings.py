@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from fxprof_lightning.analysis.roofline import Peaks
-from fxprof_lightning.capture.timers import CAPTURES
+from fxprof_lightning.capture.timers import check_capture
 from fxprof_lightning.schedule import Schedule
 from fxprof_lightning.timing.torch_trace import check_profiler_kwargs
 
@@ -79,8 +79,7 @@ class Settings:
         if ranks is not None and (isinstance(ranks, str | bytes) or not isinstance(ranks, Sequence)
                                   or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)):
             raise ValueError(f"ranks must be a list of global ranks (ints >= 0) or None (all ranks), got {ranks!r}")
-        if self.capture not in CAPTURES:
-            raise ValueError(f"capture must be one of {', '.join(map(repr, CAPTURES))}, got {self.capture!r}")
+        check_capture(self.capture)
         if self.peaks is not None and not isinstance(self.peaks, Peaks):
             raise ValueError(f"peaks must be a fxprof_lightning.analysis.roofline.Peaks(gflops_per_s=..., "
                              f"gbytes_per_s=...) or None (measure them), got {self.peaks!r}")

@@ -32,7 +32,7 @@ def markdown(report: CycleReport, top_k: int | None = None) -> str:
         if report.backward_wall_ms:
             header += f" ({report.backward_account()})"
     header += f" per step (mean) over {len(report.nodes)} nodes{over_ranks}"
-    if report.capture is not None and report.capture.method != "symbolic_trace":
+    if report.capture is not None:
         header += f"; captured by {report.capture.describe()}"
         if report.capture.leaves or report.capture.method == "module_hooks":
             header += f"; {report.whole_share:.0f}% of node time in blocks timed whole"

@@ -147,7 +147,7 @@ class NodeTimer(NodeSamples, Readings):
     Call ``resolve()`` before reading them (on CUDA it waits for the device once).
 
     Args:
-        traced: the ``GraphModule`` from ``symbolic_trace`` (or the capture ladder).
+        traced: the ``GraphModule`` from ``symbolic_trace`` (or one of Dynamo's graphs).
         annotate: wrap each node in a ``record_function`` range named after it (10-15 us per node and
             call under torch.profiler, measured on a 2-core VM).
         trace_ranges: keep each node call's start (``range_spans``) and put three anchor ranges at
@@ -231,7 +231,7 @@ class NodeTimer(NodeSamples, Readings):
     interruptions = 0  # captures and untimed calls (Dynamo's timer counts them)
     interrupted_by = ""
     capture_s: list[float] = []  # noqa: RUF012 (never grown here; Dynamo's timer has its own)
-    mismatch: str | None = None  # why the graph stopped fitting the calls (traced on an example, Dynamo)
+    mismatch: str | None = None  # why the graph stopped fitting the calls (Dynamo's: refused)
     untimed: str | None = None  # why calls of the cycle ran untimed (Dynamo's guards), or None
     reads_trace_events = False  # its rows come from the trace's events (a compiled module's kernels)
     device_times_from_trace = True  # on CUDA, each node call takes its kernels' device time from the trace
@@ -244,7 +244,7 @@ class NodeTimer(NodeSamples, Readings):
 
     def refusal(self, capture: Capture) -> str:
         """Why the graph was given up, for ``Capture.error`` (called when not ``usable``)."""
-        return f"{capture.error}; the graph traced on a recorded call stopped fitting the calls: {self.mismatch}"
+        return f"{capture.error}; the graph stopped fitting the calls: {self.mismatch}"
 
     def collect(self, backward: list[tuple[int, int]], trace_events: list[Any]) -> str | None:
         """Make the cycle's samples readable: backward events in, CUDA events resolved. Returns why nothing was
