@@ -275,6 +275,9 @@ def test_validation_entered_in_training_mode_leaves_the_training_cycle_alone(tmp
     assert [c.nodes for c in prof.val_cycles] == [[]]
 
 
+@pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < (2, 8),
+                    reason="Dynamo 2.6 fails on a bool added to an int attribute (sympy: 'BooleanFalse' object has no "
+                           "attribute 'as_coeff_Mul'): the model is timed by module hooks there, with a warning")
 def test_an_error_of_the_own_forward_in_the_other_mode_is_the_users_and_runs_once(tmp_path):
     class Picky(torch.nn.Module):  # a shape branch; raises on odd batches in eval mode
         def __init__(self) -> None:

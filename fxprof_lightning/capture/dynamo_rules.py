@@ -124,13 +124,16 @@ def _guarded_functions(root: torch.nn.Module, failures: list[str]) -> tuple[Call
     the line that calls it. Found among the names of the module's forwards' globals."""
     places = {(os.path.basename(path), int(line), name)
               for failure in failures for path, line, name in re.findall(r"# (\S+):(\d+) in (\w+)", failure)}
-    # Dynamo 2.6 gives no place: the globals its guards name (``G['STEP']``), read by the function's code
+    # Dynamo 2.6 gives no place: the globals its guards name (``G['STEP']``), read by a function a forward calls
     read = {name for failure in failures for name in re.findall(r"G\['(\w+)'\]", failure)} if not places else set()
+    called = {name for module in root.modules()
+              for name in getattr(getattr(type(module).forward, "__code__", None), "co_names", ())}
     found: dict[int, Callable[..., Any]] = {}
     for module in root.modules():
         for value in getattr(type(module).forward, "__globals__", {}).values():
             code = getattr(value, "__code__", None)
-            if isinstance(value, types.FunctionType) and code.co_name != "forward" and (read & set(code.co_names) or any(
+            if isinstance(value, types.FunctionType) and code.co_name != "forward" and (
+                    (read & set(code.co_names) and code.co_name in called) or any(
                     name == code.co_name and os.path.basename(code.co_filename) == path and code.co_firstlineno <= line
                     for path, line, name in places)):
                 found[id(value)] = value
