@@ -155,11 +155,14 @@ class CompiledKernels:
         # 2.11-2.13: at each post-grad pass, the graph, Inductor's kernel record then in use and its last handle
         self.records: list[tuple[tuple[str, bool], dict[str, list[str]], int]] = []
         self._saved: dict[str, Any] | None = None
+        self.breaks_before: dict[str, int] = {}  # Dynamo's graph break counts when first started (``graph_breaks``)
 
     def start(self) -> None:
         inductor_config, functorch_config = torch_api.inductor_config, torch_api.functorch_config
         if self._saved is not None:
             return
+        if not self.graphs:  # (graphs compiled in an earlier run are kept, and their breaks with them)
+            self.breaks_before = graph_breaks()
         provenance = "provenance_tracking_to_timeline" if _timeline() else "provenance_tracking_level"
         self._saved = {
             "enable_kernel_profile": inductor_config.cpp.enable_kernel_profile,
@@ -305,7 +308,7 @@ class KernelTimer(Uninterrupted):
         """Not counted for compiled modules."""
 
     def describe(self, capture: Capture) -> Capture:
-        return replace(capture, fused=dict(self.fused), graph_breaks=graph_breaks())
+        return replace(capture, fused=dict(self.fused), graph_breaks=graph_breaks(self.kernels.breaks_before))
 
     def refusal(self, capture: Capture) -> str:
         return capture.error
@@ -483,6 +486,9 @@ def _align(children: list[_Event], kernels: list[_Kernel]) -> list[tuple[_Event,
     return pairs
 
 
-def graph_breaks() -> dict[str, int]:
-    """Dynamo's graph breaks so far in the process, by reason."""
-    return dict(torch_api.graph_break_counts())
+def graph_breaks(before: dict[str, int] | None = None) -> dict[str, int]:
+    """Dynamo's graph breaks in the process since ``before`` (its counts then), by reason: not those of another
+    model compiled or captured earlier."""
+    before = before or {}
+    return {why: count - before.get(why, 0) for why, count in torch_api.graph_break_counts().items()
+            if count > before.get(why, 0)}
