@@ -42,6 +42,7 @@ from fxprof_lightning.analysis.regressions import (
     Verdict,
     beyond_doubt,
     compare,
+    new_rows,
     same_level,
     shared_factor,
     step_rows,
@@ -248,14 +249,14 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
     else:
         now = next((c for c in reversed(b_cycles) if not c.partial), b_cycles[-1])
     tables = [_rows(c) for c in baseline]  # the node rows and the step's time outside them (``step_rows``)
-    deltas = compare(tables, _rows(now), **options)
+    step = median_step_ms(now) or 0.0
+    steps = max(len(now.steps), 1)
+    deltas = compare(tables, _rows(now), **options) + new_rows(tables, now.nodes, steps, step)  # (new code: from 0)
     factor = shared_factor([c.nodes for c in baseline], now.nodes)
     earlier = [c for c in b_cycles if not c.partial and c.index < now.index][-1:] if not b_single else []
     before = {(d.node, d.direction): d.delta_ms for c in earlier for d in compare(tables, _rows(c), **options) if d.slower}
     by_name = {n.name: n for n in _rows(now)}
     outside = {n.name for n in _rows(now) if n.op in ("step", "unowned")}
-    step = median_step_ms(now) or 0.0
-    steps = max(len(now.steps), 1)
     confirmed = {(d.node, d.direction) for d in deltas  # (a row outside the nodes: by the cycle before only, and
                  if d.slower and (same_level(before.get((d.node, d.direction)), d.delta_ms)  # at least STEP_SHARE of
                                   or (d.node not in outside and beyond_doubt(by_name[d.node], d, steps, step)))  # the step)
@@ -269,7 +270,7 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
     lines += ["", *totals_table(baseline, now)]
     lines += ["", *legend(options, factor, len(baseline))]
     only_a = {n.name for c in baseline for n in c.nodes} - {n.name for n in now.nodes}
-    only_b = {n.name for n in now.nodes} - {n.name for c in baseline for n in c.nodes}
+    only_b = {n.name for n in now.nodes} - {n.name for c in baseline for n in c.nodes} - {d.node for d in deltas}
     if only_a or only_b:
         lines.append(_wrap(f"Not compared: {_names(only_b)} only in B; {_names(only_a)} only in A."))
     slower = [d for d in deltas if d.slower]

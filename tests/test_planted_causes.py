@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 from helpers import notices
 from torch import nn
 
-from fxprof_lightning import Profiler
+from fxprof_lightning import CsvSink, Profiler
 
 STEP = {"now": 0}  # a step counter the model's helper reads: Dynamo guards on its value, which changes every step
 SLOW_FROM = 30
@@ -75,4 +79,62 @@ def test_a_helper_that_reads_a_step_counter_is_run_eagerly_and_its_slowdown_name
     # Flagged by that line in the first sound cycles after (a busy machine may leave the next ones distorted)
     flagged = {r.node for c in after[:3] for r in (*c.regressions, *c.unconfirmed)}
     assert any(node.startswith(line) for node in flagged), (flagged, [c.distortion for c in prof.cycles])
-    assert not any(c.regressions for c in before)
+    assert not any(c.regressions for c in before), [(c.index, c.regressions) for c in before]
+
+
+SLOW = {"on": False}  # a Python flag: from the step it is set, a helper sleeps 30 ms
+
+
+def maybe_slow(x: torch.Tensor) -> torch.Tensor:
+    if SLOW["on"]:
+        time.sleep(0.03)  # Dynamo captures again; the sleep breaks its graph: a row of its own, new
+    return x
+
+
+class SlowNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(64, 256), nn.Linear(256, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.inp(x))
+        x = maybe_slow(x)
+        return self.out(x)
+
+
+def run_slow_net(directory, slow_from: int | None) -> Profiler:
+    torch.manual_seed(0)
+    model = SlowNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.randn(64, 64)
+    SLOW["on"] = False
+    with Profiler(model, dirpath=directory, wait=0, warmup=1, active=3, repeat=10, pictures=False,
+                  sinks=[CsvSink()]) as prof:
+        for step in range(40):
+            SLOW["on"] = slow_from is not None and step >= slow_from
+            model(data).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            prof.step()
+    SLOW["on"] = False
+    return prof
+
+
+@notices("counted no step")
+def test_a_slowdown_that_arrives_with_new_code_is_compared_and_named(tmp_path):
+    """The helper's 30 ms sleep arrives as a row that did not exist (a graph break): the watch and ``compare`` flag it
+    as new, by its line, where they said "only in B" and "no node slower beyond the noise"."""
+    line = f"SlowNet.forward (test_planted_causes.py:{SlowNet.forward.__code__.co_firstlineno + 2}): x = maybe_slow(x)"
+    before = run_slow_net(tmp_path / "a", slow_from=None)
+    after = run_slow_net(tmp_path / "b", slow_from=17)  # cycle 4 (steps 17-19) is the first slow one
+    assert not any(c.regressions for c in before.cycles)
+    sound = [c for c in after.cycles if c.steps[0] > 17 and not c.distortion]
+    if len(sound) < 2:
+        pytest.skip(f"too few cycles not distorted by other load to judge: {[c.distortion for c in after.cycles]}")
+    flagged = {(r.node, r.ratio) for c in sound[:2] for r in (*c.regressions, *c.unconfirmed)}
+    assert any(node.startswith(line) and ratio == float("inf") for node, ratio in flagged), flagged
+    out = subprocess.run([sys.executable, "-m", "fxprof_lightning", "compare", str(tmp_path / "a"), str(tmp_path / "b")],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 1, out.stdout + out.stderr  # a regression found
+    new = [row for row in out.stdout.splitlines() if row.startswith("SlowNet.forward (") and "maybe_slow(x)" in row]
+    assert new and " new " in new[0] and new[0].endswith("SLOWER"), out.stdout  # (the name shortened in the middle)

@@ -62,6 +62,7 @@ __all__ = [
     "compare",
     "find_regressions",
     "module_rows",
+    "new_rows",
     "same_level",
     "shared_factor",
     "step_rows",
@@ -317,6 +318,31 @@ def find_regressions(
     return sorted((d.regression() for d in deltas if d.slower), key=lambda r: r.ratio, reverse=True)
 
 
+def new_rows(baseline: Sequence[Sequence[NodeStats]], now: Sequence[NodeStats], steps: int, step_ms: float) -> list[Delta]:
+    """The node rows of ``now`` that no ``baseline`` table has (new code: a graph break's row, a branch taken, a layer
+    added), each direction that adds at least ``STEP_SHARE`` of the step (``step_ms``, the median, over ``steps``
+    steps), as slower from nothing (baseline 0 ms, ratio ``inf``): a slowdown that arrives with new code is compared
+    like a slower row, and named.
+
+    >>> from fxprof_lightning.report import NodeStats
+    >>> def row(name, ms):
+    ...     return NodeStats(name, "call_function", name, "", 1, ms, ms, ms, ms, ms, 50.0)
+    >>> [(d.node, d.ratio) for d in new_rows([[row("fc", 1.0)]], [row("fc", 1.0), row("helper (train.py:9)", 30.0)], 1, 32.0)]
+    [('helper (train.py:9)', inf)]
+    """
+    known = {s.name for table in baseline for s in table}
+    found = []
+    for stats in now:
+        if stats.name in known or stats.op in ("module", "step", "unowned"):
+            continue
+        for direction in DIRECTIONS:
+            sample = _samples(stats, direction)
+            delta = Delta(stats.name, direction, 0.0, sample[0], math.inf, 0.0, True) if sample is not None else None
+            if delta is not None and _added_per_step(stats, delta, steps) >= STEP_SHARE * step_ms:
+                found.append(delta)
+    return found
+
+
 def _added_per_step(stats: NodeStats, change: Regression | Delta, steps: int) -> float:
     """ms per step a slower row added (a step row's one value is per step already)."""
     per_call = change.now_ms - change.baseline_ms
@@ -452,6 +478,7 @@ class RegressionWatch:
             by_name = {s.name: s for s in rows}
             steps = max(len(step_ms), 1)
             median_step = statistics.median(step_ms) if step_ms else 0.0
+            flagged += [d.regression() for d in new_rows(self.baseline, nodes, steps, median_step)]
             flagged = _outside_explained(flagged, by_name, steps, median_step)
             step_rise = median_step - statistics.median(self.medians) if step_ms and self.medians else 0.0
             regular = (step_spread(step_ms) or 0.0) <= CONFIRM_SPREAD
