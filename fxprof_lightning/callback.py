@@ -88,8 +88,8 @@ class FXProfilerCallback(Callback, HoldsSettings):
             raise ValueError(f"module must be a dotted attribute path such as 'model.backbone' or None, got {module!r}")
         self.module_path = module
         self.dirpath = Path(options["dirpath"]) if options.get("dirpath") is not None else None
-        Settings.of(type(self).__name__, options)  # an unknown option named as the callback's
-        self.profiler = Profiler(self._resolve_target, sinks=[], **options)
+        settings = Settings.of(type(self).__name__, options)  # declared, defaulted and checked once, named as ours
+        self.profiler = Profiler(self._resolve_target, sinks=[], settings=settings)
         self.profiler.name = type(self).__name__
         self.extra_sinks = checked_sinks(sinks or ())  # after the callback's own (CSV, pictures, loggers, console)
         self._pl_module: pl.LightningModule | None = None

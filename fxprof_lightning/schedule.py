@@ -27,9 +27,11 @@ class Schedule:
         [4, 5]
     """
 
-    wait: int = 0
-    warmup: int = 1
-    active: int = 3
+    # As ``torch.profiler.schedule``: ``wait``, ``warmup`` and ``active`` have no defaults (the profiler's own options
+    # do: ``Settings``, the one place they are declared).
+    wait: int
+    warmup: int
+    active: int
     repeat: int = 0
     skip_first: int = 0
 

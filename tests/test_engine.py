@@ -77,7 +77,7 @@ def test_skip_first_defaults_to_zero_as_in_torch_profiler(tmp_path):
     callback_defaults = {name: p.default for name, p in inspect.signature(FXProfilerCallback).parameters.items()}
     assert (defaults["skip_first"], defaults["repeat"]) == (0, 0)
     shared = set(defaults) & set(callback_defaults)
-    assert shared == set(defaults) and all(defaults[k] == callback_defaults[k] for k in shared - {"module"})
+    assert shared == set(defaults) - {"settings"} and all(defaults[k] == callback_defaults[k] for k in shared - {"module"})
 
 
 def test_training_is_bitwise_unchanged(tmp_path):
@@ -320,11 +320,21 @@ def test_each_option_is_declared_once_and_the_docs_table_has_it_with_its_default
     options = {f.name: f.default for f in dataclasses.fields(Settings)}
     for constructor in (Profiler, FXProfilerCallback):
         parameters = inspect.signature(constructor).parameters
-        assert {n: p.default for n, p in parameters.items() if n not in ("module", "sinks")} == options
+        assert {n: p.default for n, p in parameters.items() if n not in ("module", "sinks", "settings")} == options
     table = (Path(__file__).parents[1] / "docs" / "usage.md").read_text().split("## Options", 1)[1]
     rows = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", table, flags=re.M))
     assert set(rows) == {*options, "module"}
     assert all(rows[name] == repr(default).replace("'", '"') for name, default in options.items()), rows
+
+
+def test_settings_made_once_are_handed_to_the_engine_as_they_are():
+    """The callback builds ``Settings`` once, under its own name, and hands them over (``Profiler(settings=...)``)."""
+    callback = FXProfilerCallback(wait=7, top_k=4)
+    assert (callback.profiler.settings.wait, callback.profiler.settings.top_k) == (7, 4)
+    settings = Settings(wait=3)
+    assert Profiler(SmallNet(), settings=settings).settings is settings
+    with pytest.raises(TypeError, match=r"takes settings= \(a Settings\) or the options themselves"):
+        Profiler(SmallNet(), settings=settings, wait=4)
 
 
 def test_an_unknown_option_is_named_with_the_nearest_one():

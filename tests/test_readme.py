@@ -124,6 +124,7 @@ def test_the_schedule_recipes_record_the_steps_they_promise():
     """docs/recipes.md: the options of its first two recipes, read from the page, give the steps its text names."""
     import ast
 
+    from fxprof_lightning.engine.settings import Settings
     from fxprof_lightning.schedule import Schedule
 
     text = (ROOT / "docs" / "recipes.md").read_text()
@@ -132,7 +133,7 @@ def test_the_schedule_recipes_record_the_steps_they_promise():
     def schedule(call: str) -> Schedule:
         tree = ast.parse(f"f({call})").body[0].value
         options = {k.arg: ast.literal_eval(k.value) for k in tree.keywords if k.arg != "module"}
-        return Schedule(**{k: v for k, v in options.items() if k in ("skip_first", "wait", "warmup", "active", "repeat")})
+        return Settings.of("FXProfilerCallback", options).schedule  # (the callback's defaults for what is left out)
 
     once, sampled = schedule(calls[0]), schedule(calls[1])
     assert once.traced_steps(0) == [4999, 5000, 5001, 5002] and once.cycle_of(5003) is None

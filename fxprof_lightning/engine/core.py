@@ -76,8 +76,10 @@ class Engine(HoldsSettings):
 
     @takes_settings
     def __init__(self, module: nn.Module | Callable[[], nn.Module] | None, *, sinks: Sequence[Sink] | None = None,
-                 **options: Any) -> None:
-        self.settings = Settings.of(type(self).__name__, options)
+                 settings: Settings | None = None, **options: Any) -> None:
+        if settings is not None and (options or not isinstance(settings, Settings)):
+            raise TypeError(f"{type(self).__name__}() takes settings= (a Settings) or the options themselves, not both")
+        self.settings = settings if settings is not None else Settings.of(type(self).__name__, options)
         if module is None or not (isinstance(module, nn.Module) or callable(module)):
             raise ValueError(f"module must be the nn.Module to profile (or a function returning it), got {module!r}")
         self.module = module

@@ -19,7 +19,7 @@ __all__ = ["Profiler"]
 
 
 class Profiler(Engine):
-    """Profile scheduled steps of any training loop with torch.profiler and per-node ``torch.fx`` timing.
+    """Profile scheduled steps of any training loop with torch.profiler and per-node timing of Dynamo's graphs.
 
     Use it like ``torch.profiler.profile``: call ``step()`` once per training step. The schedule
     has the semantics of ``torch.profiler.schedule``: ``skip_first`` idle steps, then cycles of
@@ -31,6 +31,8 @@ class Profiler(Engine):
         module: the ``nn.Module`` to time node by node (or a function returning it, called at
             ``start()``). Its forward is replaced by the timed graph during traced steps only.
         sinks: where cycle reports go (default ``[CsvSink(), PictureSink(), ConsoleSink()]``); see ``sinks``.
+        settings: a ``Settings`` made beforehand, in place of the options (the Lightning callback's, checked once
+            under its own name).
         **options: the settings, as keywords (``Settings``: ``wait=``, ``active=``, ``top_k=``, ``capture=``...), each
             in the table of docs/usage.md#options. An unknown name raises ``TypeError``, a value that cannot work
             ``ValueError``; read them back as ``profiler.settings``.
