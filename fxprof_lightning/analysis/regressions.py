@@ -478,7 +478,10 @@ class RegressionWatch:
             by_name = {s.name: s for s in rows}
             steps = max(len(step_ms), 1)
             median_step = statistics.median(step_ms) if step_ms else 0.0
-            flagged += [d.regression() for d in new_rows(self.baseline, nodes, steps, median_step)]
+            modules = [r.node.removeprefix("module ") for r in flagged if r.node.startswith("module ")]
+            flagged += [d.regression() for d in new_rows(self.baseline, nodes, steps, median_step)  # (new nodes
+                        if not any(by_name[d.node].module_path == m or by_name[d.node].module_path.startswith(m + ".")
+                                   for m in modules)]  # of a module flagged as one: the module says it)
             flagged = _outside_explained(flagged, by_name, steps, median_step)
             step_rise = median_step - statistics.median(self.medians) if step_ms and self.medians else 0.0
             regular = (step_spread(step_ms) or 0.0) <= CONFIRM_SPREAD
