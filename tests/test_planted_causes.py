@@ -54,6 +54,9 @@ def train(profiled: bool) -> tuple[Net, Profiler | None]:
     return model, prof
 
 
+@pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < (2, 8),
+                    reason="torch 2.6: the eagerly run helper's row is flagged after the slowdown too, but it varies "
+                           "0.9-6 ms from cycle to cycle before it (not understood), so its 6x is no clear known answer")
 @notices("counted no step")
 def test_a_helper_that_reads_a_step_counter_is_run_eagerly_and_its_slowdown_named_by_its_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
