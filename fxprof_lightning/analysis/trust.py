@@ -5,7 +5,10 @@ different amounts for different nodes. Load has a signature, computed from the w
 process CPU time of each recorded step (``CycleReport.step_ms``, ``step_cpu_ms``) and from the nodes:
 
 - the **spread** of the recorded steps, ``(slowest - fastest) / median``: steps of one training
-  run do the same work, so a spread above ``SPREAD_LIMIT`` (50 %) means something else ran;
+  run do the same work, so a spread above ``SPREAD_LIMIT`` (50 %) means something else ran, when the slowest step
+  took at least ``SPREAD_FLOOR_MS`` (1 ms) longer than the fastest: another process takes a core for a scheduler
+  time slice (Linux's base slice is 0.75 ms), while a step of under a millisecond varies by half of itself alone
+  (first-touch pages, cache misses; in a CI run every cycle of a 0.5 ms step was called distorted, 2026-11-27);
 - a **jump** of the cycle's median step time to more than ``JUMP_LIMIT`` (2x) the median of the
   earlier cycles, or a drop of ``cpu_per_wall`` (CPU seconds per wall second, all threads) below
   ``CPU_DROP`` (0.6x) of the earlier cycles' (the process waited for cores), *with the nodes slower
@@ -26,10 +29,11 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-__all__ = ["CPU_DROP", "JUMP_LIMIT", "SHARED_LOAD", "SPREAD_LIMIT", "WAIT_LIMIT", "cpu_per_wall", "cpu_waited_us",
-           "distortion", "step_spread", "waited_share"]
+__all__ = ["CPU_DROP", "JUMP_LIMIT", "SHARED_LOAD", "SPREAD_FLOOR_MS", "SPREAD_LIMIT", "WAIT_LIMIT", "cpu_per_wall",
+           "cpu_waited_us", "distortion", "step_spread", "waited_share"]
 
 SPREAD_LIMIT = 0.5
+SPREAD_FLOOR_MS = 1.0
 JUMP_LIMIT = 2.0
 CPU_DROP = 0.6
 SHARED_LOAD = 1.5
@@ -88,6 +92,8 @@ def distortion(step_ms: list[float], earlier_medians: list[float], shared: float
     True
     >>> distortion([10.0, 31.0, 10.2], [])
     'its recorded steps took 10.0 to 31.0 ms (spread 206% of the median, limit 50%)'
+    >>> distortion([0.4, 0.8, 0.5], []) is None  # under a millisecond apart: the step's own variation
+    True
     >>> distortion([30.0, 30.2, 30.1], [10.0], shared=1.02) is None  # a few nodes got slower: their regression
     True
     >>> distortion([30.0, 30.2, 30.1], [10.0], shared=2.9)
@@ -98,7 +104,7 @@ def distortion(step_ms: list[float], earlier_medians: list[float], shared: float
     """
     reasons = []
     spread = step_spread(step_ms)
-    if spread is not None and spread > SPREAD_LIMIT:
+    if spread is not None and spread > SPREAD_LIMIT and max(step_ms) - min(step_ms) >= SPREAD_FLOOR_MS:
         reasons.append(f"its recorded steps took {min(step_ms):.1f} to {max(step_ms):.1f} ms "
                        f"(spread {100 * spread:.0f}% of the median, limit {100 * SPREAD_LIMIT:.0f}%)")
     jump = 1.0
