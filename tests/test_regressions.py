@@ -351,3 +351,20 @@ def test_a_module_slower_through_new_nodes_is_flagged_as_the_module():
     verdicts.append(watch.check(unrolled, [40.0, 40.1, 40.0], modules=modules(12.0)))
     assert {(r.node, r.direction) for r in verdicts[-1].regressions} == {("module block", "forward"), ("module block", "backward")}
     assert module_rows(modules(1.0))[0].name == "module block" and len(module_rows(modules(1.0))) == 2  # not the root
+
+
+def test_a_slowdown_stays_flagged_while_it_lasts_and_no_longer():
+    """The baseline does not take a confirmed regression in as its new level: one node 1.6x from cycle 4 to 8 is
+    reported in every cycle from its second to its last, and not after; a row that appears and stays (new code)
+    is reported as new in every cycle while it is there."""
+    tables = steady_tables(12)
+    tables = [scaled(t, "n9", 1.6) if 4 <= i <= 8 else t for i, t in enumerate(tables)]
+    verdicts = watched(tables, [[10.0, 10.1, 10.0]] * 12)
+    assert [r.node for r in verdicts[4].unconfirmed] == ["n9"]
+    assert all([r.node for r in v.regressions] == ["n9"] for v in verdicts[5:9]), [v.regressions for v in verdicts]
+    assert all(v.regressions == v.unconfirmed == [] for v in verdicts[9:])
+    helper = node("helper (train.py:9)", 3.0, bwd=None)
+    grown = [t + [helper] if i >= 4 else t for i, t in enumerate(steady_tables(9))]
+    verdicts = watched(grown, [[10.0, 10.1, 10.0]] * 4 + [[13.0, 13.1, 13.0]] * 5)
+    assert all([(r.node, r.ratio) for r in v.regressions + v.unconfirmed] == [(helper.name, math.inf)]
+               for v in verdicts[4:]), [(v.regressions, v.unconfirmed) for v in verdicts[4:]]

@@ -393,6 +393,15 @@ class Verdict:
     unconfirmed: list[Regression] = field(default_factory=list)
 
 
+def _at_level_before(table: Sequence[NodeStats], regressions: list[Regression],
+                     before: Sequence[NodeStats]) -> list[NodeStats]:
+    """``table`` as it joins the baseline: each row of a confirmed regression at its level ``before`` (the last
+    baseline table's row; a new row left out), so that the slowdown stays flagged in every cycle while it lasts
+    instead of becoming the level later cycles are compared with."""
+    slower, old = {r.node for r in regressions}, {s.name: s for s in before}
+    return [old.get(s.name, s) if s.name in slower else s for s in table if s.name not in slower or s.name in old]
+
+
 def same_level(before: float | None, now: float, share: float = SAME_LEVEL) -> bool:
     """Whether a slower row still adds what it added when flagged in the cycle before, or more (ms per call; ``before``
     None: it was not flagged): at least ``share`` x it. A change in the code stays or grows; load comes and goes."""
@@ -420,7 +429,8 @@ class RegressionWatch:
     alarm); a sound cycle (complete, not distorted by load, ``trust.distortion``) then joins the
     baseline. A flag is reported once confirmed (see ``Verdict``); a cycle whose only flags are unconfirmed
     joins the baseline only if the next sound cycle confirms them (a blip must not raise the baseline, nor
-    hide the regression it was the start of).
+    hide the regression it was the start of). A confirmed regression's row joins at its level before, so the
+    slowdown is flagged in every cycle while it lasts (a new row stays new), and no more once it is gone.
 
     >>> from fxprof_lightning.report import NodeStats
     >>> def table(fc, other=1.0):
@@ -434,6 +444,10 @@ class RegressionWatch:
     (['fc'], [])
     >>> [r.node for r in watch.check(table(1.8), [11.4, 11.5, 11.4]).regressions]  # it persists: confirmed
     ['fc']
+    >>> [r.node for r in watch.check(table(1.8), [11.4, 11.5, 11.4]).regressions]  # flagged while it lasts
+    ['fc']
+    >>> watch.check(table(1.0), [9.0, 9.1, 9.0]).regressions  # gone
+    []
     """
 
     def __init__(self, baseline_cycles: int = 5, history: int = 20, same_level: float = SAME_LEVEL,
@@ -504,7 +518,9 @@ class RegressionWatch:
             self._held = entry  # in question: kept out of the baseline until the next sound cycle decides
             return verdict
         held, self._held = self._held, None
+        before = self.baseline[-1] if self.baseline else []
         for table, median, used, waited in ([held] if held is not None and verdict.regressions else []) + [entry]:
+            table = _at_level_before(table, verdict.regressions, before)
             self.baseline = [*self.baseline, table][-self.history:]
             self.medians = [*self.medians, median][-self.history:]
             if used is not None:
