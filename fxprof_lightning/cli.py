@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from fxprof_lightning.analysis.regressions import (
+    CONFIRM_RATIO,
     DEFAULT_K,
     DEFAULT_MIN_MS,
     DEFAULT_MIN_RELATIVE,
@@ -40,11 +41,14 @@ from fxprof_lightning.analysis.regressions import (
     Regression,
     RegressionWatch,
     Verdict,
+    added_per_step,
     beyond_doubt,
     compare,
+    gone_rows,
     new_rows,
     same_level,
     shared_factor,
+    step_change,
     step_rows,
 )
 from fxprof_lightning.analysis.trust import step_spread
@@ -251,7 +255,8 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
     tables = [_rows(c) for c in baseline]  # the node rows and the step's time outside them (``step_rows``)
     step = median_step_ms(now) or 0.0
     steps = max(len(now.steps), 1)
-    deltas = compare(tables, _rows(now), **options) + new_rows(tables, now.nodes, steps, step)  # (new code: from 0)
+    deltas = [*compare(tables, _rows(now), **options), *new_rows(tables, now.nodes, steps, step),  # (new code: from 0,
+              *gone_rows([c.nodes for c in baseline], now.nodes)]  # code no longer run: to 0)
     factor = shared_factor([c.nodes for c in baseline], now.nodes)
     earlier = [c for c in b_cycles if not c.partial and c.index < now.index][-1:] if not b_single else []
     before = {(d.node, d.direction): d.delta_ms for c in earlier for d in compare(tables, _rows(c), **options) if d.slower}
@@ -268,8 +273,14 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
              f"B: {now.directory}", f"   {describe(now)}", ""]
     lines += delta_table(deltas, top, confirmed)
     lines += ["", *totals_table(baseline, now)]
+    whole = step_change([c.step_ms for c in baseline], now.step_ms, **options)
+    whole_before = step_change([c.step_ms for c in baseline], earlier[0].step_ms, **options) if earlier else None
+    whole_confirmed = whole is not None and whole.slower and (
+        whole.ratio >= CONFIRM_RATIO or same_level(whole_before.delta_ms if whole_before and whole_before.slower
+                                                   else None, whole.delta_ms))
+    lines += step_lines(whole, whole_confirmed, deltas, baseline, now)
     lines += ["", *legend(options, factor, len(baseline))]
-    only_a = {n.name for c in baseline for n in c.nodes} - {n.name for n in now.nodes}
+    only_a = {n.name for c in baseline for n in c.nodes} - {n.name for n in now.nodes} - {d.node for d in deltas}
     only_b = {n.name for n in now.nodes} - {n.name for c in baseline for n in c.nodes} - {d.node for d in deltas}
     if only_a or only_b:
         lines.append(_wrap(f"Not compared: {_names(only_b)} only in B; {_names(only_a)} only in A."))
@@ -280,7 +291,25 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
     if unconfirmed:
         lines.append(_wrap(f"{unconfirmed} more slower in B's cycle {now.index} only (marked slower?): not confirmed by "
                            "B's cycle before it nor large enough to rule out noise (every call 3x slower); no regression."))
-    return "\n".join(lines), EXIT_REGRESSION if confirmed else EXIT_OK
+    return "\n".join(lines), EXIT_REGRESSION if confirmed or whole_confirmed else EXIT_OK
+
+
+def step_lines(whole: Delta | None, confirmed: bool, deltas: list[Delta], baseline: list[CycleReport],
+               now: CycleReport) -> list[str]:
+    """The step slower as a whole beyond the noise, flagged even where no single row explains it, with the rows that
+    added most per step (a new row from nothing, a gone one to nothing)."""
+    if whole is None or not whole.slower:
+        return []
+    rows = {n.name: (n, max(len(c.steps), 1)) for c in baseline for n in c.nodes}  # (a gone row: A's calls per step)
+    rows |= {n.name: (n, max(len(now.steps), 1)) for n in _rows(now)}
+    added = [(added_per_step(rows[d.node][0], d, rows[d.node][1]), d) for d in deltas if d.node in rows]
+    top = sorted((item for item in added if item[0] > 0), key=lambda item: -item[0])[:3]
+    named = ", ".join(f"{shorten(d.node, 48)} {d.direction} {ms:+.3f} ms{' (new)' if d.ratio == float('inf') else ''}"
+                      for ms, d in top)
+    mark = "STEP SLOWER" if confirmed else "Step slower?"
+    return ["", _wrap(f"{mark}: B's step took {ratio_text(whole.ratio)} A's, {whole.delta_ms:+.3f} ms, beyond the noise"
+                      f" ({whole.noise_ms:.3f} ms)" + (f"; most added by {named}" if named else "")
+                      + f"; all the rows' changes add {sum(ms for ms, _ in added):+.3f} ms per step.")]
 
 
 def _rows(cycle: CycleReport) -> list[NodeStats]:

@@ -144,3 +144,37 @@ def test_a_slowdown_that_arrives_with_new_code_is_compared_and_named(tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr  # a regression found
     new = [row for row in out.stdout.splitlines() if row.startswith("SlowNet.forward (") and "maybe_slow(x)" in row]
     assert new and " new " in new[0] and new[0].endswith("SLOWER"), out.stdout  # (the name shortened in the middle)
+    # the step as a whole, and the row that added most to it
+    step = " ".join(out.stdout.split("STEP SLOWER: ", 1)[-1].split("\n\n", 1)[0].split())
+    assert step.startswith("B's step took") and "most added by SlowNet.forward (" in step, out.stdout
+    # the other way round, the row is gone: compared to nothing, faster
+    back = subprocess.run([sys.executable, "-m", "fxprof_lightning", "compare", str(tmp_path / "b"),
+                           str(tmp_path / "a" / "cycle_0009")], capture_output=True, text=True, timeout=120, check=False)
+    gone = [row for row in back.stdout.splitlines() if row.startswith("SlowNet.forward (") and "maybe_slow(x)" in row]
+    assert back.returncode == 0 and gone and " gone " in gone[0] and gone[0].endswith("faster"), back.stdout
+
+
+def run_batches(directory, batch: int) -> Profiler:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(layer for _ in range(4) for layer in (nn.Linear(256, 256), nn.ReLU())))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.randn(batch, 256)
+    with Profiler(model, dirpath=directory, wait=0, warmup=1, active=3, repeat=4, pictures=False,
+                  sinks=[CsvSink()]) as prof:
+        for _ in range(16):
+            model(data).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            prof.step()
+    return prof
+
+
+def test_a_slowdown_shared_by_every_row_is_flagged_as_the_step_too(tmp_path):
+    """Every layer slower (8x the batch): ``compare`` discounts the change the rows share from each row (the rows that
+    grew more than the others stay flagged); the step as a whole is flagged with what it added, and ``compare`` exits 1."""
+    runs = [run_batches(tmp_path / "a", 64), run_batches(tmp_path / "b", 512)]
+    if any(c.distortion for run in runs for c in run.cycles):
+        pytest.skip(f"cycles distorted by other load: {[c.distortion for run in runs for c in run.cycles]}")
+    out = subprocess.run([sys.executable, "-m", "fxprof_lightning", "compare", str(tmp_path / "a"), str(tmp_path / "b")],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 1 and "\nSTEP SLOWER: B's step took " in out.stdout, out.stdout

@@ -58,13 +58,16 @@ __all__ = [
     "Regression",
     "RegressionWatch",
     "Verdict",
+    "added_per_step",
     "beyond_doubt",
     "compare",
     "find_regressions",
+    "gone_rows",
     "module_rows",
     "new_rows",
     "same_level",
     "shared_factor",
+    "step_change",
     "step_rows",
 ]
 
@@ -338,12 +341,62 @@ def new_rows(baseline: Sequence[Sequence[NodeStats]], now: Sequence[NodeStats], 
         for direction in DIRECTIONS:
             sample = _samples(stats, direction)
             delta = Delta(stats.name, direction, 0.0, sample[0], math.inf, 0.0, True) if sample is not None else None
-            if delta is not None and _added_per_step(stats, delta, steps) >= STEP_SHARE * step_ms:
+            if delta is not None and added_per_step(stats, delta, steps) >= STEP_SHARE * step_ms:
                 found.append(delta)
     return found
 
 
-def _added_per_step(stats: NodeStats, change: Regression | Delta, steps: int) -> float:
+def gone_rows(baseline: Sequence[Sequence[NodeStats]], now: Sequence[NodeStats]) -> list[Delta]:
+    """The node rows of ``baseline`` that ``now`` lacks (code no longer run), each direction faster to nothing (now
+    0 ms, ratio 0): the time they took is gone from the step, and shown with the other changes.
+
+    >>> [(d.node, d.ratio) for d in gone_rows([[_row("fc", 1.0), _row("helper", 3.0)]], [_row("fc", 1.0)])]
+    [('helper', 0.0)]
+    """
+    present, gone = {s.name for s in now}, {}
+    for table in baseline:
+        for stats in table:
+            if stats.name not in present and stats.op not in ("module", "step", "unowned"):
+                gone.setdefault(stats.name, []).append(stats)
+    found = []
+    for name, earlier in gone.items():
+        for direction in DIRECTIONS:
+            medians = [sample[0] for stats in earlier if (sample := _samples(stats, direction)) is not None]
+            if medians:
+                found.append(Delta(name, direction, statistics.median(medians), 0.0, 0.0, 0.0, True))
+    return found
+
+
+def _row(name: str, ms: float) -> NodeStats:
+    return NodeStats(name, "call_function", name, "", 1, ms, ms, ms, ms, ms, 50.0)
+
+
+def step_change(baseline_steps: Sequence[Sequence[float]], now_steps: Sequence[float], *, k: float = DEFAULT_K,
+                min_relative: float = DEFAULT_MIN_RELATIVE) -> Delta | None:
+    """The recorded step's wall time now against the baseline cycles' (ms, each cycle's median; the noise as for a
+    node's median: the cycle-to-cycle and within-cycle spreads), as a row ``"step (wall)"``, or None without steps on
+    either side. Beyond the noise, slower, it is a change of the step as a whole, flagged even where no single row
+    explains it (each row a little slower; a slowdown shared by every row, which ``compare`` discounts).
+
+    >>> step_change([[10.0, 10.1], [10.2, 10.0], [10.1, 10.1]], [13.0, 13.1]).slower
+    True
+    """
+    cycles = [list(steps) for steps in baseline_steps if steps]
+    if not cycles or not now_steps:
+        return None
+    within = math.hypot(statistics.median(_mad(steps) for steps in cycles), _mad(list(now_steps)))
+    side = _side([statistics.median(steps) for steps in cycles], statistics.median(now_steps), within)
+    ratio = side.now / side.baseline if side.baseline > 0 else math.inf
+    return Delta("step (wall)", "step", side.baseline, side.now, ratio, side.noise,
+                 side.beyond(1.0, k, min_relative, DEFAULT_MIN_MS))
+
+
+def _mad(values: list[float]) -> float:
+    middle = statistics.median(values)
+    return MAD_TO_SIGMA * statistics.median(abs(v - middle) for v in values)
+
+
+def added_per_step(stats: NodeStats, change: Regression | Delta, steps: int) -> float:
     """ms per step a slower row added (a step row's one value is per step already)."""
     per_call = change.now_ms - change.baseline_ms
     return per_call if stats.op in ("step", "unowned") else per_call * _calls(stats, change.direction) / steps
@@ -355,7 +408,7 @@ def _outside_explained(flagged: list[Regression], by_name: dict[str, NodeStats],
     (``step_ms``, the median), less per step than a node flagged with it, or less than half what another such row
     added: such rows drift by tens of microseconds in a steady run, and the time between rows and the step's other
     phases move with a slower part's work (its autograd nodes, the cache misses after it): that part says it better."""
-    added = {r.node: _added_per_step(by_name[r.node], r, steps) for r in flagged}
+    added = {r.node: added_per_step(by_name[r.node], r, steps) for r in flagged}
     outside = [r for r in flagged if by_name[r.node].op in ("step", "unowned")]
     nodes = max((added[r.node] for r in flagged if by_name[r.node].op not in ("module", "step", "unowned")), default=0.0)
     most = max((added[r.node] for r in outside), default=0.0)
@@ -416,7 +469,7 @@ def beyond_doubt(stats: NodeStats, change: Regression | Delta, steps: int, step_
     0.06 ms, 2 % of the step."""
     fastest = _samples(stats, change.direction)[1]
     return (change.ratio >= CONFIRM_RATIO and fastest >= (CONFIRM_RATIO - 1) * change.baseline_ms
-            and _added_per_step(stats, change, steps) >= STEP_SHARE * step_ms)
+            and added_per_step(stats, change, steps) >= STEP_SHARE * step_ms)
 
 
 class RegressionWatch:
@@ -504,7 +557,7 @@ class RegressionWatch:
                 # (a row outside the nodes, one value per cycle, is confirmed by the next sound cycle only: it
                 # moves with the nodes' work, and noise cannot be told from one cycle)
                 clear = (stats.op not in ("step", "unowned") and beyond_doubt(stats, r, steps, median_step) and regular
-                         and step_rise >= _added_per_step(stats, r, steps) / 2)
+                         and step_rise >= added_per_step(stats, r, steps) / 2)
                 if self._confirms(r) or (clear and not short):
                     verdict.regressions.append(r)
                 elif clear or not short:  # (on a short baseline, only a change beyond doubt is flagged at all)

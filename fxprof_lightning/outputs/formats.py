@@ -58,4 +58,5 @@ def ms_text(value: float) -> str:
 
 
 def ratio_text(value: float) -> str:
-    return f"{value:.2f}x" if value != float("inf") else "new"
+    """``1.42x``; ``new`` for a row from nothing, ``gone`` for one to nothing (``regressions.new_rows``, ``gone_rows``)."""
+    return "new" if value == float("inf") else "gone" if value == 0.0 else f"{value:.2f}x"
