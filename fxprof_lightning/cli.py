@@ -51,7 +51,7 @@ from fxprof_lightning.analysis.regressions import (
     step_change,
     step_rows,
 )
-from fxprof_lightning.analysis.trust import step_spread
+from fxprof_lightning.analysis.trust import distortion, step_spread, waited_share
 from fxprof_lightning.engine.follow import INDEX_FILE, read_lines, request_cycle
 from fxprof_lightning.layout import HTML_FILE
 from fxprof_lightning.outputs.formats import (
@@ -275,10 +275,15 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
     lines += ["", *totals_table(baseline, now)]
     whole = step_change([c.step_ms for c in baseline], now.step_ms, **options)
     whole_before = step_change([c.step_ms for c in baseline], earlier[0].step_ms, **options) if earlier else None
-    whole_confirmed = whole is not None and whole.slower and (
+    load = distortion(now.step_ms, [m for c in baseline if (m := median_step_ms(c)) is not None], factor,
+                      wait=waited_share(now.step_ms, now.step_wait_ms),
+                      earlier_wait=[w for c in baseline if (w := waited_share(c.step_ms, c.step_wait_ms)) is not None])
+    whole_confirmed = whole is not None and whole.slower and load is None and (
         whole.ratio >= CONFIRM_RATIO or same_level(whole_before.delta_ms if whole_before and whole_before.slower
                                                    else None, whole.delta_ms))
     lines += step_lines(whole, whole_confirmed, deltas, baseline, now)
+    if load is not None and whole is not None and whole.slower:
+        lines.append(_wrap(f"B's cycle looks distorted by other load ({load}): its step is not flagged."))
     lines += ["", *legend(options, factor, len(baseline))]
     only_a = {n.name for c in baseline for n in c.nodes} - {n.name for n in now.nodes} - {d.node for d in deltas}
     only_b = {n.name for n in now.nodes} - {n.name for c in baseline for n in c.nodes} - {d.node for d in deltas}
