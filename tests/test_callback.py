@@ -8,6 +8,9 @@ import gzip
 import io
 import json
 import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -149,6 +152,13 @@ def test_summary_printed_at_end_of_fit(tmp_path, capsys):
     assert "Slowest nodes of cycle 0 (steps 1-2), mean ms per call (share of all nodes):" in out
     assert re.search(r"  conv \(Conv2d\) +forward +\d+\.\d{3} \( *\d+\.\d %\)  backward +\d+\.\d{3} \( *\d+\.\d %\)", out)
     assert f"tensorboard --logdir {tmp_path / 'logs'}" in out
+    # the commands run as printed, from where the user is, with or without their venv activated (issue 40 item 6)
+    look = out.split("Look first: ", 1)[1].split("  (", 1)[0]
+    ran = subprocess.run(look, shell=True, capture_output=True, text=True, timeout=300, check=False)
+    assert ran.returncode == 0 and Path(look.split(" report ", 1)[1].split(" --html")[0], "fxprof_report.html").is_file(), \
+        (look, ran.stdout, ran.stderr)
+    tensorboard = out.split("TensorBoard: ", 1)[1].split(" --logdir", 1)[0]
+    assert shutil.which(tensorboard) is not None, tensorboard
 
 
 def _train(root, callbacks, steps=10, model=None):

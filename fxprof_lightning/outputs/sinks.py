@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -400,13 +402,29 @@ def summary(cycles: list[CycleReport], name: str, out_dir: Path, logdir: str | o
         lines.append(f"Distorted by other load: cycle(s) {', '.join(map(str, distorted))}")
     if last.advice:
         lines.append(f"What to try (cycle {last.index}): {last.advice[0]}")
-    lines.append(f"Look first: python -m fxprof_lightning report {out_dir} --html  (one offline page, written to "
-                 f"{out_dir / HTML_FILE}: the step split, the slowest layers, the trend, regressions, advice)")
-    lines.append(f"TensorBoard: tensorboard --logdir {logdir}  (scalars, tables, pictures; its PyTorch Profiler tab "
-                 "needs internet access)")
+    lines.append(f"Look first: {command('python')} -m fxprof_lightning report {out_dir} --html  (one offline page, "
+                 f"written to {out_dir / HTML_FILE}: the step split, the slowest layers, the trend, regressions, advice)")
+    lines.append(f"TensorBoard: {command('tensorboard')} --logdir {logdir}  (scalars, tables, pictures; its PyTorch "
+                 "Profiler tab needs internet access)")
     if any(c.trace_paths for c in cycles):
         lines.append(f"Traces: {last.directory} (drag a file into https://ui.perfetto.dev)")
     return "\n".join(lines)
+
+
+def command(name: str) -> str:
+    """``python`` or ``tensorboard`` as the user can run it from where they are: the bare name when their PATH finds the
+    one beside the interpreter running us (a venv activated), else that file's path (``.venv/bin/tensorboard``, relative
+    under the working directory); the bare name when there is none."""
+    beside = Path(sys.executable).parent / name
+    if name == "python" and not beside.exists():
+        beside = Path(sys.executable)
+    found = shutil.which(name)
+    if not beside.exists() or (found is not None and Path(found).absolute() == beside.absolute()):
+        return name
+    try:
+        return str(beside.absolute().relative_to(Path.cwd()))
+    except ValueError:
+        return str(beside.absolute())
 
 
 def write_atomically(path: Path, data: str | bytes, name: str = "fxprof") -> None:
