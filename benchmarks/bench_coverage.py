@@ -47,7 +47,7 @@ from run_info import closing_lines, cpu_stall_us, package_state, quiet_stderr
 from fxprof_lightning.report import UNOWNED_ENGINE, UNOWNED_FORWARD, UNOWNED_OUTSIDE
 
 STEPS = 12
-MODELS = {"resnet18": "torchvision", "lstm": None, "gcn": "torch_geometric", "gpt2": "transformers",
+MODELS = {"mlp6": None, "autoencoder": None, "resnet18": "torchvision", "lstm": None, "gcn": "torch_geometric", "gpt2": "transformers",
           "llama": "transformers", "bert": "transformers"}
 NAMED = {UNOWNED_FORWARD: "fwd between rows", UNOWNED_OUTSIDE: "bwd no row made", UNOWNED_ENGINE: "bwd engine"}
 
@@ -63,6 +63,16 @@ def build(name: str):
 
         batches = [(torch.randn(8, 3, 64, 64, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(STEPS)]
         return torchvision.models.resnet18(num_classes=10), batches, lambda call, b: F.cross_entropy(call(b[0]), b[1])
+    if name == "mlp6":  # six Linear layers with ReLUs between: the small model of the README's quickstart
+        layers = [nn.Linear(256 if i else 64, 256) for i in range(5)]
+        model = nn.Sequential(*(m for layer in layers for m in (layer, nn.ReLU())), nn.Linear(256, 10))
+        batches = [(torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)) for _ in range(STEPS)]
+        return model, batches, lambda call, b: F.cross_entropy(call(b[0]), b[1])
+    if name == "autoencoder":  # Lightning's examples/pytorch/autoencoder: 28x28 images through 64 and 3 units and back
+        model = nn.Sequential(nn.Linear(28 * 28, 64), nn.ReLU(), nn.Linear(64, 3),
+                              nn.Linear(3, 64), nn.ReLU(), nn.Linear(64, 28 * 28))
+        batches = [(torch.rand(32, 28 * 28, generator=g),) for _ in range(STEPS)]
+        return model, batches, lambda call, b: F.mse_loss(call(b[0]), b[0])
     if name == "lstm":
         class LSTMNet(nn.Module):
             def __init__(self) -> None:

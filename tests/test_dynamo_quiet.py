@@ -22,7 +22,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from fxprof_lightning import FXProfilerCallback, FxprofWarning
-from fxprof_lightning.timing.quiet import TORCH_LOGS, quiet_dynamo
+from fxprof_lightning.timing.quiet import TORCH_LOGS, hold_dynamo_filters, quiet_dynamo, release_dynamo_filters
 
 DYNAMO_LOG = logging.getLogger("torch._dynamo.fake_module")  # a child of Dynamo's logger, as Dynamo's own modules log
 USER_LOG = logging.getLogger("a_users_training")
@@ -133,6 +133,30 @@ def test_quiet_dynamo_keeps_dynamo_s_messages_and_passes_the_user_s(capsys, capl
     assert "the user's log, inside" in err and "the user's own compile, outside" in err
     assert [str(w.message) for w in caught] == ["the user's warning, inside", "the package's warning, inside",
                                                 "Dynamo's warning, outside"]
+
+
+def test_held_filters_keep_only_what_a_block_says_and_leave_with_the_release(capsys, caplog, monkeypatch):
+    """A timer holds the filters on the handlers while it is installed (a timed call's block is then cheap): between
+    blocks Dynamo's records reach the user as before, and after the release no filter of ours is left."""
+    monkeypatch.delenv(TORCH_LOGS, raising=False)
+    import torch._dynamo  # noqa: F401
+
+    handlers = [h for name in ("torch._dynamo", "torch", "") for h in logging.getLogger(name).handlers]
+    before = [list(h.filters) for h in handlers]
+    kept: list[str] = []
+    hold_dynamo_filters()
+    try:
+        with quiet_dynamo(kept):
+            DYNAMO_LOG.warning("first block")
+        DYNAMO_LOG.warning("between the blocks")
+        with quiet_dynamo(kept, look=False):
+            DYNAMO_LOG.warning("second block")
+    finally:
+        release_dynamo_filters()
+    assert kept == ["WARNING torch._dynamo.fake_module: first block", "WARNING torch._dynamo.fake_module: second block"]
+    err = capsys.readouterr().err + _warned(caplog)
+    assert "between the blocks" in err and "block" not in err.replace("between the blocks", "")
+    assert [list(h.filters) for h in handlers] == before
 
 
 @pytest.mark.parametrize("how", ["TORCH_LOGS", "level"])

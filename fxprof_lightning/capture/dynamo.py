@@ -59,7 +59,7 @@ from fxprof_lightning.capture.graph_breaks import _graph_break_counter, _graph_b
 from fxprof_lightning.capture.row_names import _Owners
 from fxprof_lightning.nodes import ROW, is_timed
 from fxprof_lightning.timing.flops import float_grouped_mm_meta
-from fxprof_lightning.timing.quiet import quiet_dynamo
+from fxprof_lightning.timing.quiet import hold_dynamo_filters, quiet_dynamo, release_dynamo_filters
 
 if TYPE_CHECKING:
     from fxprof_lightning.nodes import Capture
@@ -185,6 +185,11 @@ class _EntryGuards:
     free: dict[str, Any]
     region: int | None  # the context's own cache (``torch_api.region_of``; None: the code object's own)
 
+    def __post_init__(self) -> None:
+        plain = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in self.signature.parameters.values())
+        self._positional = tuple(self.signature.parameters) if plain else None  # (None: ``bind`` pairs them)
+        self._defaults = {n: p.default for n, p in self.signature.parameters.items() if p.default is not p.empty}
+
     @classmethod
     def of(cls, compiled: Callable[..., Any], context: Any) -> _EntryGuards | None:
         """For the function a Dynamo ``context`` wrapped (``compiled``: what the context returned)."""
@@ -201,18 +206,30 @@ class _EntryGuards:
         return cls(function.__code__, inspect.signature(function, follow_wrapped=False), bound, free,
                    torch_api.region_of(context))
 
+    def _locals(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        """The frame's arguments and closure by name (None: the call does not fit the signature). Positional arguments
+        of a plain signature are paired with their names directly (``Signature.bind`` costs ~5 us a call)."""
+        given = (*self.bound, *args)
+        names = self._positional
+        if not kwargs and names is not None and len(given) <= len(names) and all(n in self._defaults
+                                                                               for n in names[len(given):]):
+            return {**dict(zip(names, given)), **{n: self._defaults[n] for n in names[len(given):]}, **self.free}
+        try:
+            arguments = self.signature.bind(*given, **kwargs)
+        except TypeError:
+            return None
+        arguments.apply_defaults()
+        return {**arguments.arguments, **self.free}
+
     def check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int | None, str]:
         """The state of a call: the graph captured for the frame whose guards it passes (an id), or how it would miss
         them all (their first failing guard); (None, '') where that cannot be told."""
         entries = torch_api.cache_entries(self.code, self.region)
         if not entries:
             return None, ""
-        try:
-            arguments = self.signature.bind(*self.bound, *args, **kwargs)
-        except TypeError:
+        frame_locals = self._locals(args, kwargs)  # the frame's locals as it starts
+        if frame_locals is None:
             return None, ""
-        arguments.apply_defaults()
-        frame_locals = {**arguments.arguments, **self.free}  # the frame's locals as it starts
         fits = next((entry for entry in entries if entry.guard_manager.check(frame_locals)), None)
         if fits is not None:
             return id(fits.guard_manager), ""
@@ -306,6 +323,7 @@ class DynamoTimer(DynamoGraphs):
         module.forward = forward
         if self._way.eager_hooks:
             self._frame_hooked(module)
+        hold_dynamo_filters()
         _TRACEABLE.enter()
         _frames_skipped(self._eager_hooks + ALWAYS_EAGER, True)
         if self._fsdp is not None:
@@ -320,6 +338,7 @@ class DynamoTimer(DynamoGraphs):
                     submodule.__dict__.pop("forward", None)
                 self._hooked_now.clear()
             finally:  # (FSDP2's own methods back, whatever failed)
+                release_dynamo_filters()
                 if self._fsdp is not None:
                     self._fsdp.uninstall()
         super().uninstall(module)
