@@ -32,7 +32,6 @@ function Dynamo saw and the module that called it (``layer1_0_iadd``, ``self_att
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 import re
 import time
@@ -55,11 +54,12 @@ from fxprof_lightning.capture.dynamo_rules import (
     _opened,
 )
 from fxprof_lightning.capture.dynamo_timing import DynamoGraphs
+from fxprof_lightning.capture.entry_guards import EntryGuards
 from fxprof_lightning.capture.graph_breaks import _graph_break_counter, _graph_break_reasons, host_reads
 from fxprof_lightning.capture.row_names import _Owners
 from fxprof_lightning.nodes import ROW, is_timed
 from fxprof_lightning.timing.flops import float_grouped_mm_meta
-from fxprof_lightning.timing.quiet import hold_dynamo_filters, quiet_dynamo, release_dynamo_filters
+from fxprof_lightning.timing.quiet import quiet_dynamo
 
 if TYPE_CHECKING:
     from fxprof_lightning.nodes import Capture
@@ -171,72 +171,6 @@ def _placed(node: fx.Node, first: bool) -> int:
     return 0 if first else -1
 
 
-@dataclass
-class _EntryGuards:
-    """The guards of the graphs Dynamo captured for the forward's own frame, asked before a call: a call in a state no
-    graph was captured for (a module called with and without grad, a new input shape) is then captured on that
-    call, rather than run untimed with the next call captured in its place. ``code`` is the frame's code (Dynamo's
-    ``wrap_inline`` frame around a forward of torch's own), ``bound`` the object of a bound method, ``free`` the
-    values of its closure."""
-
-    code: types.CodeType
-    signature: inspect.Signature
-    bound: tuple[Any, ...]
-    free: dict[str, Any]
-    region: int | None  # the context's own cache (``torch_api.region_of``; None: the code object's own)
-
-    def __post_init__(self) -> None:
-        plain = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in self.signature.parameters.values())
-        self._positional = tuple(self.signature.parameters) if plain else None  # (None: ``bind`` pairs them)
-        self._defaults = {n: p.default for n, p in self.signature.parameters.items() if p.default is not p.empty}
-
-    @classmethod
-    def of(cls, compiled: Callable[..., Any], context: Any) -> _EntryGuards | None:
-        """For the function a Dynamo ``context`` wrapped (``compiled``: what the context returned)."""
-        forward = getattr(compiled, "__wrapped__", None)
-        function = getattr(forward, "__func__", forward)
-        if not isinstance(function, types.FunctionType):
-            return None
-        bound = (forward.__self__,) if isinstance(forward, types.MethodType) else ()
-        cells = function.__closure__ or ()
-        try:
-            free = {name: cell.cell_contents for name, cell in zip(function.__code__.co_freevars, cells, strict=True)}
-        except ValueError:  # an empty cell
-            return None
-        return cls(function.__code__, inspect.signature(function, follow_wrapped=False), bound, free,
-                   torch_api.region_of(context))
-
-    def _locals(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
-        """The frame's arguments and closure by name (None: the call does not fit the signature). Positional arguments
-        of a plain signature are paired with their names directly (``Signature.bind`` costs ~5 us a call)."""
-        given = (*self.bound, *args)
-        names = self._positional
-        if not kwargs and names is not None and len(given) <= len(names) and all(n in self._defaults
-                                                                               for n in names[len(given):]):
-            return {**dict(zip(names, given)), **{n: self._defaults[n] for n in names[len(given):]}, **self.free}
-        try:
-            arguments = self.signature.bind(*given, **kwargs)
-        except TypeError:
-            return None
-        arguments.apply_defaults()
-        return {**arguments.arguments, **self.free}
-
-    def check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int | None, str]:
-        """The state of a call: the graph captured for the frame whose guards it passes (an id), or how it would miss
-        them all (their first failing guard); (None, '') where that cannot be told."""
-        entries = torch_api.cache_entries(self.code, self.region)
-        if not entries:
-            return None, ""
-        frame_locals = self._locals(args, kwargs)  # the frame's locals as it starts
-        if frame_locals is None:
-            return None, ""
-        fits = next((entry for entry in entries if entry.guard_manager.check(frame_locals)), None)
-        if fits is not None:
-            return id(fits.guard_manager), ""
-        failed = entries[0].guard_manager.check_verbose(frame_locals).verbose_code_parts
-        return None, re.sub(r"L\['([^']+)'\]", r"\1", str(failed[0]).strip()) if failed else "a guard failed"  # as Dynamo says it
-
-
 class DynamoTimer(DynamoGraphs):
     """Times the graphs Dynamo captures of a module's forward; see the module docstring.
 
@@ -264,7 +198,7 @@ class DynamoTimer(DynamoGraphs):
         self.capture_s: list[float] = []
         self.dynamo_messages: list[str] = []  # what Dynamo logged or warned in our calls through it (``quiet_dynamo``)
         self._on_refused = on_refused
-        self._entry: _EntryGuards | None = None  # asks the guards of the forward's own frame before a call
+        self._entry: EntryGuards | None = None  # asks the guards of the forward's own frame before a call
         self._guard_failures: list[str] = []
         self._graph_breaks: dict[str, int] = {}
         self.outside_graphs: list[str] = []  # layers that ran outside the graphs of the last capture (``Capture.untimed``)
@@ -296,7 +230,7 @@ class DynamoTimer(DynamoGraphs):
         if self._compiled is None or own_forward != self._own_forward:
             self._own_forward = own_forward
             self._compiled = self._context(torch_api.own_code(own_forward))
-            self._entry = _EntryGuards.of(self._compiled, self._context)
+            self._entry = EntryGuards.of(self._compiled, self._context)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if module.training is not self.training or self.mismatch is not None:
@@ -323,7 +257,6 @@ class DynamoTimer(DynamoGraphs):
         module.forward = forward
         if self._way.eager_hooks:
             self._frame_hooked(module)
-        hold_dynamo_filters()
         _TRACEABLE.enter()
         _frames_skipped(self._eager_hooks + ALWAYS_EAGER, True)
         if self._fsdp is not None:
@@ -338,7 +271,6 @@ class DynamoTimer(DynamoGraphs):
                     submodule.__dict__.pop("forward", None)
                 self._hooked_now.clear()
             finally:  # (FSDP2's own methods back, whatever failed)
-                release_dynamo_filters()
                 if self._fsdp is not None:
                     self._fsdp.uninstall()
         super().uninstall(module)
@@ -506,7 +438,7 @@ class DynamoTimer(DynamoGraphs):
         self._expected.clear()
         self._context = self._new_context()
         self._compiled = self._context(torch_api.own_code(self._own_forward))
-        self._entry = _EntryGuards.of(self._compiled, self._context)
+        self._entry = EntryGuards.of(self._compiled, self._context)
 
     @property
     def untimed(self) -> str | None:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from fxprof_lightning import torch_api
+from fxprof_lightning.timing.quiet import hold_dynamo_filters, release_dynamo_filters
 
 __all__ = ["COMPILING"]
 
@@ -89,7 +90,8 @@ def _check_key_padding_mask(key_padding_mask: torch.Tensor, src_len: int, bsz: i
 class _TraceableChecks:
     """While a ``DynamoTimer`` is installed, torch's own checks that Dynamo cannot trace run as traceable equivalents
     (``_check_key_padding_mask``; ``torch.compiler.is_exporting`` where this torch lacks it): each function keeps its identity and gets the other's code, since Dynamo guards on
-    the code it traced (put back at uninstall, the graphs would miss their guards). Counted: timers may overlap."""
+    the code it traced (put back at uninstall, the graphs would miss their guards); and Dynamo's log filters stay on
+    the handlers (``quiet.hold_dynamo_filters``). Counted: timers may overlap."""
 
     def __init__(self) -> None:
         self.users = 0
@@ -100,6 +102,7 @@ class _TraceableChecks:
         if self.users == 1:
             torch_api.lend_missing_queries(True)
             torch_api.lend_stream_query(True)
+            hold_dynamo_filters()  # (and a timed call's ``quiet_dynamo`` block only marks its thread)
         function = torch_api.check_key_padding_mask
         code, ours = getattr(function, "__code__", None), _check_key_padding_mask.__code__
         if self.users == 1 and code is not None and code.co_argcount == ours.co_argcount and not code.co_freevars:
@@ -110,6 +113,7 @@ class _TraceableChecks:
         if self.users == 0:
             torch_api.lend_missing_queries(False)
             torch_api.lend_stream_query(False)
+            release_dynamo_filters()
         if self.users == 0 and self.original is not None:
             torch_api.check_key_padding_mask.__code__, self.original = self.original, None
 

@@ -133,7 +133,7 @@ class DynamoGraphs(NodeTimer):
 
     def _timed_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], state: int | None,
                     after_capture: bool = True, entered: int | None = None) -> Any:
-        """A call through the captured graphs of ``state`` (``_EntryGuards.check``); where a guard fails, that code runs
+        """A call through the captured graphs of ``state`` (``EntryGuards.check``); where a guard fails, that code runs
         eagerly (untimed: fewer graph calls than that state's) and the next call captures again. A call that fits
         every guard, and was not just captured, ends a streak of misses. Wall time from ``entered`` (guards asked)."""
         before, start, self._gap = self.calls, time.perf_counter_ns(), None

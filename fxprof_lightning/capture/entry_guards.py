@@ -1,0 +1,80 @@
+"""The guards of the graphs Dynamo captured for a forward's own frame, asked before a timed call (``EntryGuards``)."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fxprof_lightning import torch_api
+
+__all__ = ["EntryGuards"]
+
+
+@dataclass
+class EntryGuards:
+    """The guards of the graphs Dynamo captured for the forward's own frame, asked before a call: a call in a state no
+    graph was captured for (a module called with and without grad, a new input shape) is then captured on that
+    call, rather than run untimed with the next call captured in its place. ``code`` is the frame's code (Dynamo's
+    ``wrap_inline`` frame around a forward of torch's own), ``bound`` the object of a bound method, ``free`` the
+    values of its closure."""
+
+    code: types.CodeType
+    signature: inspect.Signature
+    bound: tuple[Any, ...]
+    free: dict[str, Any]
+    region: int | None  # the context's own cache (``torch_api.region_of``; None: the code object's own)
+
+    def __post_init__(self) -> None:
+        plain = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in self.signature.parameters.values())
+        self._positional = tuple(self.signature.parameters) if plain else None  # (None: ``bind`` pairs them)
+        self._defaults = {n: p.default for n, p in self.signature.parameters.items() if p.default is not p.empty}
+
+    @classmethod
+    def of(cls, compiled: Callable[..., Any], context: Any) -> EntryGuards | None:
+        """For the function a Dynamo ``context`` wrapped (``compiled``: what the context returned)."""
+        forward = getattr(compiled, "__wrapped__", None)
+        function = getattr(forward, "__func__", forward)
+        if not isinstance(function, types.FunctionType):
+            return None
+        bound = (forward.__self__,) if isinstance(forward, types.MethodType) else ()
+        cells = function.__closure__ or ()
+        try:
+            free = {name: cell.cell_contents for name, cell in zip(function.__code__.co_freevars, cells, strict=True)}
+        except ValueError:  # an empty cell
+            return None
+        return cls(function.__code__, inspect.signature(function, follow_wrapped=False), bound, free,
+                   torch_api.region_of(context))
+
+    def _locals(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        """The frame's arguments and closure by name (None: the call does not fit the signature). Positional arguments
+        of a plain signature are paired with their names directly (``Signature.bind`` costs ~5 us a call)."""
+        given = (*self.bound, *args)
+        names = self._positional
+        if not kwargs and names is not None and len(given) <= len(names) and all(n in self._defaults
+                                                                               for n in names[len(given):]):
+            return {**dict(zip(names, given)), **{n: self._defaults[n] for n in names[len(given):]}, **self.free}
+        try:
+            arguments = self.signature.bind(*given, **kwargs)
+        except TypeError:
+            return None
+        arguments.apply_defaults()
+        return {**arguments.arguments, **self.free}
+
+    def check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int | None, str]:
+        """The state of a call: the graph captured for the frame whose guards it passes (an id), or how it would miss
+        them all (their first failing guard); (None, '') where that cannot be told."""
+        entries = torch_api.cache_entries(self.code, self.region)
+        if not entries:
+            return None, ""
+        frame_locals = self._locals(args, kwargs)  # the frame's locals as it starts
+        if frame_locals is None:
+            return None, ""
+        fits = next((entry for entry in entries if entry.guard_manager.check(frame_locals)), None)
+        if fits is not None:
+            return id(fits.guard_manager), ""
+        failed = entries[0].guard_manager.check_verbose(frame_locals).verbose_code_parts
+        return None, re.sub(r"L\['([^']+)'\]", r"\1", str(failed[0]).strip()) if failed else "a guard failed"  # as Dynamo says it
