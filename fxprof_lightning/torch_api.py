@@ -574,3 +574,60 @@ def _unskip(codes: list[types.CodeType]) -> None:
 # Whether Dynamo goes on after a graph break inside a loop (2.11, 2.14, 2.15 yes; 2.6 no: the frame runs eagerly,
 # its layers untimed, each named in ``Capture.untimed``: HF Llama's ``lm_head``).
 RESUMES_IN_LOOPS = torch.torch_version.TorchVersion(TORCH) >= "2.11"
+
+# ---------------------------------------------------------------- saved tensors: what autograd keeps for backward
+
+# An autograd node's saved tensors, read without unpacking them (``memory``): its ``_raw_saved_<name>`` attributes
+# (each a ``SavedTensor``, or a list of them; 2.6-2.15) and, on each, ``SavedTensor.data`` (the tensor stored, or what
+# a ``saved_tensors_hooks`` pack hook returned) and ``SavedTensor.unpack_hook`` (None where no hook packed it) (2.11,
+# 2.14, 2.15; not 2.6). Without them, no saved bytes (None, and a warning once): ``_saved_<name>`` would unpack through
+# the user's hooks (and recompute a checkpointed region).
+_SavedTensor = _find("torch._C._autograd:SavedTensor", "no saved bytes")
+_saved_data = _find("torch._C._autograd:SavedTensor.data", "no saved bytes")
+_saved_unpack_hook = _find("torch._C._autograd:SavedTensor.unpack_hook", "no saved bytes")
+READS_SAVED_TENSORS = _saved_data is not None and _saved_unpack_hook is not None
+_RAW_SAVED: dict[type, tuple[str, ...]] = {}  # node type -> its ``_raw_saved_<name>`` attributes
+
+
+def saved_tensors(node: Any) -> list[tuple[Any, Any]]:
+    """``(stored, unpack hook)`` of each tensor the autograd ``node`` saved for its backward: the tensor itself and
+    None, or what a pack hook returned and its unpack hook; nothing is unpacked (no hook of the user's runs). [] where
+    this torch cannot read them (``READS_SAVED_TENSORS``)."""
+    if not READS_SAVED_TENSORS:
+        return []
+    names = _RAW_SAVED.get(type(node))
+    if names is None:
+        names = _RAW_SAVED[type(node)] = tuple(n for n in dir(type(node)) if n.startswith("_raw_saved_"))
+    found = []
+    for name in names:
+        value = getattr(node, name)
+        for saved in value if isinstance(value, tuple | list) else (value,):
+            if saved is not None:
+                found.append((saved.data, saved.unpack_hook))
+    return found
+
+
+# A non-reentrant ``torch.utils.checkpoint`` region packs what its ops save into placeholders (its unpack hook
+# recomputes them) and keeps the region's inputs in its ``_CheckpointFrame``, which that unpack hook closes over as
+# ``frame``: ``frame.saved_args`` (2.14+, ``SavedTensor``s and other values) or ``frame.input_saver.grad_fn``'s saved
+# tensors (2.6-2.13, a ``_NoopSaveInputs`` node). Without them, a region's inputs are not counted (its ops' placeholders
+# are, as nothing).
+_CHECKPOINT_FILE = torch.utils.checkpoint.__file__
+
+
+def checkpoint_frame(unpack_hook: Any) -> Any:
+    """The ``_CheckpointFrame`` of the non-reentrant checkpointed region whose unpack hook this is, or None (another
+    hook, or a torch whose hook holds it otherwise)."""
+    code = getattr(unpack_hook, "__code__", None)
+    if code is None or code.co_filename != _CHECKPOINT_FILE or "frame" not in code.co_freevars:
+        return None
+    return unpack_hook.__closure__[code.co_freevars.index("frame")].cell_contents
+
+
+def checkpoint_inputs(frame: Any) -> list[Any] | None:
+    """The tensors a checkpointed region keeps for its recompute (``checkpoint_frame``), or None where unreadable."""
+    saved = getattr(frame, "saved_args", None)
+    if isinstance(saved, list):
+        return [s.data for s in saved if isinstance(s, _SavedTensor)] if READS_SAVED_TENSORS else None
+    node = getattr(getattr(frame, "input_saver", None), "grad_fn", None)
+    return [t for t, hook in saved_tensors(node) if hook is None] if node is not None and READS_SAVED_TENSORS else None

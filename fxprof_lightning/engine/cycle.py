@@ -30,6 +30,7 @@ from fxprof_lightning.timing.autograd_walk import sequence_nr_now
 from fxprof_lightning.timing.gpu_trace import node_device_times
 from fxprof_lightning.timing.gpu_trace import summary as device_summary
 from fxprof_lightning.timing.node_timing import BackwardEvents
+from fxprof_lightning.timing.state_memory import OptimizerWatch
 from fxprof_lightning.timing.torch_trace import CycleTrace, ModuleCalls
 
 __all__ = ["Cycle"]
@@ -70,6 +71,7 @@ class Cycle:
     nodes: list[NodeInfo] = field(default_factory=list)  # the timer's rows (``measure``)
     dropped: dict[int, str] = field(default_factory=dict)  # recorded steps not counted (a capture ran in them), why
     captures_before: int = 0  # the timer's captures before the cycle (``capture_s``: those since)
+    optimizers: OptimizerWatch | None = None  # notes the optimizers that step while the cycle is open (memory)
     _step_mark: Any = None  # where the recorded step in progress began (``_StepMark``)
     _dropped_sequences: list[tuple[int, int]] = field(default_factory=list)  # their autograd sequence numbers
 
@@ -226,8 +228,10 @@ class Cycle:
         if device is not None:  # a GPU model: device time per node call from the trace's kernels
             forward, backward, spans, idle = node_device_times([info.name for info in collected.nodes], device)
             self.device = device_summary(device)
+        if collected.saved_unknown is not None:
+            warn(f"some layers have no saved bytes: {collected.saved_unknown}")
         nodes = summarize_nodes(collected.nodes, forward, backward, collected.costs, collected.mem_delta,
-                                collected.mem_peak)
+                                collected.mem_peak, collected.saved)
         if traits.uses_backward_events and self.backward != HOOKS:
             self.backward_outside_ns = collected.backward_outside_ns
         if device is None:
@@ -263,6 +267,11 @@ class Cycle:
         report.nodes = _labelled(report.nodes, type_name)
         return report
 
+    def stepped_optimizers(self) -> list[Any] | None:
+        """The optimizers that stepped while the cycle was open, the watch removed (None where none was kept)."""
+        watch, self.optimizers = self.optimizers, None
+        return watch.close() if watch is not None else None
+
     def described_capture(self) -> Capture | None:
         """The report's own copy of how the module was captured."""
         return self.timer.describe(self.capture) if self.capture is not None and self.timer is not None else self.capture
@@ -279,6 +288,7 @@ class Cycle:
 
     def abandon(self, module: nn.Module) -> None:
         """Profiling failed: remove the timer, stop the profiler sessions (no report)."""
+        self.stepped_optimizers()
         if self.timer is not None:
             self.timer.uninstall(module)
         if self.backward_events is not None:

@@ -54,6 +54,7 @@ from fxprof_lightning.timing.instrument import _GraphLog, instrument
 from fxprof_lightning.timing.quiet import quiet_kineto
 from fxprof_lightning.timing.readings import Readings
 from fxprof_lightning.timing.samples import NodeSamples
+from fxprof_lightning.timing.saved_memory import SavedBytes, read_saved_bytes
 
 if TYPE_CHECKING:
     from fxprof_lightning.nodes import Capture
@@ -207,6 +208,9 @@ class NodeTimer(NodeSamples, Readings):
         self._in_pass = False  # an engine callback will mark the end of the running backward pass
         self._first_of_call = False  # no node of the running forward call has created autograd nodes yet
         self._traced, self._annotate = traced, annotate
+        self._hooks_now = False  # the installed forward times backward with hooks (no sequence ranges are logged)
+        self._saved: SavedBytes | None = None  # what the cycle's first measured forward call keeps for backward
+        self._saved_told: set[str] = set()  # why some rows' saved bytes are unknown, said once
         self._trace_ranges = trace_ranges and not self._cuda
         self._saved_forward: dict[int, Any] = {}
         self._root: nn.Module | None = None  # the module installed on (for its own parameters and buffers)
@@ -236,6 +240,7 @@ class NodeTimer(NodeSamples, Readings):
     reads_trace_events = False  # its rows come from the trace's events (a compiled module's kernels)
     device_times_from_trace = True  # on CUDA, each node call takes its kernels' device time from the trace
     without_events = "come from hooks on the autograd nodes (slower)"  # backward times when no profiler events come
+    measure_memory = False  # read what autograd saves for backward, once per cycle (``Timers`` sets it)
 
     @property
     def usable(self) -> bool:
@@ -306,7 +311,7 @@ class NodeTimer(NodeSamples, Readings):
         if backward_hooks and self._hooked_graph_module is None:
             self._hooked_graph_module = self._instrument(self._traced, self._annotate, hooked=True)
         self._saved_forward[id(module)] = module.__dict__.get("forward")
-        self._root = module
+        self._root, self._hooks_now = module, backward_hooks
         own_forward, graph_forward = module.forward, (self._hooked_graph_module if backward_hooks else self.graph_module).forward
         training = self._traced.training
 
@@ -317,11 +322,12 @@ class NodeTimer(NodeSamples, Readings):
                 return own_forward(*args, **kwargs)
             if self._cuda:
                 return graph_forward(*args, **kwargs)
-            start = time.perf_counter_ns()
+            start, first = time.perf_counter_ns(), sequence_nr_now()
             if self._trace_ranges:
                 self.call_starts.append(start)
             out = graph_forward(*args, **kwargs)
             self.forward_walls_ns.append(time.perf_counter_ns() - start)
+            self._read_saved(out, first)
             return out
 
         module.forward = forward
@@ -335,6 +341,28 @@ class NodeTimer(NodeSamples, Readings):
             module.__dict__.pop("forward", None)
         else:
             module.forward = previous
+
+    def _read_saved(self, output: Any, first: int) -> None:
+        """After a timed forward call (CPU, sequence ranges logged) that made autograd nodes from ``first`` on: the bytes
+        each row's autograd nodes keep for backward (``saved_memory``), read at the first such call of each cycle (the
+        warm-up's where there is one: no recorded step pays for it)."""
+        if (not self.measure_memory or self._saved is not None or self._cuda or self._hooks_now or not self._backward
+                or not torch.is_grad_enabled()):
+            return
+        self._fold()
+        self._saved = read_saved_bytes(output, first, sequence_nr_now(), self._firsts, self._ends, self._owners, self._root,
+                                       len(self.nodes))
+
+    def saved_memory(self) -> tuple[list[float | None] | None, str | None]:
+        """Per row, the bytes its autograd nodes keep for backward per call (None: unknown), and why some are unknown;
+        (None, None) where nothing was read. The next forward call reads them again (for the next cycle)."""
+        saved, self._saved = self._saved, None
+        if saved is None:
+            return None, None
+        why = saved.why if saved.why not in self._saved_told else None
+        if why is not None:
+            self._saved_told.add(why)
+        return [saved.per_call(row) for row in range(len(self.nodes))], why
 
     # The generated forward calls these: keep them lean, they run once per node per call.
 
