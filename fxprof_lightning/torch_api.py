@@ -338,11 +338,8 @@ TrainingState = _find("torch.distributed.fsdp._fully_shard._fsdp_common:Training
 def fsdp_param_groups(state: Any) -> list[Any]:
     """An FSDP2 state's parameter groups: a list in 2.14+ (``_fsdp_param_groups``), at most one before
     (``_fsdp_param_group``, 2.6-2.13)."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    group = getattr(state, "_fsdp_param_group", None)
-    return [group] if group is not None else []
+    groups, group = getattr(state, "_fsdp_param_groups", None), getattr(state, "_fsdp_param_group", None)
+    return list(groups) if groups is not None else [group] if group is not None else []
 
 
 # The backend a ``torch.compile``'d module was given, by name (2.6-2.15): ``OptimizedModule.dynamo_ctx.callback``,
@@ -576,58 +573,28 @@ def _unskip(codes: list[types.CodeType]) -> None:
 RESUMES_IN_LOOPS = torch.torch_version.TorchVersion(TORCH) >= "2.11"
 
 # ---------------------------------------------------------------- saved tensors: what autograd keeps for backward
-
-# An autograd node's saved tensors, read without unpacking them (``memory``): its ``_raw_saved_<name>`` attributes
-# (each a ``SavedTensor``, or a list of them; 2.6-2.15) and, on each, ``SavedTensor.data`` (the tensor stored, or what
-# a ``saved_tensors_hooks`` pack hook returned) and ``SavedTensor.unpack_hook`` (None where no hook packed it) (2.11,
-# 2.14, 2.15; not 2.6). Without them, no saved bytes (None, and a warning once): ``_saved_<name>`` would unpack through
-# the user's hooks (and recompute a checkpointed region).
+# Read without unpacking (no user's hook runs, no region recomputes): a node's ``_raw_saved_<name>`` (2.6-2.15),
+# ``SavedTensor.data``/``.unpack_hook`` (2.11-2.15; not 2.6: no saved bytes). A non-reentrant checkpoint's unpack hook
+# holds its ``_CheckpointFrame`` (``frame``): inputs in ``saved_args`` (2.14+), ``input_saver.grad_fn`` (2.6-2.13).
 _SavedTensor = _find("torch._C._autograd:SavedTensor", "no saved bytes")
-_saved_data = _find("torch._C._autograd:SavedTensor.data", "no saved bytes")
-_saved_unpack_hook = _find("torch._C._autograd:SavedTensor.unpack_hook", "no saved bytes")
-READS_SAVED_TENSORS = _saved_data is not None and _saved_unpack_hook is not None
+READS_SAVED_TENSORS = None not in [_find(f"torch._C._autograd:SavedTensor.{n}", "no saved bytes") for n in ("data", "unpack_hook")]
 _RAW_SAVED: dict[type, tuple[str, ...]] = {}  # node type -> its ``_raw_saved_<name>`` attributes
 
 
 def saved_tensors(node: Any) -> list[tuple[Any, Any]]:
-    """``(stored, unpack hook)`` of each tensor the autograd ``node`` saved for its backward: the tensor itself and
-    None, or what a pack hook returned and its unpack hook; nothing is unpacked (no hook of the user's runs). [] where
-    this torch cannot read them (``READS_SAVED_TENSORS``)."""
-    if not READS_SAVED_TENSORS:
-        return []
-    names = _RAW_SAVED.get(type(node))
-    if names is None:
+    """``(stored, unpack hook or None)`` of each tensor the autograd ``node`` saved ([] without the names above)."""
+    if (names := _RAW_SAVED.get(type(node))) is None:
         names = _RAW_SAVED[type(node)] = tuple(n for n in dir(type(node)) if n.startswith("_raw_saved_"))
-    found = []
-    for name in names:
-        value = getattr(node, name)
-        for saved in value if isinstance(value, tuple | list) else (value,):
-            if saved is not None:
-                found.append((saved.data, saved.unpack_hook))
-    return found
+    values = [getattr(node, name) for name in names] if READS_SAVED_TENSORS else []  # (a list: a list's own saved)
+    return [(s.data, s.unpack_hook) for v in values for s in (v if isinstance(v, tuple | list) else (v,)) if s is not None]
 
-
-# A non-reentrant ``torch.utils.checkpoint`` region packs what its ops save into placeholders (its unpack hook
-# recomputes them) and keeps the region's inputs in its ``_CheckpointFrame``, which that unpack hook closes over as
-# ``frame``: ``frame.saved_args`` (2.14+, ``SavedTensor``s and other values) or ``frame.input_saver.grad_fn``'s saved
-# tensors (2.6-2.13, a ``_NoopSaveInputs`` node). Without them, a region's inputs are not counted (its ops' placeholders
-# are, as nothing).
-_CHECKPOINT_FILE = torch.utils.checkpoint.__file__
-
-
-def checkpoint_frame(unpack_hook: Any) -> Any:
-    """The ``_CheckpointFrame`` of the non-reentrant checkpointed region whose unpack hook this is, or None (another
-    hook, or a torch whose hook holds it otherwise)."""
+def checkpoint_inputs(unpack_hook: Any) -> tuple[Any, list[Any]] | None:
+    """The frame of the checkpointed region whose unpack hook this is and the inputs it keeps; None: another hook."""
     code = getattr(unpack_hook, "__code__", None)
-    if code is None or code.co_filename != _CHECKPOINT_FILE or "frame" not in code.co_freevars:
+    if code is None or code.co_filename != torch.utils.checkpoint.__file__ or "frame" not in code.co_freevars:
         return None
-    return unpack_hook.__closure__[code.co_freevars.index("frame")].cell_contents
-
-
-def checkpoint_inputs(frame: Any) -> list[Any] | None:
-    """The tensors a checkpointed region keeps for its recompute (``checkpoint_frame``), or None where unreadable."""
-    saved = getattr(frame, "saved_args", None)
-    if isinstance(saved, list):
-        return [s.data for s in saved if isinstance(s, _SavedTensor)] if READS_SAVED_TENSORS else None
-    node = getattr(getattr(frame, "input_saver", None), "grad_fn", None)
-    return [t for t, hook in saved_tensors(node) if hook is None] if node is not None and READS_SAVED_TENSORS else None
+    frame = unpack_hook.__closure__[code.co_freevars.index("frame")].cell_contents
+    saved, node = getattr(frame, "saved_args", None), getattr(getattr(frame, "input_saver", None), "grad_fn", None)
+    kept = [(s.data, None) for s in saved if isinstance(s, _SavedTensor)] if isinstance(saved, list) else (
+        saved_tensors(node) if node is not None else [])
+    return frame, [t for t, hook in kept if hook is None]

@@ -57,7 +57,7 @@ def test_a_linear_relu_stack_saves_what_torch_keeps_by_hand(tmp_path):
     assert _saved(cycle) == {"0 (Linear)": BATCH * 32 * F32, "1 (ReLU)": BATCH * 64 * F32, "2 (Linear)": 0.0,
                              "3 (ReLU)": BATCH * 16 * F32, "4 (Linear)": 0.0}
     assert _module(cycle, "").saved_bytes_per_step == BATCH * (32 + 64 + 16) * F32
-    assert "MB saved/step |" in cycle.to_markdown() and "MB saved  MB params" in cycle.modules_to_text()
+    assert "| bound | node | MB saved/step |" in cycle.to_markdown() and "MB saved  MB params" in cycle.modules_to_text()
     assert f"Held at the end of the forward: {BATCH * 112 * F32 / 1e6:.3f} MB saved for backward" in cycle.to_markdown()
 
 

@@ -52,17 +52,17 @@ def markdown(report: CycleReport, top_k: int | None = None) -> str:
         header,
         "",
         "| layer | op | fwd ms/call | bwd ms/call | fwd+bwd ms/step | % of fwd+bwd | calls/step "
-        "| fwd GFLOP/s | % of peak | bound |" + (" MB saved/step |" if memory else "") + " node |"
+        "| fwd GFLOP/s | % of peak | bound | node |" + (" MB saved/step |" if memory else "")
         + (" slowest rank fwd ms/call | slowest rank |" if straggler else ""),
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|" + ("---:|" if memory else "") + "---|"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|" + ("---:|" if memory else "")
         + ("---:|---:|" if straggler else ""),
     ]
-    for n in shown:  # (the node's name last: the key of its scalar series, and of the CSV's rows)
+    for n in shown:  # (the node's name: the key of its scalar series, and of the CSV's rows)
         row = (
             f"| {_md(n.layer or n.name)} | {n.op.removeprefix('call_')} | {n.mean_ms:.3f} | {n.bwd_mean_ms:.3f} "
             f"| {(n.total_ms + n.bwd_total_ms) / steps:.3f} | {100 * (n.total_ms + n.bwd_total_ms) / grand:.1f} "
-            f"| {n.calls / steps:g} | {_num(n.fwd_gflops_per_s, '.1f')} | {_num(n.pct_of_peak, '.0f')} | {n.bound} |"
-            + (f" {_mb(n.saved_bytes, n.calls / steps)} |" if memory else "") + f" {_md(n.name)} |"
+            f"| {n.calls / steps:g} | {_num(n.fwd_gflops_per_s, '.1f')} | {_num(n.pct_of_peak, '.0f')} | {n.bound} "
+            f"| {_md(n.name)} |" + (f" {_mb(n.saved_bytes, n.calls / steps)} |" if memory else "")
         )
         if straggler:
             row += f" {n.slowest_rank_ms:.3f} | {n.slowest_rank} |"

@@ -54,7 +54,7 @@ from fxprof_lightning.timing.instrument import _GraphLog, instrument
 from fxprof_lightning.timing.quiet import quiet_kineto
 from fxprof_lightning.timing.readings import Readings
 from fxprof_lightning.timing.samples import NodeSamples
-from fxprof_lightning.timing.saved_memory import SavedBytes, read_saved_bytes
+from fxprof_lightning.timing.saved_memory import SavedBytes, SavedReader
 
 if TYPE_CHECKING:
     from fxprof_lightning.nodes import Capture
@@ -138,7 +138,7 @@ class Uninterrupted(Readings):
         pass
 
 
-class NodeTimer(NodeSamples, Readings):
+class NodeTimer(NodeSamples, SavedReader, Readings):
     """An instrumented copy of a traced module that records each node's forward and backward time.
 
     After ``reset()``: ``fwd[i]`` holds one forward duration in nanoseconds per execution of
@@ -240,7 +240,6 @@ class NodeTimer(NodeSamples, Readings):
     reads_trace_events = False  # its rows come from the trace's events (a compiled module's kernels)
     device_times_from_trace = True  # on CUDA, each node call takes its kernels' device time from the trace
     without_events = "come from hooks on the autograd nodes (slower)"  # backward times when no profiler events come
-    measure_memory = False  # read what autograd saves for backward, once per cycle (``Timers`` sets it)
 
     @property
     def usable(self) -> bool:
@@ -341,28 +340,6 @@ class NodeTimer(NodeSamples, Readings):
             module.__dict__.pop("forward", None)
         else:
             module.forward = previous
-
-    def _read_saved(self, output: Any, first: int) -> None:
-        """After a timed forward call (CPU, sequence ranges logged) that made autograd nodes from ``first`` on: the bytes
-        each row's autograd nodes keep for backward (``saved_memory``), read at the first such call of each cycle (the
-        warm-up's where there is one: no recorded step pays for it)."""
-        if (not self.measure_memory or self._saved is not None or self._cuda or self._hooks_now or not self._backward
-                or not torch.is_grad_enabled()):
-            return
-        self._fold()
-        self._saved = read_saved_bytes(output, first, sequence_nr_now(), self._firsts, self._ends, self._owners, self._root,
-                                       len(self.nodes))
-
-    def saved_memory(self) -> tuple[list[float | None] | None, str | None]:
-        """Per row, the bytes its autograd nodes keep for backward per call (None: unknown), and why some are unknown;
-        (None, None) where nothing was read. The next forward call reads them again (for the next cycle)."""
-        saved, self._saved = self._saved, None
-        if saved is None:
-            return None, None
-        why = saved.why if saved.why not in self._saved_told else None
-        if why is not None:
-            self._saved_told.add(why)
-        return [saved.per_call(row) for row in range(len(self.nodes))], why
 
     # The generated forward calls these: keep them lean, they run once per node per call.
 

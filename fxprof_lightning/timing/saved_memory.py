@@ -22,7 +22,7 @@ from torch import nn
 from fxprof_lightning import torch_api
 from fxprof_lightning.timing.autograd_walk import autograd_nodes, tensors_in
 
-__all__ = ["SavedBytes", "read_saved_bytes", "storage_key"]
+__all__ = ["SavedBytes", "SavedReader", "read_saved_bytes", "storage_key"]
 
 HOOKED = ("a saved_tensors_hooks of yours packs what autograd saves (CPU offload, compression...): the bytes it "
           "keeps are its own, so those rows have no saved bytes")
@@ -93,13 +93,13 @@ def read_saved_bytes(output: Any, first: int, end: int, firsts: list[int], ends:
             if hook is None:
                 kept.append(stored)
                 continue
-            frame = torch_api.checkpoint_frame(hook)
-            if frame is None:
+            region = torch_api.checkpoint_inputs(hook)
+            if region is None:
                 found.unknown.add(row)
                 found.why = HOOKED
-            elif id(frame) not in frames:
-                frames.add(id(frame))
-                kept += torch_api.checkpoint_inputs(frame) or []
+            elif id(region[0]) not in frames:
+                frames.add(id(region[0]))
+                kept += region[1]
         for tensor in kept:
             key = storage_key(tensor) if isinstance(tensor, torch.Tensor) else None
             if key is None or key in seen:
@@ -110,3 +110,31 @@ def read_saved_bytes(output: Any, first: int, end: int, firsts: list[int], ends:
             else:
                 found.rows[row] = found.rows.get(row, 0) + key[2]
     return found
+
+
+class SavedReader:
+    """``NodeTimer``'s reading of the saved bytes (its members: ``_saved``, ``_saved_told``, the sequence ranges)."""
+
+    measure_memory = False  # read what autograd saves for backward, once per cycle (``Timers`` sets it)
+
+    def _read_saved(self, output: Any, first: int) -> None:
+        """After a timed forward call (CPU, sequence ranges logged) that made autograd nodes from ``first`` on: the bytes
+        each row's autograd nodes keep for backward, read at the first such call of each cycle (the warm-up's where
+        there is one: no recorded step pays for it)."""
+        if (not self.measure_memory or self._saved is not None or self._cuda or self._hooks_now or not self._backward
+                or not torch.is_grad_enabled()):
+            return
+        self._fold()
+        self._saved = read_saved_bytes(output, first, torch_api.sequence_nr_now(), self._firsts, self._ends,
+                                       self._owners, self._root, len(self.nodes))
+
+    def saved_memory(self) -> tuple[list[float | None] | None, str | None]:
+        """Per row, the bytes its autograd nodes keep for backward per call (None: unknown), and why some are unknown
+        (said once); (None, None) where nothing was read. The next forward call reads them again (the next cycle)."""
+        saved, self._saved = self._saved, None
+        if saved is None:
+            return None, None
+        why = saved.why if saved.why not in self._saved_told else None
+        if why is not None:
+            self._saved_told.add(why)
+        return [saved.per_call(row) for row in range(len(self.nodes))], why
