@@ -26,7 +26,7 @@ import torchvision
 from run_info import closing_lines, cpu_stall_us, package_state, parse_args
 
 from fxprof_lightning import Profiler
-from fxprof_lightning.timing import node_timing
+from fxprof_lightning.timing import saved_memory
 
 READS: list[float] = []  # seconds of each read of the saved bytes
 
@@ -68,7 +68,7 @@ def main() -> int:
     rounds = 2 if args.quick else 10
     stall, started = cpu_stall_us(), time.perf_counter()
     print(f"torch {torch.__version__}, {package_state()}")
-    node_timing.read_saved_bytes = _timed_read(node_timing.read_saved_bytes)
+    saved_memory.read_saved_bytes = _timed_read(saved_memory.read_saved_bytes)
     run(True)  # warms torch and Dynamo up (its numbers are left out)
     READS.clear()
     steps: dict[bool, list[float]] = {True: [], False: []}
