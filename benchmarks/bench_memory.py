@@ -1,14 +1,14 @@
 """What measuring memory costs a recorded step (issue 42), side by side in one process: ``Profiler(memory=True)``
 against ``memory=False``.
 
-    .venv/bin/python benchmarks/bench_memory.py --threads 1          # 10 rounds, about 3 minutes on 2 CPU cores
+    .venv/bin/python benchmarks/bench_memory.py --threads 1          # 30 rounds, about 3 minutes on 2 CPU cores
     .venv/bin/python benchmarks/bench_memory.py --threads 1 --quick  # 2 rounds, numbers are rough
 
 Workload: torchvision ResNet18 (10 classes), batch 8 of 3x64x64, SGD with momentum, CPU, a plain loop with
 ``Profiler(wait=1, warmup=1, active=3, torch_profiler=False, pictures=False, sinks=[])``, 15 steps (three cycles) per
 run, the two configurations alternated over rounds in a shuffled order, each run a fresh model (same seed, same data).
 Prints the median recorded step of each configuration (``CycleReport.step_ms``, every cycle's), the median over
-rounds of the per-round ratio memory/none with the rounds' range, and the one-off read per cycle (the walk of the
+rounds of the per-round ratio memory/none with the median's distribution-free ~95% interval and the range, and the one-off read per cycle (the walk of the
 autograd nodes, timed around ``read_saved_bytes``; it runs in each cycle's warm-up step, not in a recorded one).
 Issue 42's goal: a recorded step at most 3% dearer with memory measured.
 """
@@ -23,7 +23,7 @@ import warnings
 
 import torch
 import torchvision
-from run_info import closing_lines, cpu_stall_us, package_state, parse_args
+from run_info import closing_lines, cpu_stall_us, median_ci, package_state, parse_args
 
 from fxprof_lightning import Profiler
 from fxprof_lightning.timing import saved_memory
@@ -65,7 +65,7 @@ def run(memory: bool, steps: int = 15) -> list[float]:
 
 def main() -> int:
     args = parse_args(__doc__.splitlines()[0])
-    rounds = 2 if args.quick else 10
+    rounds = 2 if args.quick else 30
     stall, started = cpu_stall_us(), time.perf_counter()
     print(f"torch {torch.__version__}, {package_state()}")
     saved_memory.read_saved_bytes = _timed_read(saved_memory.read_saved_bytes)
@@ -85,7 +85,9 @@ def main() -> int:
     print(f"ResNet18, batch 8, 3x64x64, CPU, {torch.get_num_threads()} thread(s), {rounds} rounds")
     print(f"recorded step, median: memory=False {statistics.median(steps[False]):.2f} ms, "
           f"memory=True {statistics.median(steps[True]):.2f} ms")
-    print(f"memory/none per round: median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})")
+    low, high = median_ci(ratios)
+    print(f"memory/none per round: median {statistics.median(ratios):.3f} [~95% interval {low:.3f}-{high:.3f}] "
+          f"(range {min(ratios):.3f}-{max(ratios):.3f})")
     print(f"the read per cycle (in its warm-up step): median {1e3 * statistics.median(READS):.2f} ms over {len(READS)}")
     print(*closing_lines(stall, started), sep="\n")
     return 0
