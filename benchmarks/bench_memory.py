@@ -9,7 +9,8 @@ Workload: torchvision ResNet18 (10 classes), batch 8 of 3x64x64, SGD with moment
 run, the two configurations alternated over rounds in a shuffled order, each run a fresh model (same seed, same data).
 Prints the median recorded step of each configuration (``CycleReport.step_ms``, every cycle's), the median over
 rounds of the per-round ratio memory/none with the median's distribution-free ~95% interval and the range, and the one-off read per cycle (the walk of the
-autograd nodes, timed around ``read_saved_bytes``; it runs in each cycle's warm-up step, not in a recorded one).
+autograd nodes, timed around ``read_saved_bytes``; it runs in each cycle's warm-up step, not in a recorded one), and
+what the cycle's optimizer watch adds to each optimizer step (``hook_cost``).
 Issue 42's goal: a recorded step at most 3% dearer with memory measured.
 """
 
@@ -27,6 +28,7 @@ from run_info import closing_lines, cpu_stall_us, median_ci, package_state, pars
 
 from fxprof_lightning import Profiler
 from fxprof_lightning.timing import saved_memory
+from fxprof_lightning.timing.state_memory import OptimizerWatch
 
 READS: list[float] = []  # seconds of each read of the saved bytes
 
@@ -63,6 +65,27 @@ def run(memory: bool, steps: int = 15) -> list[float]:
     return [ms for cycle in prof.cycles for ms in cycle.step_ms]
 
 
+def hook_cost(steps: int = 20000, rounds: int = 5) -> float:
+    """Microseconds that the cycle's optimizer watch (``OptimizerWatch``: torch.optim's global post-step hook) adds to
+    an optimizer step: a one-parameter SGD stepped with and without it, alternated, median of the differences."""
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    parameter.grad = torch.zeros(1)
+    optimizer = torch.optim.SGD([parameter], lr=0.0)
+    differences = []
+    for _ in range(rounds):
+        seconds = {}
+        for watched in (False, True):
+            watch = OptimizerWatch() if watched else None
+            started = time.perf_counter()
+            for _ in range(steps):
+                optimizer.step()
+            seconds[watched] = time.perf_counter() - started
+            if watch is not None:
+                watch.close()
+        differences.append((seconds[True] - seconds[False]) / steps * 1e6)
+    return statistics.median(differences)
+
+
 def main() -> int:
     args = parse_args(__doc__.splitlines()[0])
     rounds = 2 if args.quick else 30
@@ -89,6 +112,7 @@ def main() -> int:
     print(f"memory/none per round: median {statistics.median(ratios):.3f} [~95% interval {low:.3f}-{high:.3f}] "
           f"(range {min(ratios):.3f}-{max(ratios):.3f})")
     print(f"the read per cycle (in its warm-up step): median {1e3 * statistics.median(READS):.2f} ms over {len(READS)}")
+    print(f"the optimizer watch, per optimizer step (in every step of a cycle): {hook_cost():.2f} us")
     print(*closing_lines(stall, started), sep="\n")
     return 0
 
