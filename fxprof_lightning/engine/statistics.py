@@ -105,9 +105,8 @@ def summarize_modules(nodes: list[NodeInfo], stats: list[NodeStats], steps: int,
     total_fwd: dict[str, float] = {}
     total_bwd: dict[str, float] = {}
     hook_calls: dict[str, int] = {}
-    saved: dict[str, float | None] = {}
+    saved: dict[str, float] = {}
     forward_calls = max((s.calls for s in stats if s.op != "module"), default=0)
-    measured = any(s.saved_bytes is not None for s in stats)  # (memory measured: a module of no node's is unknown)
     for info in nodes:
         s = by_name.get(info.name)
         if s is None:
@@ -118,8 +117,8 @@ def summarize_modules(nodes: list[NodeInfo], stats: list[NodeStats], steps: int,
         for path in dict.fromkeys(paths):
             total_fwd[path] = total_fwd.get(path, 0.0) + s.total_ms
             total_bwd[path] = total_bwd.get(path, 0.0) + s.bwd_total_ms
-            held = saved.get(path, 0.0)  # (None: some node's is unknown)
-            saved[path] = None if held is None or s.saved_bytes is None else held + s.saved_bytes * s.calls
+            if s.saved_bytes is not None:  # (a module none of whose nodes' is known has none)
+                saved[path] = saved.get(path, 0.0) + s.saved_bytes * s.calls
         own = paths[-1]
         self_fwd[own] = self_fwd.get(own, 0.0) + s.total_ms
         self_bwd[own] = self_bwd.get(own, 0.0) + s.bwd_total_ms
@@ -134,7 +133,7 @@ def summarize_modules(nodes: list[NodeInfo], stats: list[NodeStats], steps: int,
                 calls_per_step=calls / steps,
                 self_fwd_ms=self_fwd.get(path, 0.0) / steps, total_fwd_ms=total_fwd[path] / steps,
                 self_bwd_ms=self_bwd.get(path, 0.0) / steps, total_bwd_ms=total_bwd[path] / steps,
-                saved_bytes_per_step=saved[path] / steps if saved[path] is not None and measured else None,
+                saved_bytes_per_step=saved[path] / steps if path in saved else None,
             )
         )
     return modules
