@@ -241,6 +241,8 @@ class CycleReport:
             (capture, timing, trace export, analysis, pictures, files), less as many idle steps (their median);
             None until the sinks have written the cycle (it is in the run's ``fxprof_cycles.jsonl``, not in
             ``cycle.jsonl``).
+        memory_note: why some nodes have no saved bytes (``NodeStats.saved_bytes`` None: a ``saved_tensors_hooks`` of
+            the user's packed what they saved), or None.
         pictures: PNG images by tag (``fxprof/slowest_layers``...), rendered once for every sink that wants them
             and emptied when the sinks are done (the PNG files stay in ``directory``).
     """
@@ -276,6 +278,7 @@ class CycleReport:
     capture_s: float = 0.0
     trigger: str = "schedule"
     cost_s: float | None = None
+    memory_note: str | None = None
 
     @property
     def label(self) -> str:

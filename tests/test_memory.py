@@ -208,9 +208,9 @@ def test_a_users_saved_tensors_hooks_run_untouched_and_leave_the_bytes_unknown(t
                 assert len(packed) - before == 4  # every saved tensor went through the user's hook, each step
                 prof.step()
     assert len(prof.cycles) == 2 and all(n.saved_bytes is None for c in prof.cycles for n in c.nodes)
-    told = [str(w.message) for w in caught if issubclass(w.category, FxprofWarning) and "saved bytes" in str(w.message)]
-    assert len(told) == 1 and "saved_tensors_hooks of yours" in told[0]  # said once, not per cycle
-    assert "MB saved/step" not in prof.cycles[0].to_markdown()
+    assert not [w for w in caught if issubclass(w.category, FxprofWarning)]  # (the hooks are the user's choice)
+    markdown = prof.cycles[0].to_markdown()  # said once per cycle, in its report
+    assert "MB saved/step" not in markdown and markdown.count("a saved_tensors_hooks of yours packs") == 1
 
 
 def test_memory_off_leaves_the_tables_as_they_were(tmp_path):

@@ -72,6 +72,7 @@ class Cycle:
     dropped: dict[int, str] = field(default_factory=dict)  # recorded steps not counted (a capture ran in them), why
     captures_before: int = 0  # the timer's captures before the cycle (``capture_s``: those since)
     optimizers: OptimizerWatch | None = None  # notes the optimizers that step while the cycle is open (memory)
+    memory_note: str | None = None  # why some nodes have no saved bytes (``measure``)
     _step_mark: Any = None  # where the recorded step in progress began (``_StepMark``)
     _dropped_sequences: list[tuple[int, int]] = field(default_factory=list)  # their autograd sequence numbers
 
@@ -228,8 +229,7 @@ class Cycle:
         if device is not None:  # a GPU model: device time per node call from the trace's kernels
             forward, backward, spans, idle = node_device_times([info.name for info in collected.nodes], device)
             self.device = device_summary(device)
-        if collected.saved_unknown is not None:
-            warn(f"some layers have no saved bytes: {collected.saved_unknown}")
+        self.memory_note = collected.saved_unknown
         nodes = summarize_nodes(collected.nodes, forward, backward, collected.costs, collected.mem_delta,
                                 collected.mem_peak, collected.saved)
         if traits.uses_backward_events and self.backward != HOOKS:
@@ -252,7 +252,7 @@ class Cycle:
                              step_ms=self.step_ms, step_cpu_ms=self.step_cpu_ms, step_wait_ms=self.step_wait_ms, device=self.device,
                              phases=_mean_phases(self.phases),
                              batch_size=round(statistics.mean(self.batch_sizes)) if self.batch_sizes else None,
-                             dropped_steps=dict(self.dropped), capture_s=self.capture_s)
+                             dropped_steps=dict(self.dropped), capture_s=self.capture_s, memory_note=self.memory_note)
         report.ranges = summarize_ranges(ranges, len(self.recorded) + len(self.dropped))  # (the trace holds them all)
         if self.backward_wall_ns:
             report.backward_wall_ms = sum(self.backward_wall_ns) / len(self.backward_wall_ns) / 1e6

@@ -143,7 +143,7 @@ def memory_line(report: CycleReport, top: int = 5) -> str:
     steps = max(len(report.steps), 1)
     saved = [(n, n.saved_bytes * n.calls / steps) for n in report.nodes if n.saved_bytes is not None]
     if not saved:
-        return ""
+        return f"Saved for backward: unknown ({report.memory_note})." if report.memory_note else ""
     total = sum(b for _, b in saved)
     unknown = sum(1 for n in report.nodes if n.saved_bytes is None and n.calls)
     text = f"Held at the end of the forward: {total / 1e6:.3f} MB saved for backward per step"
@@ -151,7 +151,7 @@ def memory_line(report: CycleReport, top: int = 5) -> str:
     if largest and total:
         text += " (" + ", ".join(f"{_md(n.layer or n.name)} {100 * b / total:.0f}%" for n, b in largest) + ")"
     if unknown:
-        text += f", {unknown} node{'s' * (unknown > 1)} unknown"
+        text += f", {unknown} node{'s' * (unknown > 1)} unknown" + (f" ({report.memory_note})" if report.memory_note else "")
     root = next((m for m in report.modules if m.path == "" and m.param_bytes is not None), None)
     if root is not None:
         text += f"; parameters {root.param_bytes / 1e6:.3f} MB, gradients {root.grad_bytes / 1e6:.3f} MB"

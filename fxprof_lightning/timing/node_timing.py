@@ -210,7 +210,6 @@ class NodeTimer(NodeSamples, SavedReader, Readings):
         self._traced, self._annotate = traced, annotate
         self._hooks_now = False  # the installed forward times backward with hooks (no sequence ranges are logged)
         self._saved: SavedBytes | None = None  # what the cycle's first measured forward call keeps for backward
-        self._saved_told: set[str] = set()  # why some rows' saved bytes are unknown, said once
         self._trace_ranges = trace_ranges and not self._cuda
         self._saved_forward: dict[int, Any] = {}
         self._root: nn.Module | None = None  # the module installed on (for its own parameters and buffers)

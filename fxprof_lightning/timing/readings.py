@@ -52,7 +52,7 @@ class Collected:
     backward_outside_ns: int  # backward events given to ``collected`` that no node call accounts for
     forward_walls_ns: list[int]  # the host wall time of each timed call whole (empty: not measured)
     saved: list[float | None] | None = None  # per node, bytes kept for backward per call (None: unknown; ``memory``)
-    saved_unknown: str | None = None  # why some nodes' saved bytes are unknown, said once
+    saved_unknown: str | None = None  # why some nodes' saved bytes are unknown
 
 
 class Readings:

@@ -6,7 +6,7 @@ saved tensor, or a tensor two rows save (a layer's output that the next layer sa
 twice. A parameter or buffer that an op saves (a ``Linear`` saves its weight) is counted as a parameter, never as an
 activation. A non-reentrant checkpointed region's ops save placeholders (nothing); its inputs, which it keeps for the
 recompute, count for the first row of the region. Where a ``saved_tensors_hooks`` of the user's packed what a row
-saved, that row's bytes are unknown (None), said once.
+saved, that row's bytes are unknown (None), and the report says why (``CycleReport.memory_note``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from fxprof_lightning.timing.autograd_walk import autograd_nodes, tensors_in
 
 __all__ = ["SavedBytes", "SavedReader", "read_saved_bytes", "storage_key"]
 
-HOOKED = ("a saved_tensors_hooks of yours packs what autograd saves (CPU offload, compression...): the bytes it "
-          "keeps are its own, so those rows have no saved bytes")
+HOOKED = "a saved_tensors_hooks of yours packs what they save (CPU offload, compression...): what it keeps is its own"
 
 
 @dataclass
@@ -113,7 +112,7 @@ def read_saved_bytes(output: Any, first: int, end: int, firsts: list[int], ends:
 
 
 class SavedReader:
-    """``NodeTimer``'s reading of the saved bytes (its members: ``_saved``, ``_saved_told``, the sequence ranges)."""
+    """``NodeTimer``'s reading of the saved bytes (its members: ``_saved``, the sequence ranges)."""
 
     measure_memory = False  # read what autograd saves for backward, once per cycle (``Timers`` sets it)
 
@@ -129,12 +128,9 @@ class SavedReader:
                                        self._owners, self._root, len(self.nodes))
 
     def saved_memory(self) -> tuple[list[float | None] | None, str | None]:
-        """Per row, the bytes its autograd nodes keep for backward per call (None: unknown), and why some are unknown
-        (said once); (None, None) where nothing was read. The next forward call reads them again (the next cycle)."""
+        """Per row, the bytes its autograd nodes keep for backward per call (None: unknown), and why some are unknown;
+        (None, None) where nothing was read. The next forward call reads them again (the next cycle)."""
         saved, self._saved = self._saved, None
         if saved is None:
             return None, None
-        why = saved.why if saved.why not in self._saved_told else None
-        if why is not None:
-            self._saved_told.add(why)
-        return [saved.per_call(row) for row in range(len(self.nodes))], why
+        return [saved.per_call(row) for row in range(len(self.nodes))], saved.why
