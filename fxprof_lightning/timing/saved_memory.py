@@ -24,7 +24,7 @@ from fxprof_lightning.timing.autograd_walk import autograd_nodes, tensors_in
 
 __all__ = ["SavedBytes", "SavedReader", "read_saved_bytes", "storage_key"]
 
-HOOKED = "a saved_tensors_hooks of yours packs what they save (CPU offload, compression...): what it keeps is its own"
+HOOKED = "a saved_tensors_hooks of yours packs what the layers save (CPU offload, compression...): what it keeps is its own"
 
 
 @dataclass
