@@ -73,7 +73,7 @@ def read_saved_bytes(output: Any, first: int, end: int, firsts: list[int], ends:
     if not torch_api.READS_SAVED_TENSORS:
         torch_api.degraded("read the bytes saved for backward", "it has no torch._C._autograd.SavedTensor.data or "
                            ".unpack_hook (2.11+), and unpacking would run saved_tensors_hooks; no saved bytes")
-        found.unknown.update(owners)
+        found.known = 0  # (every row unknown)
         return found
     start = bisect.bisect_left(firsts, first)
     for owner in owners[start:]:
