@@ -236,3 +236,34 @@ def test_the_lightning_csv_a_user_reads_has_the_memory_columns(tmp_path):
     assert int(modules["head"]["optimizer_bytes"]) == head_bytes  # SGD's momentum buffers (LitClassifier)
     assert float(modules[""]["saved_bytes_per_step"]) == pytest.approx(
         sum(float(row["saved_bytes"]) * int(row["calls"]) / 2 for row in nodes.values()))
+
+
+@pytest.mark.slow
+def test_a_compiled_model_trains_as_without_the_profiler_and_has_no_saved_bytes(tmp_path):
+    """torch.compile'd: its layers are timed from its kernels; memory reads nothing of its autograd graph (no saved
+    bytes), gives its parameters, gradients and optimizer state, and leaves training bitwise as it was."""
+    def train(profiled: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+        compiled = torch.compile(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        generator = torch.Generator().manual_seed(1)
+        prof = Profiler(compiled, wait=1, warmup=1, active=2, repeat=1, dirpath=tmp_path, pictures=False, sinks=[])
+        with prof if profiled else contextlib.nullcontext(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FxprofWarning)
+            for _ in range(5):
+                compiled(torch.randn(BATCH, 32, generator=generator)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if profiled:
+                    prof.step()
+        return model, prof
+
+    profiled, prof = train(True)  # (first: the profiler follows the kernels compiled after it starts)
+    plain, _ = train(False)
+    for (name, a), b in zip(plain.state_dict().items(), profiled.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    (cycle,) = prof.cycles
+    assert cycle.capture.method == "compiled" and cycle.nodes and all(n.saved_bytes is None for n in cycle.nodes)
+    root = next(m for m in cycle.modules if m.path == "")
+    assert root.param_bytes == root.optimizer_bytes == sum(p.numel() for p in profiled.parameters()) * F32

@@ -64,8 +64,17 @@ def state_bytes(module: nn.Module, optimizers: list[torch.optim.Optimizer] | Non
 def with_state_bytes(modules: list[ModuleStats], module: nn.Module,
                      optimizers: list[torch.optim.Optimizer] | None) -> list[ModuleStats]:
     """The module rows with their parameters', gradients' and optimizer state's bytes (``state_bytes``; 0 for a
-    module without parameters)."""
+    module without parameters, None for a row that names no submodule: a compiled module's rows name Dynamo's)."""
     held = state_bytes(module, optimizers)
-    empty = (0, 0, 0 if optimizers else None)
-    return [replace(m, param_bytes=p, grad_bytes=g, optimizer_bytes=o)
-            for m in modules for p, g, o in (held.get(m.path, empty),)]
+    empty, unknown = (0, 0, 0 if optimizers else None), (None, None, None)
+    return [replace(m, param_bytes=p, grad_bytes=g, optimizer_bytes=o) for m in modules
+            for p, g, o in (held.get(m.path, empty if _holds(module, m.path) else unknown),)]
+
+
+def _holds(module: nn.Module, path: str) -> bool:
+    """Whether ``module`` has a submodule at ``path``."""
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
