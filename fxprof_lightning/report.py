@@ -60,7 +60,9 @@ class NodeStats:
     durations of the kernels, memcpys and memsets each node call launched (``gpu_trace``), and
     ``device_span_ms``/``device_idle_ms`` the mean span of a forward call's GPU work and the gaps in it. ``source``:
     for an op outside every submodule, the user's function and line that ran it (``stack_rows (train.py:12)``). ``mad_ms``/``bwd_mad_ms`` are the median absolute
-    deviations of the per-call samples (the robust spread that regression checks use).
+    deviations of the per-call samples (the robust spread that regression checks use). ``saved_bytes``: the bytes of
+    the activations the node's autograd nodes keep for backward, per call, each storage counted once in the step
+    (parameters not included; None where unknown or not measured; ``timing.saved_memory``).
     ``fwd_bytes`` estimates the bytes one forward call moves (its input and output tensors and the
     parameters it reads, each once); ``fwd_gbytes_per_s`` divides it by ``mean_ms``,
     ``intensity`` is ``fwd_flops / fwd_bytes``, ``bound`` is ``"compute"`` or ``"memory"`` (the
@@ -108,6 +110,7 @@ class NodeStats:
     device_idle_ms: float | None = None
     source: str = ""
     layer: str = ""  # the row as the user's code names it (``layer_label``)
+    saved_bytes: float | None = None  # bytes autograd keeps for the node's backward, per call (docs/memory.md)
 
 
 # Python's operators as the user writes them (the rows of ``x + y`` name ``operator.add``).
@@ -151,7 +154,11 @@ def layer_label(node: NodeStats, type_name: Callable[[str], str]) -> str:
 
 @dataclass(frozen=True)
 class ModuleStats:
-    """A module's times per recorded step: ``self_*`` from its own nodes, ``total_*`` with its submodules."""
+    """A module's times per recorded step: ``self_*`` from its own nodes, ``total_*`` with its submodules. Its memory,
+    with its submodules (None where not measured): ``saved_bytes_per_step`` autograd keeps for backward per step (its nodes'),
+    and the bytes of its parameters, of their gradients (one per trainable parameter, of its size: what they take
+    once backward made them) and of the optimizer's state for them (``optimizer_bytes``: SGD's momentum, Adam's
+    moments)."""
 
     path: str
     type_name: str
@@ -161,6 +168,10 @@ class ModuleStats:
     total_fwd_ms: float
     self_bwd_ms: float
     total_bwd_ms: float
+    saved_bytes_per_step: float | None = None
+    param_bytes: int | None = None
+    grad_bytes: int | None = None
+    optimizer_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -230,6 +241,8 @@ class CycleReport:
             (capture, timing, trace export, analysis, pictures, files), less as many idle steps (their median);
             None until the sinks have written the cycle (it is in the run's ``fxprof_cycles.jsonl``, not in
             ``cycle.jsonl``).
+        memory_note: why some nodes have no saved bytes (``NodeStats.saved_bytes`` None: a ``saved_tensors_hooks`` of
+            the user's packed what they saved), or None.
         pictures: PNG images by tag (``fxprof/slowest_layers``...), rendered once for every sink that wants them
             and emptied when the sinks are done (the PNG files stay in ``directory``).
     """
@@ -265,6 +278,7 @@ class CycleReport:
     capture_s: float = 0.0
     trigger: str = "schedule"
     cost_s: float | None = None
+    memory_note: str | None = None
 
     @property
     def label(self) -> str:

@@ -338,11 +338,8 @@ TrainingState = _find("torch.distributed.fsdp._fully_shard._fsdp_common:Training
 def fsdp_param_groups(state: Any) -> list[Any]:
     """An FSDP2 state's parameter groups: a list in 2.14+ (``_fsdp_param_groups``), at most one before
     (``_fsdp_param_group``, 2.6-2.13)."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    group = getattr(state, "_fsdp_param_group", None)
-    return [group] if group is not None else []
+    groups, group = getattr(state, "_fsdp_param_groups", None), getattr(state, "_fsdp_param_group", None)
+    return list(groups) if groups is not None else [group] if group is not None else []
 
 
 # The backend a ``torch.compile``'d module was given, by name (2.6-2.15): ``OptimizedModule.dynamo_ctx.callback``,
@@ -574,3 +571,30 @@ def _unskip(codes: list[types.CodeType]) -> None:
 # Whether Dynamo goes on after a graph break inside a loop (2.11, 2.14, 2.15 yes; 2.6 no: the frame runs eagerly,
 # its layers untimed, each named in ``Capture.untimed``: HF Llama's ``lm_head``).
 RESUMES_IN_LOOPS = torch.torch_version.TorchVersion(TORCH) >= "2.11"
+
+# ---------------------------------------------------------------- saved tensors: what autograd keeps for backward
+# Read without unpacking (no user's hook runs, no region recomputes): a node's ``_raw_saved_<name>`` (2.6-2.15),
+# ``SavedTensor.data``/``.unpack_hook`` (2.11-2.15; not 2.6: no saved bytes). A non-reentrant checkpoint's unpack hook
+# holds its ``_CheckpointFrame`` (``frame``): inputs in ``saved_args`` (2.14+), ``input_saver.grad_fn`` (2.6-2.13).
+_SavedTensor = _find("torch._C._autograd:SavedTensor", "no saved bytes")
+READS_SAVED_TENSORS = None not in [_find(f"torch._C._autograd:SavedTensor.{n}", "no saved bytes") for n in ("data", "unpack_hook")]
+_RAW_SAVED: dict[type, tuple[str, ...]] = {}  # node type -> its ``_raw_saved_<name>`` attributes
+
+
+def saved_tensors(node: Any) -> list[tuple[Any, Any]]:
+    """``(stored, unpack hook or None)`` of each tensor the autograd ``node`` saved ([] without the names above)."""
+    if (names := _RAW_SAVED.get(type(node))) is None:
+        names = _RAW_SAVED[type(node)] = tuple(n for n in dir(type(node)) if n.startswith("_raw_saved_"))
+    values = [getattr(node, name) for name in names] if READS_SAVED_TENSORS else []  # (a list: a list's own saved)
+    return [(s.data, s.unpack_hook) for v in values for s in (v if isinstance(v, tuple | list) else (v,)) if s is not None]
+
+def checkpoint_inputs(unpack_hook: Any) -> tuple[Any, list[Any]] | None:
+    """The frame of the checkpointed region whose unpack hook this is and the inputs it keeps; None: another hook."""
+    code = getattr(unpack_hook, "__code__", None)
+    if code is None or code.co_filename != torch.utils.checkpoint.__file__ or "frame" not in code.co_freevars:
+        return None
+    frame = unpack_hook.__closure__[code.co_freevars.index("frame")].cell_contents
+    saved, node = getattr(frame, "saved_args", None), getattr(getattr(frame, "input_saver", None), "grad_fn", None)
+    kept = [(s.data, None) for s in saved if isinstance(s, _SavedTensor)] if isinstance(saved, list) else (
+        saved_tensors(node) if node is not None else [])
+    return frame, [t for t, hook in kept if hook is None]

@@ -154,7 +154,8 @@ def test_module_tree_self_and_total_without_double_counting(tmp_path):
     assert "layer1 (Sequential)" in text and "  0 (BasicBlock)" in text and "conv1 (Conv2d)" in text
     assert "layer1.0.conv1" not in text and "    conv1 (Conv2d)" not in cycle.modules_to_text(depth=1)
     header, first = (line for line in text.splitlines() if line.startswith(("module ", "(root)")))
-    assert header.split()[1:] == ["self", "fwd", "total", "fwd", "self", "bwd", "total", "bwd", "calls/step"]
+    assert header.split()[1:] == ["self", "fwd", "total", "fwd", "self", "bwd", "total", "bwd", "calls/step",
+                                  "MB", "saved", "MB", "params", "MB", "grads", "MB", "optim"]  # (memory: test_memory)
     assert len(header) == len(first)  # the numbers sit under their column names
     events = read_events(tmp_path / "profiled" / "logs" / "version_0")
     (logged,) = events.Tensors("fxprof/modules/text_summary")

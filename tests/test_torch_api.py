@@ -55,6 +55,9 @@ def _run(remove: str, use: str, directory: str) -> dict:
     ("del torch._C._current_graph_task_id", "torch._C:_current_graph_task_id",
      "cannot tell a recompute inside backward from a forward call: it has no torch._C._current_graph_task_id; "
      "recomputes in backward count as forward"),
+    ("del torch._C._autograd.SavedTensor.data", "torch._C._autograd:SavedTensor.data",
+     "cannot read the bytes saved for backward: it has no torch._C._autograd.SavedTensor.data or .unpack_hook (2.11+), "
+     "and unpacking would run saved_tensors_hooks; no saved bytes"),
 ])
 def test_a_torch_without_a_name_imports_profiles_and_warns_once(tmp_path, remove, path, warning):
     """The package imports, the name is in ``MISSING``, and a profiled loop that needs it runs with the Dynamo

@@ -27,6 +27,7 @@ from fxprof_lightning.capture.fsdp_rows import FsdpRows
 from fxprof_lightning.capture.graph_breaks import break_row
 from fxprof_lightning.capture.row_names import _Anchor, _anchor, _frame_of, _names_moved, _Owners, annotate_rows
 from fxprof_lightning.nodes import JOINS, ROW, is_timed, node_info
+from fxprof_lightning.timing.autograd_walk import sequence_nr_now
 from fxprof_lightning.timing.flops import NodeCosts, count_costs
 from fxprof_lightning.timing.node_timing import NodeTimer
 
@@ -136,7 +137,7 @@ class DynamoGraphs(NodeTimer):
         """A call through the captured graphs of ``state`` (``EntryGuards.check``); where a guard fails, that code runs
         eagerly (untimed: fewer graph calls than that state's) and the next call captures again. A call that fits
         every guard, and was not just captured, ends a streak of misses. Wall time from ``entered`` (guards asked)."""
-        before, start, self._gap = self.calls, time.perf_counter_ns(), None
+        before, start, self._gap, first = self.calls, time.perf_counter_ns(), None, sequence_nr_now()
         if self._trace_ranges:
             self.call_starts.append(start)
         if self._fsdp is not None:
@@ -156,6 +157,7 @@ class DynamoGraphs(NodeTimer):
             self._streak = self._streak if after_capture else 0
             if not self._cuda:  # the call whole, for the time between the rows (``CycleReport.unowned``)
                 self.forward_walls_ns.append(time.perf_counter_ns() - (entered or start))
+            self._read_saved(out, first)
         return out
 
     def _instrument(self, traced: fx.GraphModule, annotate: bool, hooked: bool) -> fx.GraphModule:

@@ -92,13 +92,13 @@ class Timers:
 
     def __init__(self, warn: Callable[[str], None]) -> None:
         self.warn = warn
-        self.capture, self.backward, self.ranges = "dynamo", True, False
+        self.capture, self.backward, self.ranges, self.memory = "dynamo", True, False, True
         self.compiled: CompiledKernels | None = None  # a compiled module: the Inductor settings its kernels need
         self._kernels: CompiledKernels | None = None  # kept for the process: graphs compiled in earlier runs
         self._timers: dict[bool, tuple[Timer, Capture]] = {}
         self._told_missing = False  # the user was told that this torch cannot capture with Dynamo
 
-    def start(self, capture: str, backward: bool, ranges: bool, compiled: bool) -> None:
+    def start(self, capture: str, backward: bool, ranges: bool, compiled: bool, memory: bool = True) -> None:
         """A new run: forget every capture.
 
         Args:
@@ -107,10 +107,11 @@ class Timers:
             ranges: timers keep what writes a range per node into the trace (module hooks open a range per call).
             compiled: the module is torch.compile'd: its kernels are followed from before its first call (the
                 kernels of graphs an earlier run compiled are remembered).
+            memory: timers read what autograd saves for backward per row (``saved_memory``), once per cycle.
         """
         check_capture(capture)
         self.stop()
-        self.capture, self.backward, self.ranges = capture, backward, ranges
+        self.capture, self.backward, self.ranges, self.memory = capture, backward, ranges, memory
         self._timers, self._told_missing = {}, False
         if compiled:
             self._kernels = self._kernels or CompiledKernels()
@@ -165,6 +166,7 @@ class Timers:
         # forward of each torch.nn layer that frame calls (the sharded blocks' own forwards are captured anyway).
         timer = DynamoTimer(module.training, backward=self.backward, device=device, trace_ranges=self.ranges,
                             on_refused=functools.partial(self._refused, module, module.training), sharded=sharded)
+        timer.measure_memory = self.memory
         return timer, Capture("dynamo", error=DYNAMO)
 
     def _hook_timer(self, module: nn.Module) -> ModuleHookTimer:

@@ -22,6 +22,7 @@ from fxprof_lightning.engine.stage import Stage
 from fxprof_lightning.engine.statistics import merge_ranks
 from fxprof_lightning.nodes import NodeInfo
 from fxprof_lightning.report import CycleReport, NodeStats
+from fxprof_lightning.timing.state_memory import OptimizerWatch, with_state_bytes
 from fxprof_lightning.timing.torch_trace import CycleTrace
 
 if TYPE_CHECKING:
@@ -45,6 +46,8 @@ def open_cycle(engine: Engine, stage: Stage, other: Stage) -> Cycle:
     trace = _trace_for(engine, stage, other, index, directory, timer)
     stage.opened(engine.follow, engine.schedule, index, directory)
     cycle = Cycle(index, directory, trace, timer, how, target.training)
+    if engine.settings.memory and stage.name == "train":
+        cycle.optimizers = OptimizerWatch()
     if trace is not None:
         trace.node_ranges = functools.partial(cycle.node_ranges, functools.partial(_type_name, target))
     return cycle
@@ -77,11 +80,15 @@ def close_cycle(engine: Engine, stage: Stage, gather: bool, tracked: list[str] |
     if nothing is not None:
         engine.warn(nothing)
     if not cycle.recorded:
+        cycle.stepped_optimizers()
         stage.drop(cycle)
         return
     report = cycle.report(stage.name, nodes or [], ranges, max(ranks, 1), partial=cycle.cut_short(recorded + len(extra)),
                           type_name=functools.partial(_type_name, target))
     report.trigger = trigger.text() if trigger is not None else "schedule"
+    optimizers = cycle.stepped_optimizers()
+    if engine.settings.memory and report.modules and target is not None:
+        report.modules = with_state_bytes(report.modules, target, optimizers if stage.name == "train" else None)
     if report.nodes and engine.rank == 0:
         engine._safely("analysing a cycle", _analyse, engine, stage, report, tracked)
         display = engine.display()

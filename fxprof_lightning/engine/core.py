@@ -137,7 +137,7 @@ class Engine(HoldsSettings):
         # A compiled module's kernels are followed from before its first call (per-layer times from the trace).
         settings = self.settings
         self.timers.start(settings.capture, settings.backward_timing, settings.torch_profiler and settings.node_ranges,
-                          compiled)
+                          compiled, settings.memory)
         taken = sorted(p.name for p in self.dirpath.glob("*cycle_*")) if self.rank == 0 and self.dirpath.is_dir() else []
         self._taken = set(broadcast(taken))
         self.follow = Follow(self.settings.watch_step_time, self.rank, self.world_size, self.settings.overhead_budget)

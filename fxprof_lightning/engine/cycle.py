@@ -30,6 +30,7 @@ from fxprof_lightning.timing.autograd_walk import sequence_nr_now
 from fxprof_lightning.timing.gpu_trace import node_device_times
 from fxprof_lightning.timing.gpu_trace import summary as device_summary
 from fxprof_lightning.timing.node_timing import BackwardEvents
+from fxprof_lightning.timing.state_memory import OptimizerWatch
 from fxprof_lightning.timing.torch_trace import CycleTrace, ModuleCalls
 
 __all__ = ["Cycle"]
@@ -70,6 +71,8 @@ class Cycle:
     nodes: list[NodeInfo] = field(default_factory=list)  # the timer's rows (``measure``)
     dropped: dict[int, str] = field(default_factory=dict)  # recorded steps not counted (a capture ran in them), why
     captures_before: int = 0  # the timer's captures before the cycle (``capture_s``: those since)
+    optimizers: OptimizerWatch | None = None  # notes the optimizers that step while the cycle is open (memory)
+    memory_note: str | None = None  # why some nodes have no saved bytes (``measure``)
     _step_mark: Any = None  # where the recorded step in progress began (``_StepMark``)
     _dropped_sequences: list[tuple[int, int]] = field(default_factory=list)  # their autograd sequence numbers
 
@@ -226,8 +229,9 @@ class Cycle:
         if device is not None:  # a GPU model: device time per node call from the trace's kernels
             forward, backward, spans, idle = node_device_times([info.name for info in collected.nodes], device)
             self.device = device_summary(device)
+        self.memory_note = collected.saved_unknown
         nodes = summarize_nodes(collected.nodes, forward, backward, collected.costs, collected.mem_delta,
-                                collected.mem_peak)
+                                collected.mem_peak, collected.saved)
         if traits.uses_backward_events and self.backward != HOOKS:
             self.backward_outside_ns = collected.backward_outside_ns
         if device is None:
@@ -248,7 +252,7 @@ class Cycle:
                              step_ms=self.step_ms, step_cpu_ms=self.step_cpu_ms, step_wait_ms=self.step_wait_ms, device=self.device,
                              phases=_mean_phases(self.phases),
                              batch_size=round(statistics.mean(self.batch_sizes)) if self.batch_sizes else None,
-                             dropped_steps=dict(self.dropped), capture_s=self.capture_s)
+                             dropped_steps=dict(self.dropped), capture_s=self.capture_s, memory_note=self.memory_note)
         report.ranges = summarize_ranges(ranges, len(self.recorded) + len(self.dropped))  # (the trace holds them all)
         if self.backward_wall_ns:
             report.backward_wall_ms = sum(self.backward_wall_ns) / len(self.backward_wall_ns) / 1e6
@@ -262,6 +266,11 @@ class Cycle:
             report.modules = summarize_modules(self.nodes, report.nodes, len(self.recorded), type_name)
         report.nodes = _labelled(report.nodes, type_name)
         return report
+
+    def stepped_optimizers(self) -> list[Any] | None:
+        """The optimizers that stepped while the cycle was open, the watch removed (None where none was kept)."""
+        watch, self.optimizers = self.optimizers, None
+        return watch.close() if watch is not None else None
 
     def described_capture(self) -> Capture | None:
         """The report's own copy of how the module was captured."""
@@ -279,6 +288,7 @@ class Cycle:
 
     def abandon(self, module: nn.Module) -> None:
         """Profiling failed: remove the timer, stop the profiler sessions (no report)."""
+        self.stepped_optimizers()
         if self.timer is not None:
             self.timer.uninstall(module)
         if self.backward_events is not None:

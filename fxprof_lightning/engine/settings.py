@@ -51,6 +51,7 @@ class Settings:
     capture: str = "dynamo"
     watch_step_time: bool = True
     overhead_budget: float | None = None
+    memory: bool = True
 
     @classmethod
     def of(cls, owner: str, options: dict[str, Any]) -> Settings:

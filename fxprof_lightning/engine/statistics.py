@@ -52,11 +52,13 @@ def summarize_nodes(
     costs: Any = None,
     mem_delta: list[list[int]] | None = None,
     mem_peak: list[list[int]] | None = None,
+    saved: list[float | None] | None = None,
 ) -> list[NodeStats]:
     """Statistics per node (nodes that never ran are left out; a node with backward time only, such as a checkpointed
     region's recompute, has no forward calls), slowest (forward + backward) first.
 
-    ``costs`` is a ``flops.NodeCosts`` for the same nodes, or None.
+    ``costs`` is a ``flops.NodeCosts`` for the same nodes, or None; ``saved`` the bytes each keeps for backward per
+    call (``saved_memory``), or None.
     """
     bwd = bwd or [[] for _ in nodes]
     fwd_grand = sum(sum(s) for s in fwd) or 1
@@ -82,6 +84,7 @@ def summarize_nodes(
                 mem_delta_bytes=statistics.fmean(mem_delta[i]) if mem_delta and mem_delta[i] else None,
                 mem_peak_bytes=statistics.fmean(mem_peak[i]) if mem_peak and mem_peak[i] else None,
                 slowest_rank_ms=mean, mad_ms=_mad(fwd[i]), bwd_mad_ms=_mad(bwd[i]), source=info.source,
+                saved_bytes=saved[i] if saved is not None and i < len(saved) else None,
             )
         )
     stats.sort(key=lambda s: s.total_ms + s.bwd_total_ms, reverse=True)
@@ -102,6 +105,7 @@ def summarize_modules(nodes: list[NodeInfo], stats: list[NodeStats], steps: int,
     total_fwd: dict[str, float] = {}
     total_bwd: dict[str, float] = {}
     hook_calls: dict[str, int] = {}
+    saved: dict[str, float] = {}
     forward_calls = max((s.calls for s in stats if s.op != "module"), default=0)
     for info in nodes:
         s = by_name.get(info.name)
@@ -113,6 +117,8 @@ def summarize_modules(nodes: list[NodeInfo], stats: list[NodeStats], steps: int,
         for path in dict.fromkeys(paths):
             total_fwd[path] = total_fwd.get(path, 0.0) + s.total_ms
             total_bwd[path] = total_bwd.get(path, 0.0) + s.bwd_total_ms
+            if s.saved_bytes is not None:  # (a module none of whose nodes' is known has none)
+                saved[path] = saved.get(path, 0.0) + s.saved_bytes * s.calls
         own = paths[-1]
         self_fwd[own] = self_fwd.get(own, 0.0) + s.total_ms
         self_bwd[own] = self_bwd.get(own, 0.0) + s.bwd_total_ms
@@ -127,6 +133,7 @@ def summarize_modules(nodes: list[NodeInfo], stats: list[NodeStats], steps: int,
                 calls_per_step=calls / steps,
                 self_fwd_ms=self_fwd.get(path, 0.0) / steps, total_fwd_ms=total_fwd[path] / steps,
                 self_bwd_ms=self_bwd.get(path, 0.0) / steps, total_bwd_ms=total_bwd[path] / steps,
+                saved_bytes_per_step=saved[path] / steps if path in saved else None,
             )
         )
     return modules

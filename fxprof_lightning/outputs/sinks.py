@@ -104,7 +104,8 @@ def tag_prefix(report: CycleReport) -> str:
 
 
 def cycle_scalars(report: CycleReport) -> dict[str, float]:
-    """The cycle's scalars: totals per step, trust figures, regressions, and the tracked nodes' ms per call.
+    """The cycle's scalars: totals per step, trust figures, regressions, and the tracked nodes' ms (and MB saved for
+    backward) per call.
 
     The tracked nodes (``CycleReport.tracked``) are the first cycle's slowest, and each later cycle's slowest joins
     them: a series has a point in every cycle from the one its node joined in.
@@ -129,6 +130,8 @@ def cycle_scalars(report: CycleReport) -> dict[str, float]:
         metrics[f"{prefix}_nodes/{tag}/forward_ms_per_call"] = n.mean_ms
         if n.bwd_calls:
             metrics[f"{prefix}_nodes/{tag}/backward_ms_per_call"] = n.bwd_mean_ms
+        if n.saved_bytes is not None:  # (memory measured: docs/memory.md)
+            metrics[f"{prefix}_nodes/{tag}/saved_mb_per_call"] = n.saved_bytes / 1e6
     return metrics
 
 

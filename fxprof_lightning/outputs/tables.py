@@ -12,7 +12,7 @@ from dataclasses import asdict, fields
 from fxprof_lightning.analysis.trust import cpu_per_wall, step_spread, waited_share
 from fxprof_lightning.report import CycleReport, ModuleStats, NodeStats, RangeStats
 
-__all__ = ["markdown", "modules_csv", "modules_text", "nodes_csv", "ranges_csv", "step_csv"]
+__all__ = ["markdown", "memory_line", "modules_csv", "modules_text", "nodes_csv", "ranges_csv", "step_csv"]
 
 
 def markdown(report: CycleReport, top_k: int | None = None) -> str:
@@ -47,19 +47,22 @@ def markdown(report: CycleReport, top_k: int | None = None) -> str:
     if report.dropped_steps or report.capture_s:
         header += f". Left out of the numbers: {report.dropped_text()}"
     grand = sum(n.total_ms + n.bwd_total_ms for n in report.nodes) or 1.0
+    memory = any(n.saved_bytes is not None for n in report.nodes)
     lines = [
         header,
         "",
         "| layer | op | fwd ms/call | bwd ms/call | fwd+bwd ms/step | % of fwd+bwd | calls/step "
-        "| fwd GFLOP/s | % of peak | bound | node |" + (" slowest rank fwd ms/call | slowest rank |" if straggler else ""),
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|" + ("---:|---:|" if straggler else ""),
+        "| fwd GFLOP/s | % of peak | bound | node |" + (" MB saved/step |" if memory else "")
+        + (" slowest rank fwd ms/call | slowest rank |" if straggler else ""),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|" + ("---:|" if memory else "")
+        + ("---:|---:|" if straggler else ""),
     ]
-    for n in shown:  # (the node's name last: the key of its scalar series, and of the CSV's rows)
+    for n in shown:  # (the node's name: the key of its scalar series, and of the CSV's rows)
         row = (
             f"| {_md(n.layer or n.name)} | {n.op.removeprefix('call_')} | {n.mean_ms:.3f} | {n.bwd_mean_ms:.3f} "
             f"| {(n.total_ms + n.bwd_total_ms) / steps:.3f} | {100 * (n.total_ms + n.bwd_total_ms) / grand:.1f} "
             f"| {n.calls / steps:g} | {_num(n.fwd_gflops_per_s, '.1f')} | {_num(n.pct_of_peak, '.0f')} | {n.bound} "
-            f"| {_md(n.name)} |"
+            f"| {_md(n.name)} |" + (f" {_mb(n.saved_bytes, n.calls / steps)} |" if memory else "")
         )
         if straggler:
             row += f" {n.slowest_rank_ms:.3f} | {n.slowest_rank} |"
@@ -67,6 +70,9 @@ def markdown(report: CycleReport, top_k: int | None = None) -> str:
     if len(shown) < len(report.nodes):
         lines.append(f"\n{len(report.nodes) - len(shown)} faster nodes not shown (the CSV has every node, with its target).")
     lines.append("")
+    held = memory_line(report)
+    if held:
+        lines += [held, ""]
     unowned = report.unowned()
     if unowned:
         measured = [f"{side} {wall:.3f} ms" for side, wall in (("forward", report.forward_wall_ms),
@@ -115,14 +121,43 @@ def modules_text(report: CycleReport, depth: int | None = None) -> str:
     shown = [m for m in report.modules if depth is None or m.depth <= depth]
     rows = [(("  " * m.depth) + (m.path.rsplit(".", 1)[-1] or "(root)") + f" ({m.type_name})", m) for m in shown]
     width = max((len(label) for label, _ in rows), default=10)
-    lines = ["Module tree, ms per step (self: the module's own nodes; total: with its submodules):", "",
-             "```", f"{'module':<{width}}  self fwd  total fwd   self bwd  total bwd  calls/step"]
+    memory = any(m.saved_bytes_per_step is not None or m.param_bytes is not None for m in shown)
+    title = "Module tree, ms per step (self: the module's own nodes; total: with its submodules)"
+    title += "; MB with its submodules: saved for backward per step, parameters, gradients, optimizer state:" if memory else ":"
+    lines = [title, "", "```", f"{'module':<{width}}  self fwd  total fwd   self bwd  total bwd  calls/step"
+             + ("  MB saved  MB params  MB grads  MB optim" if memory else "")]
     for label, m in rows:
         lines.append(
             f"{label:<{width}}  {m.self_fwd_ms:8.3f}  {m.total_fwd_ms:9.3f}  {m.self_bwd_ms:9.3f}  {m.total_bwd_ms:9.3f}  {m.calls_per_step:10g}"
+            + (f"  {_mb(m.saved_bytes_per_step):>8}  {_mb(m.param_bytes):>9}  {_mb(m.grad_bytes):>8}  {_mb(m.optimizer_bytes):>8}"
+               if memory else "")
         )
     lines.append("```")
     return "\n".join(lines)
+
+
+def memory_line(report: CycleReport, top: int = 5) -> str:
+    """What the step holds at the end of its forward, by layer: the bytes autograd keeps for backward (all still held
+    then: the forward's peak of saved activations), the layers that hold most, and the model's parameters, gradients
+    and optimizer state ('' where memory was not measured)."""
+    steps = max(len(report.steps), 1)
+    saved = [(n, n.saved_bytes * n.calls / steps) for n in report.nodes if n.saved_bytes is not None]
+    if not saved:
+        return f"Saved for backward: unknown ({report.memory_note})." if report.memory_note else ""
+    total = sum(b for _, b in saved)
+    unknown = sum(1 for n in report.nodes if n.saved_bytes is None and n.calls)
+    text = f"Held at the end of the forward: {total / 1e6:.3f} MB saved for backward per step"
+    largest = [(n, b) for n, b in sorted(saved, key=lambda item: -item[1])[:top] if b > 0]
+    if largest and total:
+        text += " (" + ", ".join(f"{_md(n.layer or n.name)} {100 * b / total:.0f}%" for n, b in largest) + ")"
+    if unknown:
+        text += f", {unknown} node{'s' * (unknown > 1)} unknown" + (f" ({report.memory_note})" if report.memory_note else "")
+    root = next((m for m in report.modules if m.path == "" and m.param_bytes is not None), None)
+    if root is not None:
+        text += f"; parameters {root.param_bytes / 1e6:.3f} MB, gradients {root.grad_bytes / 1e6:.3f} MB"
+        if root.optimizer_bytes is not None:
+            text += f", optimizer state {root.optimizer_bytes / 1e6:.3f} MB"
+    return text + "."
 
 
 def nodes_csv(report: CycleReport) -> str:
@@ -163,6 +198,11 @@ def _csv(record_type: type, records: list) -> str:
     for record in records:
         writer.writerow({k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(record).items()})
     return buffer.getvalue()
+
+
+def _mb(value: float | None, times: float = 1.0) -> str:
+    """Bytes (times ``times``) as MB with three decimals; '' for None."""
+    return "" if value is None else f"{value * times / 1e6:.3f}"
 
 
 def _num(value: float | None, spec: str) -> str:

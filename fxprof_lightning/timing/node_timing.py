@@ -54,6 +54,7 @@ from fxprof_lightning.timing.instrument import _GraphLog, instrument
 from fxprof_lightning.timing.quiet import quiet_kineto
 from fxprof_lightning.timing.readings import Readings
 from fxprof_lightning.timing.samples import NodeSamples
+from fxprof_lightning.timing.saved_memory import SavedBytes, SavedReader
 
 if TYPE_CHECKING:
     from fxprof_lightning.nodes import Capture
@@ -137,7 +138,7 @@ class Uninterrupted(Readings):
         pass
 
 
-class NodeTimer(NodeSamples, Readings):
+class NodeTimer(NodeSamples, SavedReader, Readings):
     """An instrumented copy of a traced module that records each node's forward and backward time.
 
     After ``reset()``: ``fwd[i]`` holds one forward duration in nanoseconds per execution of
@@ -207,6 +208,8 @@ class NodeTimer(NodeSamples, Readings):
         self._in_pass = False  # an engine callback will mark the end of the running backward pass
         self._first_of_call = False  # no node of the running forward call has created autograd nodes yet
         self._traced, self._annotate = traced, annotate
+        self._hooks_now = False  # the installed forward times backward with hooks (no sequence ranges are logged)
+        self._saved: SavedBytes | None = None  # what the cycle's first measured forward call keeps for backward
         self._trace_ranges = trace_ranges and not self._cuda
         self._saved_forward: dict[int, Any] = {}
         self._root: nn.Module | None = None  # the module installed on (for its own parameters and buffers)
@@ -306,7 +309,7 @@ class NodeTimer(NodeSamples, Readings):
         if backward_hooks and self._hooked_graph_module is None:
             self._hooked_graph_module = self._instrument(self._traced, self._annotate, hooked=True)
         self._saved_forward[id(module)] = module.__dict__.get("forward")
-        self._root = module
+        self._root, self._hooks_now = module, backward_hooks
         own_forward, graph_forward = module.forward, (self._hooked_graph_module if backward_hooks else self.graph_module).forward
         training = self._traced.training
 
@@ -317,11 +320,12 @@ class NodeTimer(NodeSamples, Readings):
                 return own_forward(*args, **kwargs)
             if self._cuda:
                 return graph_forward(*args, **kwargs)
-            start = time.perf_counter_ns()
+            start, first = time.perf_counter_ns(), sequence_nr_now()
             if self._trace_ranges:
                 self.call_starts.append(start)
             out = graph_forward(*args, **kwargs)
             self.forward_walls_ns.append(time.perf_counter_ns() - start)
+            self._read_saved(out, first)
             return out
 
         module.forward = forward

@@ -1,0 +1,136 @@
+"""The bytes autograd keeps for backward, per row: read after a timed forward call from the autograd nodes each row
+created (found by sequence number, as backward times are), without unpacking anything (``torch_api.saved_tensors``).
+
+Each storage counts once, for the first row (in the order the forward ran) whose autograd nodes saved it: a view of a
+saved tensor, or a tensor two rows save (a layer's output that the next layer saves as its input), is not counted
+twice. A parameter or buffer that an op saves (a ``Linear`` saves its weight) is counted as a parameter, never as an
+activation. A non-reentrant checkpointed region's ops save placeholders (nothing); its inputs, which it keeps for the
+recompute, count for the first row of the region. Where a ``saved_tensors_hooks`` of the user's packed what a row
+saved, that row's bytes are unknown (None), and the report says why (``CycleReport.memory_note``).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxprof_lightning import torch_api
+from fxprof_lightning.timing.autograd_walk import autograd_nodes, tensors_in
+
+__all__ = ["SavedBytes", "SavedReader", "read_saved_bytes", "storage_key"]
+
+HOOKED = "a saved_tensors_hooks of yours packs what the layers save (CPU offload, compression...): what it keeps is its own"
+
+
+@dataclass
+class SavedBytes:
+    """What one forward call's autograd graph keeps for backward: per row, the bytes of the activations it saved
+    (summed over the row's calls in that forward call) and how many calls; the rows whose bytes are unknown and why;
+    and the bytes of parameters and buffers that ops saved (counted as parameters)."""
+
+    rows: dict[int, int] = field(default_factory=dict)
+    calls: dict[int, int] = field(default_factory=dict)
+    unknown: set[int] = field(default_factory=set)
+    why: str | None = None
+    parameter_bytes: int = 0
+    known: int = 0  # rows that existed when they were read (a row made later is unknown)
+
+    def per_call(self, row: int) -> float | None:
+        """Bytes the row's autograd nodes keep per call of the row (0 for a row that created none; None: unknown)."""
+        if row in self.unknown or row >= self.known:
+            return None
+        return self.rows.get(row, 0) / max(self.calls.get(row, 1), 1)
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[str, int, int] | None:
+    """The storage a tensor's data lives in (device, address, bytes), or None for one with no storage of its own to
+    count (empty, meta, a tensor subclass without one)."""
+    try:
+        storage = tensor.untyped_storage()
+        address, size = storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return (str(tensor.device), address, size) if address and size else None
+
+
+def _state_storages(module: nn.Module | None) -> set[tuple[str, int, int]]:
+    tensors: Iterable[torch.Tensor] = (*module.parameters(), *module.buffers()) if module is not None else ()
+    return {key for key in map(storage_key, tensors) if key is not None}
+
+
+def read_saved_bytes(output: Any, first: int, end: int, firsts: list[int], ends: list[int], owners: list[int],
+                     module: nn.Module | None, rows: int) -> SavedBytes:
+    """The saved bytes per row of the forward call that made the autograd nodes ``[first, end)`` and returned
+    ``output``: the nodes its output reaches, each given to the row whose call created it (``firsts``/``ends``/
+    ``owners``: the node calls' sequence ranges and rows, in order); ``module``'s parameters and buffers are not
+    activations; ``rows``: how many rows there are now."""
+    found = SavedBytes(known=rows)
+    if not torch_api.READS_SAVED_TENSORS:
+        torch_api.degraded("read the bytes saved for backward", "it has no torch._C._autograd.SavedTensor.data or "
+                           ".unpack_hook (2.11+), and unpacking would run saved_tensors_hooks; no saved bytes")
+        found.known = 0  # (every row unknown)
+        return found
+    start = bisect.bisect_left(firsts, first)
+    for owner in owners[start:]:
+        found.calls[owner] = found.calls.get(owner, 0) + 1
+    parameters = _state_storages(module)
+    seen: set[tuple[str, int, int]] = set()
+    frames: set[int] = set()  # checkpointed regions whose inputs are counted
+    roots = [t.grad_fn for t in tensors_in(output)]
+    for node in sorted(autograd_nodes(roots, first, end), key=lambda fn: fn._sequence_nr()):
+        i = bisect.bisect_right(firsts, node._sequence_nr()) - 1
+        if i < start or node._sequence_nr() >= ends[i]:
+            continue  # made between the rows (no row owns it)
+        row = owners[i]
+        kept = []
+        for stored, hook in torch_api.saved_tensors(node):
+            if hook is None:
+                kept.append(stored)
+                continue
+            region = torch_api.checkpoint_inputs(hook)
+            if region is None:
+                found.unknown.add(row)
+                found.why = HOOKED
+            elif id(region[0]) not in frames:
+                frames.add(id(region[0]))
+                kept += region[1]
+        for tensor in kept:
+            key = storage_key(tensor) if isinstance(tensor, torch.Tensor) else None
+            if key is None or key in seen:
+                continue
+            seen.add(key)
+            if key in parameters:
+                found.parameter_bytes += key[2]
+            else:
+                found.rows[row] = found.rows.get(row, 0) + key[2]
+    return found
+
+
+class SavedReader:
+    """``NodeTimer``'s reading of the saved bytes (its members: ``_saved``, the sequence ranges)."""
+
+    measure_memory = False  # read what autograd saves for backward, once per cycle (``Timers`` sets it)
+
+    def _read_saved(self, output: Any, first: int) -> None:
+        """After a timed forward call (CPU, sequence ranges logged) that made autograd nodes from ``first`` on: the bytes
+        each row's autograd nodes keep for backward, read at the first such call of each cycle (the warm-up's where
+        there is one: no recorded step pays for it)."""
+        if (not self.measure_memory or self._saved is not None or self._cuda or self._hooks_now or not self._backward
+                or not torch.is_grad_enabled()):
+            return
+        self._fold()
+        self._saved = read_saved_bytes(output, first, torch_api.sequence_nr_now(), self._firsts, self._ends,
+                                       self._owners, self._root, len(self.nodes))
+
+    def saved_memory(self) -> tuple[list[float | None] | None, str | None]:
+        """Per row, the bytes its autograd nodes keep for backward per call (None: unknown), and why some are unknown;
+        (None, None) where nothing was read. The next forward call reads them again (the next cycle)."""
+        saved, self._saved = self._saved, None
+        if saved is None:
+            return None, None
+        return [saved.per_call(row) for row in range(len(self.nodes))], saved.why
