@@ -364,7 +364,7 @@ def test_a_slowdown_stays_flagged_while_it_lasts_and_no_longer():
     assert all([r.node for r in v.regressions] == ["n9"] for v in verdicts[5:9]), [v.regressions for v in verdicts]
     assert all(v.regressions == v.unconfirmed == [] for v in verdicts[9:])
     helper = node("helper (train.py:9)", 3.0, bwd=None)
-    grown = [t + [helper] if i >= 4 else t for i, t in enumerate(steady_tables(9))]
+    grown = [[*t, helper] if i >= 4 else t for i, t in enumerate(steady_tables(9))]
     verdicts = watched(grown, [[10.0, 10.1, 10.0]] * 4 + [[13.0, 13.1, 13.0]] * 5)
     assert all([(r.node, r.ratio) for r in v.regressions + v.unconfirmed] == [(helper.name, math.inf)]
                for v in verdicts[4:]), [(v.regressions, v.unconfirmed) for v in verdicts[4:]]
