@@ -158,7 +158,12 @@ class ModuleStats:
     with its submodules (None where not measured): ``saved_bytes_per_step`` autograd keeps for backward per step (its nodes'),
     and the bytes of its parameters, of their gradients (one per trainable parameter, of its size: what they take
     once backward made them) and of the optimizer's state for them (``optimizer_bytes``: SGD's momentum, Adam's
-    moments)."""
+    moments).
+
+    What a checkpoint of the module would keep (``analysis.memory_plan``), per call, None where unknown: ``input_bytes``
+    its input (the output of the row that ran just before its first row), ``input_held`` whether that row saved it for
+    its own backward (it is then held whether or not the module is checkpointed); ``output_bytes`` the output of its
+    last row, ``output_held`` whether that row saved it (checkpointed, the row after it that saves it holds it)."""
 
     path: str
     type_name: str
@@ -172,6 +177,10 @@ class ModuleStats:
     param_bytes: int | None = None
     grad_bytes: int | None = None
     optimizer_bytes: int | None = None
+    input_bytes: float | None = None
+    input_held: bool = False
+    output_bytes: float | None = None
+    output_held: bool = False
 
 
 @dataclass(frozen=True)
@@ -243,6 +252,8 @@ class CycleReport:
             ``cycle.jsonl``).
         memory_note: why some nodes have no saved bytes (``NodeStats.saved_bytes`` None: a ``saved_tensors_hooks`` of
             the user's packed what they saved), or None.
+        checkpoint_plan: the blocks whose recomputation in backward saves most memory per millisecond, with the
+            predicted saving and cost (``memory_plan.CheckpointPlan``), or None where it does not pay (docs/memory.md).
         pictures: PNG images by tag (``fxprof/slowest_layers``...), rendered once for every sink that wants them
             and emptied when the sinks are done (the PNG files stay in ``directory``).
     """
@@ -279,6 +290,7 @@ class CycleReport:
     trigger: str = "schedule"
     cost_s: float | None = None
     memory_note: str | None = None
+    checkpoint_plan: Any = None
 
     @property
     def label(self) -> str:
@@ -330,6 +342,7 @@ class CycleReport:
             "batch_size": self.batch_size, "dropped_steps": {str(step): why for step, why in self.dropped_steps.items()},
             "capture_s": self.capture_s, "trigger": self.trigger,
             "dynamo_messages": list(getattr(self.capture, "dynamo_messages", None) or []),
+            "checkpoint_plan": asdict(self.checkpoint_plan) if self.checkpoint_plan is not None else None,
         }
 
     def dropped_text(self) -> str:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 from fxprof_lightning.report import NodeStats
 
-__all__ = ["Advice", "advise", "elementwise_share", "heavy_backward", "host_syncs", "low_peak", "memory_bound", "model_share", "overhead_bound",
+__all__ = ["Advice", "advise", "checkpointing", "elementwise_share", "heavy_backward", "host_syncs", "low_peak", "memory_bound", "model_share", "overhead_bound",
            "regressed", "slow_rank", "whole_step"]
 
 MIN_SHARE = 5.0  # % of the step's node time: smaller nodes are not worth advice
@@ -282,23 +283,36 @@ def regressed(regressions: list) -> list[Advice]:
         "data, another process on the machine); `fxprof compare` shows it against any earlier run.")) for r in regressions]
 
 
+def checkpointing(plan: Any) -> list[Advice]:
+    """Where saved activations are much of what the step holds: the checkpointing plan (``memory_plan``), weighed by
+    the share of the step's peak it saves (memory, not time: it ranks with the findings of a few % of step time)."""
+    if plan is None:
+        return []
+    share = 100 * plan.saved_bytes / plan.peak_bytes
+    return [Advice(share / 4, (
+        f"Saved activations are much of what the step holds at the end of its forward: {plan.text()}; wrap "
+        f"{'each of ' if len(plan.modules) > 1 else ''}`{plan.blocks}` in torch.utils.checkpoint.checkpoint(block, x, "
+        "use_reentrant=False) where memory is short (a larger batch or model then fits)."))]
+
+
 def advise(nodes: list[NodeStats], history: list[list[NodeStats]] = (), regressions: list = (), ranks: int = 1,
            top: int = 5, phases: dict[str, float] | None = None, host_reads: dict[str, str] | None = None,
-           on_cpu: bool = False) -> list[str]:
+           on_cpu: bool = False, plan: Any = None) -> list[str]:
     """The ``top`` findings (at most ``PER_RULE`` of each rule), most at stake first.
 
     ``history`` holds the node tables of the cycles so far (this one last), ``regressions`` this
     cycle's regressions, ``ranks`` how many ranks were merged, ``phases`` where the whole step went
     (``CycleReport.phases``): read first; a large share outside the model comes first, and advice about
     the model's nodes is given only when the model is what the step waits for (``MODEL_SHARE`` of it).
-    ``host_reads`` are the forward's host syncs (``Capture.host_reads``), ``on_cpu`` whether the run is on a CPU.
+    ``host_reads`` are the forward's host syncs (``Capture.host_reads``), ``on_cpu`` whether the run is on a CPU,
+    ``plan`` the cycle's checkpointing plan (``memory_plan.CheckpointPlan``) or None.
     """
     step = whole_step(phases or {}, nodes)
     share = model_share(phases or {})
     node_level = share is None or share >= MODEL_SHARE
     model = (host_syncs(host_reads or {}, on_cpu), low_peak(nodes), memory_bound(nodes), overhead_bound(nodes),
              heavy_backward(nodes), elementwise_share(nodes))
-    rules = (step, regressed(list(regressions)), *(model if node_level else ()), slow_rank(list(history), ranks))
+    rules = (step, regressed(list(regressions)), checkpointing(plan), *(model if node_level else ()), slow_rank(list(history), ranks))
     found = [a for items in rules for a in sorted(items, key=lambda a: a.weight, reverse=True)[:PER_RULE]]
     found.sort(key=lambda a: a.weight, reverse=True)
     return [a.text for a in found[:top]]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fxprof_lightning.analysis.advice import advise
+from fxprof_lightning.analysis.memory_plan import CheckpointPlan, checkpoint_plan
 from fxprof_lightning.analysis.regressions import RegressionWatch, step_rows
 from fxprof_lightning.analysis.roofline import Peaks, describe_peaks, raised_to, with_roofline
 from fxprof_lightning.report import CycleReport, NodeStats
@@ -29,6 +30,7 @@ class Analysis:
     regressions: list[Any]
     unconfirmed: list[Any]
     advice: list[str]
+    checkpoint_plan: CheckpointPlan | None
 
 
 @dataclass
@@ -61,9 +63,11 @@ class StageHistory:
         verdict = self.watch.check(nodes, report.step_ms, report.step_cpu_ms, report.partial, report.modules,
                                    step_rows(report), report.step_wait_ms)
         self.tables = [*self.tables, nodes][-HISTORY:]
+        step_ms = sum(report.step_ms) / len(report.step_ms) if report.step_ms else 0.0
+        plan = checkpoint_plan(report.modules, step_ms) if report.stage == "train" else None
         advice = advise(nodes, self.tables, verdict.regressions, report.ranks, phases=report.phases,
                         host_reads=getattr(report.capture, "host_reads", None),
-                        on_cpu=peaks is not None and peaks.device.startswith("cpu"))
+                        on_cpu=peaks is not None and peaks.device.startswith("cpu"), plan=plan)
         analysis = Analysis(nodes, list(self.tracked), described, verdict.distortion, verdict.regressions,
-                            verdict.unconfirmed, advice)
+                            verdict.unconfirmed, advice, plan)
         return analysis, peaks

@@ -124,6 +124,7 @@ def summarize_modules(nodes: list[NodeInfo], stats: list[NodeStats], steps: int,
         self_bwd[own] = self_bwd.get(own, 0.0) + s.bwd_total_ms
         if s.op == "module":
             hook_calls[info.module_path] = s.calls
+    ends = _module_ends(nodes, by_name)
     modules = []
     for path in sorted(total_fwd, key=_tree_order):
         calls = hook_calls.get(path, len(invocations.get(path, ())) * forward_calls)
@@ -134,9 +135,35 @@ def summarize_modules(nodes: list[NodeInfo], stats: list[NodeStats], steps: int,
                 self_fwd_ms=self_fwd.get(path, 0.0) / steps, total_fwd_ms=total_fwd[path] / steps,
                 self_bwd_ms=self_bwd.get(path, 0.0) / steps, total_bwd_ms=total_bwd[path] / steps,
                 saved_bytes_per_step=saved[path] / steps if path in saved else None,
+                **ends.get(path, {}),
             )
         )
     return modules
+
+
+def _module_ends(nodes: list[NodeInfo], by_name: dict[str, NodeStats]) -> dict[str, dict[str, Any]]:
+    """Per module path, what a checkpoint of it would keep (``ModuleStats.input_bytes``...): its input, the output of
+    the row that ran (in graph order) just before its first row, and its output, that of its last row, each with
+    whether that row saved it for backward (its saved bytes at least its output's, as a ``ReLU`` saves its result)."""
+    rows = [by_name[info.name] for info in nodes if info.name in by_name and by_name[info.name].calls]
+    stacks = [info.module_stack for info in nodes if info.name in by_name and by_name[info.name].calls]
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, stack in enumerate(stacks):
+        for key in stack:
+            if "@" not in key:  # (a module's first call)
+                first.setdefault(key, i)
+                last[key] = i
+    ends: dict[str, dict[str, Any]] = {}
+    for path, i in first.items():
+        before, end = rows[i - 1] if i > 0 else None, rows[last[path]]
+        ends[path] = {"input_bytes": before.out_bytes if before is not None else None, "input_held": _keeps_output(before),
+                      "output_bytes": end.out_bytes, "output_held": _keeps_output(end)}
+    return ends
+
+
+def _keeps_output(row: NodeStats | None) -> bool:
+    return bool(row is not None and row.out_bytes and row.saved_bytes is not None and row.saved_bytes >= row.out_bytes)
 
 
 def _tree_order(path: str) -> tuple:

@@ -73,6 +73,9 @@ def markdown(report: CycleReport, top_k: int | None = None) -> str:
     held = memory_line(report)
     if held:
         lines += [held, ""]
+    if report.checkpoint_plan is not None:
+        lines += [f"Checkpointing plan (predicted from the saved bytes and forward times): {report.checkpoint_plan.text()}.",
+                  ""]
     unowned = report.unowned()
     if unowned:
         measured = [f"{side} {wall:.3f} ms" for side, wall in (("forward", report.forward_wall_ms),
