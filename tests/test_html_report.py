@@ -52,7 +52,7 @@ except ImportError:
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SCREENSHOTS = Path(os.environ.get("FXPROF_SCREENSHOTS", Path(tempfile.gettempdir()) / "fxprof_browser"))
-SECTIONS = ["step", "slowest", "cycles", "modules", "trend", "regressions", "advice", "traces"]
+SECTIONS = ["step", "slowest", "cycles", "modules", "memory", "trend", "regressions", "advice", "traces"]
 OPTIONS = {"k": 4.0, "min_relative": 0.15}  # the command line's defaults
 pytestmark = pytest.mark.filterwarnings("ignore:.*look distorted by other load")  # a busy test machine
 
@@ -234,6 +234,20 @@ def test_page_shows_every_section_with_the_runs_numbers(trained, page_of_run):
     assert not page.tags & {"script", "link", "img", "iframe", "object"}
     assert "http://" not in html_text and "https://" not in html_text and "url(" not in html_text
     assert status in (0, 1)
+
+
+def test_memory_section_shows_the_layers_that_hold_most(trained, page_of_run):
+    out, _ = page_of_run
+    last = load_run(trained, stage="train")[-1]
+    steps = len(last.steps)
+    held = sorted(((n.layer, n.saved_bytes * n.calls / steps) for n in last.nodes if n.saved_bytes),
+                  key=lambda item: -item[1])
+    page = parse(out)
+    assert held and [row[1:3] for row in page.tables["memory"]] == [[layer, f"{b / 1e6:.3f}"]
+                                                                    for layer, b in held[:SLOWEST_ROWS]]
+    total = sum(n.saved_bytes * n.calls / steps for n in last.nodes if n.saved_bytes is not None)
+    assert f"Held at the end of the forward: {total / 1e6:.3f} MB saved for backward per step" in page.sections["memory"]
+    assert "parameters" in page.sections["memory"] and "optimizer state" in page.sections["memory"]
 
 
 def test_icicle_nests_each_module_inside_its_parent(trained, page_of_run):

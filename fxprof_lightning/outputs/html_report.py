@@ -93,6 +93,7 @@ def render(cycles: Sequence[CycleReport], found: dict[int, Verdict], *, run: str
         ("slowest", "Slowest layers", f"Slowest layers of cycle {now.index}", _slowest(now)),
         ("cycles", "Cycles", "Cycles", _cycles(shown, found, len(cycles))),
         ("modules", "Module tree", f"Module tree of cycle {now.index}", _icicle(now)),
+        ("memory", "Memory", f"Memory of cycle {now.index}", _memory(now)),
         ("trend", "Trend", "Over the cycles", _trend(shown, found, layers)),
         ("regressions", "Regressions", "Regressions", _regressions(cycles, found, options)),
         ("advice", "Advice", f"Advice stored with cycle {now.index}", _advice(now)),
@@ -176,6 +177,29 @@ def _slowest(cycle: CycleReport) -> str:
     return (f"<p>ms per call are means over the cycle's calls (the trend below: medians); share: of the cycle's summed node time (forward "
             f"{ms_text(cycle.forward_ms_per_step)} + backward {ms_text(cycle.backward_ms_per_step)} ms per step).</p>\n"
             + _table(head, rows, "slowest", numeric=(0, 4, 5, 6, 7)) + tail)
+
+
+def _memory(cycle: CycleReport) -> str:
+    """The layers that hold the most at the end of the forward (saved for backward, MB per step, with a bar), what
+    else the step holds (parameters, gradients, optimizer state) and the checkpointing plan (docs/memory.md)."""
+    steps = max(len(cycle.steps), 1)
+    held = sorted(((n, n.saved_bytes * n.calls / steps) for n in cycle.nodes if n.saved_bytes is not None),
+                  key=lambda item: -item[1])
+    total = sum(b for _, b in held)
+    if not total:
+        why = f" ({cycle.memory_note})" if cycle.memory_note else " (memory=False, validation, or no backward timing)"
+        return f'<p class="note">No saved bytes in cycle {cycle.index}{_e(why)}.</p>'
+    root = next((m for m in cycle.modules if m.path == ""), None)
+    state = [(what, value) for what, value in (("parameters", root and root.param_bytes), ("gradients", root and root.grad_bytes),
+                                                ("optimizer state", root and root.optimizer_bytes)) if value is not None]
+    rows = [[str(rank), f"<code>{_e(n.layer or n.name)}</code>", f"{b / 1e6:.3f}", f"{100 * b / total:.1f}%",
+             f'<span class="share" style="width:{1.6 * 100 * b / total:.1f}px;background:{PALETTE[1]}"></span>']
+            for rank, (n, b) in enumerate(held[:SLOWEST_ROWS], start=1) if b > 0]
+    plan = cycle.checkpoint_plan
+    return (f"<p>Held at the end of the forward: {total / 1e6:.3f} MB saved for backward per step"
+            + "".join(f", {what} {value / 1e6:.3f} MB" for what, value in state) + ".</p>\n"
+            + (f"<p>Checkpointing plan: {_e(plan.text())}.</p>\n" if plan is not None else "")
+            + _table(["#", "layer", "MB saved/step", "share", ""], rows, "memory", numeric=(0, 2, 3)))
 
 
 def _icicle(cycle: CycleReport, depth: int = ICICLE_DEPTH) -> str:

@@ -24,6 +24,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
+from fxprof_lightning.analysis.memory_plan import CheckpointPlan
 from fxprof_lightning.analysis.regressions import Regression
 from fxprof_lightning.layout import MODULES_FILE, NODES_FILE, RANGES_FILE, SUMMARY_FILES
 from fxprof_lightning.report import CycleReport, ModuleStats, NodeStats, RangeStats
@@ -133,6 +134,12 @@ def load_cycle(directory: str | os.PathLike) -> CycleReport:
                 value = {int(k): v for k, v in value.items()}
             setattr(report, name, value)
     report.regressions = [_regression(r, summary_path) for r in summary.get("regressions") or []]
+    plan = summary.get("checkpoint_plan")
+    if plan is not None:
+        try:
+            report.checkpoint_plan = CheckpointPlan(**{**plan, "modules": tuple(plan["modules"])})
+        except (TypeError, KeyError) as error:
+            raise RunError(f"{summary_path}: checkpoint_plan is not a plan ({error}): {plan!r}") from error
     return report
 
 
