@@ -14,7 +14,8 @@ takes every complete training cycle of A as the baseline and B's last complete t
 different batch sizes (``CycleReport.batch_size``).
 
 Exit status: 0 done, no confirmed regression; 1 confirmed regressions found (``compare``: a node of
-B slower than in A beyond the noise in B's cycle and in B's cycle before it, or every call 3x slower;
+B slower than in A beyond the noise in B's cycle and in B's cycle before it, or every call 3x slower, or a layer of B
+saving twice as much for backward, ``memory_growth``;
 ``report``: a cycle with a node slower than in the cycles before it, confirmed as the engine does,
 ``regressions.RegressionWatch``); 2 usage error or nothing to read (no cycle directory, an unreadable file), with a
 message on stderr.
@@ -30,6 +31,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from fxprof_lightning.analysis.memory_growth import growth_lines, saved_growth
 from fxprof_lightning.analysis.regressions import (
     CONFIRM_RATIO,
     DEFAULT_K,
@@ -78,7 +80,8 @@ EPILOG = """\
 exit status:
   0  done, no regression beyond the noise
   1  confirmed regressions found (compare: a node of B slower than in A beyond the noise
-     in B's cycle and the one before it, or every call 3x slower; report: a node slower
+     in B's cycle and the one before it, or every call 3x slower, or a layer of B that
+     saves 2x as much for backward as in A; report: a node slower
      than in the cycles before it, in two sound cycles running or beyond doubt in one)
   2  usage error, or nothing to read (no cycle directory with fx_nodes.csv, an unreadable file)
 
@@ -272,6 +275,8 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
                       f"({_index_list([c.index for c in baseline])}); baseline: the median of their per-call medians"),
              f"B: {now.directory}", f"   {describe(now)}", ""]
     lines += delta_table(deltas, top, confirmed)
+    grown, scaled = _saved_growth(baseline, now)
+    lines += ["", *growth_lines(grown, scaled)] if grown else []
     lines += ["", *totals_table(baseline, now)]
     whole = step_change([c.step_ms for c in baseline], now.step_ms, **options)
     whole_before = step_change([c.step_ms for c in baseline], earlier[0].step_ms, **options) if earlier else None
@@ -296,7 +301,15 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
     if unconfirmed:
         lines.append(_wrap(f"{unconfirmed} more slower in B's cycle {now.index} only (marked slower?): not confirmed by "
                            "B's cycle before it nor large enough to rule out noise (every call 3x slower); no regression."))
-    return "\n".join(lines), EXIT_REGRESSION if confirmed or whole_confirmed else EXIT_OK
+    return "\n".join(lines), EXIT_REGRESSION if confirmed or whole_confirmed or grown else EXIT_OK
+
+
+def _saved_growth(baseline: list[CycleReport], now: CycleReport) -> tuple[list, bool]:
+    """The rows of B that save much more for backward than in A (``memory_growth``), per sample where the batch sizes
+    differ, and whether they did."""
+    sizes = (now.batch_size, baseline[0].batch_size)
+    scale = sizes[0] / sizes[1] if all(sizes) and sizes[0] != sizes[1] else 1.0
+    return saved_growth([(c.nodes, len(c.steps)) for c in baseline], now.nodes, len(now.steps), scale), scale != 1.0
 
 
 def step_lines(whole: Delta | None, confirmed: bool, deltas: list[Delta], baseline: list[CycleReport],

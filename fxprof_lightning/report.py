@@ -177,9 +177,9 @@ class ModuleStats:
     param_bytes: int | None = None
     grad_bytes: int | None = None
     optimizer_bytes: int | None = None
-    input_bytes: float | None = None
+    input_bytes: int | None = None
     input_held: bool = False
-    output_bytes: float | None = None
+    output_bytes: int | None = None
     output_held: bool = False
 
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from fxprof_lightning.report import NodeStats
 
-__all__ = ["Advice", "advise", "checkpointing", "elementwise_share", "heavy_backward", "host_syncs", "low_peak", "memory_bound", "model_share", "overhead_bound",
-           "regressed", "slow_rank", "whole_step"]
+__all__ = ["Advice", "advise", "checkpointing", "elementwise_share", "heavy_backward", "host_syncs", "low_peak",
+           "memory_bound", "model_share", "overhead_bound", "regressed", "saved_grew", "slow_rank", "whole_step"]
 
 MIN_SHARE = 5.0  # % of the step's node time: smaller nodes are not worth advice
 MEMORY_SHARE = 20.0  # % of node time in one memory-bound matmul/conv: worth saying the batch is too small
@@ -283,6 +283,14 @@ def regressed(regressions: list) -> list[Advice]:
         "data, another process on the machine); `fxprof compare` shows it against any earlier run.")) for r in regressions]
 
 
+def saved_grew(grown: list) -> list[Advice]:
+    """Rows that save much more for backward than in the earlier cycles (``memory_growth``): memory, weighed as a
+    regression of a few % of the step."""
+    return [Advice(10.0, f"{g.text()} than in the earlier cycles of the same batch size: look at what changed "
+                         "(input shapes, sequence lengths, a layer's code); `fxprof compare` shows it against any earlier run.")
+            for g in grown]
+
+
 def checkpointing(plan: Any) -> list[Advice]:
     """Where saved activations are much of what the step holds: the checkpointing plan (``memory_plan``), weighed by
     the share of the step's peak it saves (memory, not time: it ranks with the findings of a few % of step time)."""
@@ -297,7 +305,7 @@ def checkpointing(plan: Any) -> list[Advice]:
 
 def advise(nodes: list[NodeStats], history: list[list[NodeStats]] = (), regressions: list = (), ranks: int = 1,
            top: int = 5, phases: dict[str, float] | None = None, host_reads: dict[str, str] | None = None,
-           on_cpu: bool = False, plan: Any = None) -> list[str]:
+           on_cpu: bool = False, plan: Any = None, grown: list = ()) -> list[str]:
     """The ``top`` findings (at most ``PER_RULE`` of each rule), most at stake first.
 
     ``history`` holds the node tables of the cycles so far (this one last), ``regressions`` this
@@ -305,14 +313,15 @@ def advise(nodes: list[NodeStats], history: list[list[NodeStats]] = (), regressi
     (``CycleReport.phases``): read first; a large share outside the model comes first, and advice about
     the model's nodes is given only when the model is what the step waits for (``MODEL_SHARE`` of it).
     ``host_reads`` are the forward's host syncs (``Capture.host_reads``), ``on_cpu`` whether the run is on a CPU,
-    ``plan`` the cycle's checkpointing plan (``memory_plan.CheckpointPlan``) or None.
+    ``plan`` the cycle's checkpointing plan (``memory_plan.CheckpointPlan``) or None, ``grown`` the rows that save
+    much more for backward than in the earlier cycles (``memory_growth.SavedGrowth``).
     """
     step = whole_step(phases or {}, nodes)
     share = model_share(phases or {})
     node_level = share is None or share >= MODEL_SHARE
     model = (host_syncs(host_reads or {}, on_cpu), low_peak(nodes), memory_bound(nodes), overhead_bound(nodes),
              heavy_backward(nodes), elementwise_share(nodes))
-    rules = (step, regressed(list(regressions)), checkpointing(plan), *(model if node_level else ()), slow_rank(list(history), ranks))
+    rules = (step, regressed(list(regressions)), saved_grew(list(grown)), checkpointing(plan), *(model if node_level else ()), slow_rank(list(history), ranks))
     found = [a for items in rules for a in sorted(items, key=lambda a: a.weight, reverse=True)[:PER_RULE]]
     found.sort(key=lambda a: a.weight, reverse=True)
     return [a.text for a in found[:top]]

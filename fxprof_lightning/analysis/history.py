@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fxprof_lightning.analysis.advice import advise
+from fxprof_lightning.analysis.memory_growth import saved_growth
 from fxprof_lightning.analysis.memory_plan import CheckpointPlan, checkpoint_plan
 from fxprof_lightning.analysis.regressions import RegressionWatch, step_rows
 from fxprof_lightning.analysis.roofline import Peaks, describe_peaks, raised_to, with_roofline
@@ -40,6 +41,7 @@ class StageHistory:
     tracked: list[str] | None = None  # the nodes whose scalar series the run logs (first cycle's top_k, then slowest)
     tables: list[list[NodeStats]] = field(default_factory=list)  # node tables of the recent cycles (advice)
     watch: RegressionWatch = field(default_factory=lambda: RegressionWatch(history=HISTORY))  # trust, regressions
+    saved: list[tuple[list[NodeStats], int, int | None]] = field(default_factory=list)  # (nodes, steps, batch size)
 
     def analyse(self, report: CycleReport, peaks: Peaks | None, top_k: int,
                 tracked: list[str] | None = None) -> tuple[Analysis, Peaks | None]:
@@ -63,11 +65,14 @@ class StageHistory:
         verdict = self.watch.check(nodes, report.step_ms, report.step_cpu_ms, report.partial, report.modules,
                                    step_rows(report), report.step_wait_ms)
         self.tables = [*self.tables, nodes][-HISTORY:]
+        earlier = [(table, steps) for table, steps, batch in self.saved if batch == report.batch_size]
+        grown = saved_growth(earlier, nodes, len(report.steps)) if earlier else []
+        self.saved = [*self.saved, (nodes, len(report.steps), report.batch_size)][-HISTORY:]
         step_ms = sum(report.step_ms) / len(report.step_ms) if report.step_ms else 0.0
         plan = checkpoint_plan(report.modules, step_ms) if report.stage == "train" else None
         advice = advise(nodes, self.tables, verdict.regressions, report.ranks, phases=report.phases,
                         host_reads=getattr(report.capture, "host_reads", None),
-                        on_cpu=peaks is not None and peaks.device.startswith("cpu"), plan=plan)
+                        on_cpu=peaks is not None and peaks.device.startswith("cpu"), plan=plan, grown=grown)
         analysis = Analysis(nodes, list(self.tracked), described, verdict.distortion, verdict.regressions,
                             verdict.unconfirmed, advice, plan)
         return analysis, peaks
