@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fxprof_lightning import Profiler, torch_api
+from fxprof_lightning import FxprofWarning, Profiler, torch_api
 from fxprof_lightning.analysis.memory_plan import CheckpointPlan, checkpoint_plan, plan_for
 from fxprof_lightning.report import ModuleStats
 
@@ -175,3 +175,13 @@ def test_the_plan_picks_the_run_that_saves_most_per_millisecond():
     assert plan.text() == "checkpoint b1..b2: -78.0 MB saved (-49% of the step's peak), about +4.0 ms per step (+4%)"
     few_activations = [ModuleStats("", "Net", 0, 1.0, 0.0, 29.0, 0.0, 58.0, 10e6, param_bytes=100e6), *blocks, *leaf]
     assert checkpoint_plan(few_activations, 100.0) is None
+
+
+@pytest.mark.xfail(raises=FxprofWarning, reason="torch 2.14.1: with a BatchNorm outside a checkpointed block, the captured graph's "
+                   "num_batches_tracked differs from eager in capture/verify.py's check (torch.compile(backend='eager') "
+                   "alone updates it as eager does): the profiler warns and falls back to module hooks")
+def test_a_batch_norm_outside_a_checkpointed_block_keeps_the_graph(tmp_path):
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8),
+                          Checkpointed(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())))
+    cycle = profile(model, lambda: torch.randn(4, 3, 16, 16), tmp_path)
+    assert _root(cycle).saved_bytes_per_step
