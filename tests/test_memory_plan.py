@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fxprof_lightning import FxprofWarning, Profiler, torch_api
+from fxprof_lightning.analysis.advice import advise
 from fxprof_lightning.analysis.memory_plan import CheckpointPlan, checkpoint_plan, plan_for
 from fxprof_lightning.report import ModuleStats
 
@@ -133,7 +134,9 @@ def test_the_plan_applied_saves_what_it_predicted(tmp_path, name):
     before = profile(make(), make_input, tmp_path / "before")
     plan = before.checkpoint_plan
     assert plan is not None and plan == checkpoint_plan(before.modules, plan.step_ms)
-    assert plan.text() in before.to_markdown() and any(plan.blocks in line for line in before.advice)
+    assert plan.text() in before.to_markdown()
+    assert any(plan.blocks in line for line in before.advice) or len(before.advice) == 5  # (the five most at stake)
+    assert plan.text() in " ".join(advise([], plan=plan))
     torch.manual_seed(0)
     after = profile(apply_plan(make(), plan), make_input, tmp_path / "after")
     measured = _root(before).saved_bytes_per_step - _root(after).saved_bytes_per_step
@@ -166,11 +169,12 @@ def _block(path, saved, fwd_ms, inp, held, out, out_held=False, calls=1.0):
 
 def test_the_plan_picks_the_run_that_saves_most_per_millisecond():
     leaf = [ModuleStats(f"b{i}.0", "Linear", 2, 1.0, 0.0, 0.1, 0.0, 0.2, 0.0) for i in range(4)]
-    blocks = [_block("b0", 10e6, 5.0, 1e6, False, 1e6), _block("b1", 40e6, 2.0, 1e6, False, 1e6),
+    blocks = [_block("b0", 10e6, 10.0, 1e6, False, 1e6), _block("b1", 40e6, 2.0, 1e6, False, 1e6),
               _block("b2", 40e6, 2.0, 1e6, False, 1e6), _block("b3", 40e6, 20.0, 1e6, False, 1e6)]
     root = ModuleStats("", "Net", 0, 1.0, 0.0, 29.0, 0.0, 58.0, 130e6, param_bytes=10e6, optimizer_bytes=20e6)
     plan = checkpoint_plan([root, *sorted(blocks + leaf, key=lambda m: m.path)], 100.0)
-    # b1 and b2 save 19.5 MB per ms each (their own input kept); b1..b2 keeps both inputs: 78 MB for 4 ms.
+    # b1 and b2 save 19.5 MB per ms each (their own input kept); b1..b2 keeps both inputs: 78 MB for 4 ms; b0..b2 saves
+    # more (87 MB) but for 14 ms: 6.2 MB per ms, less than a third of 19.5.
     assert plan == CheckpointPlan(("b1", "b2"), 78e6, 4.0, 160e6, 100.0)
     assert plan.text() == "checkpoint b1..b2: -78.0 MB saved (-49% of the step's peak), about +4.0 ms per step (+4%)"
     few_activations = [ModuleStats("", "Net", 0, 1.0, 0.0, 29.0, 0.0, 58.0, 10e6, param_bytes=100e6), *blocks, *leaf]

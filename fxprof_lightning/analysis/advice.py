@@ -293,11 +293,11 @@ def saved_grew(grown: list) -> list[Advice]:
 
 def checkpointing(plan: Any) -> list[Advice]:
     """Where saved activations are much of what the step holds: the checkpointing plan (``memory_plan``), weighed by
-    the share of the step's peak it saves (memory, not time: it ranks with the findings of a few % of step time)."""
+    half the share of the step's peak it saves (memory, not time: it ranks with findings of a smaller share of time)."""
     if plan is None:
         return []
     share = 100 * plan.saved_bytes / plan.peak_bytes
-    return [Advice(share / 4, (
+    return [Advice(share / 2, (
         f"Saved activations are much of what the step holds at the end of its forward: {plan.text()}; wrap "
         f"{'each of ' if len(plan.modules) > 1 else ''}`{plan.blocks}` in torch.utils.checkpoint.checkpoint(block, x, "
         "use_reentrant=False) where memory is short (a larger batch or model then fits)."))]
