@@ -72,54 +72,61 @@ def checkpoint_plan(modules: list[ModuleStats], step_ms: float) -> CheckpointPla
     root_saved = modules[0].saved_bytes_per_step if modules and modules[0].path == "" else None
     if not peak or root_saved is None or 100 * root_saved / peak < ACTIVATION_SHARE:
         return None
-    runs = [run for group in _sibling_blocks(modules) for run in _runs(group)]
-    scored = [(saving, cost, run) for run in runs for saving, cost in (_predict(run),) if saving > 0 and cost > 0]
-    singles = [saving / cost for saving, cost, run in scored if len(run) == 1]
+    scored = [(saving, cost, group, run) for group in _sibling_blocks(modules)
+              for saving, cost, run in _runs(group) if saving > 0 and cost > 0]
+    singles = [saving / cost for saving, cost, _, (start, end) in scored if end - start == 1]
     if not singles:
         return None
     best = max(singles)
-    candidates = [(saving, cost, run) for saving, cost, run in scored if saving / cost >= EFFICIENCY * best]
-    saving, cost, run = max(candidates, key=lambda c: (c[0], -c[1]))
+    candidates = [c for c in scored if c[0] / c[1] >= EFFICIENCY * best]
+    saving, cost, group, (start, end) = max(candidates, key=lambda c: (c[0], -c[1]))
     if 100 * saving / peak < MIN_SAVING:
         return None
-    return CheckpointPlan(tuple(m.path for m in run), saving, cost, peak, step_ms)
+    return CheckpointPlan(tuple(m.path for m in group[start:end]), saving, cost, peak, step_ms)
 
 
 def plan_for(modules: list[ModuleStats], paths: list[str], step_ms: float) -> CheckpointPlan:
     """The prediction for checkpointing the sibling blocks ``paths`` (in the forward's order), whether or not the
     plan would name them: what checkpointing a block of your choice saves and costs."""
     by_path = {m.path: m for m in modules}
-    saving, cost = _predict([by_path[path] for path in paths])
+    saving, cost, _ = _runs([by_path[path] for path in paths], whole=True)[-1]
     return CheckpointPlan(tuple(paths), saving, cost, step_peak_bytes(modules) or 0.0, step_ms)
 
 
 def _sibling_blocks(modules: list[ModuleStats]) -> list[list[ModuleStats]]:
     """Per parent module, its children that are blocks (modules with submodules, saved bytes and input size known),
     in the tree's order."""
-    paths = [m.path for m in modules]
+    parents = {m.path.rpartition(".")[0] for m in modules if m.path}
     groups: dict[str, list[ModuleStats]] = {}
     for m in modules:
-        has_children = any(p.startswith(m.path + ".") for p in paths)
-        if m.path and has_children and m.saved_bytes_per_step is not None and m.input_bytes is not None \
+        if m.path and m.path in parents and m.saved_bytes_per_step is not None and m.input_bytes is not None \
                 and m.output_bytes is not None and m.total_fwd_ms > 0:
             groups.setdefault(m.path.rpartition(".")[0], []).append(m)
     return list(groups.values())
 
 
-def _runs(group: list[ModuleStats]) -> list[list[ModuleStats]]:
-    return [group[i:j] for i in range(len(group)) for j in range(i + 1, len(group) + 1)]
+def _runs(group: list[ModuleStats], whole: bool = False) -> list[tuple[float, float, tuple[int, int]]]:
+    """Every run of consecutive blocks of ``group`` (only the whole group with ``whole``) as its slice ``(start, end)``
+    of ``group``, after the bytes per step a
+    checkpoint of each of its blocks no longer holds and the forward ms per step it reruns (each run extends the one
+    before it by a block: the runs of n blocks take n * n steps).
+
+    A block saves what its rows saved, less its input where the checkpoint keeps it and nothing else holds it (it is
+    fed by the checkpointed block before it, or the row before it did not save it), less its output where its last
+    row saved it and the row after it keeps it in its place (the run's last block, or one not feeding the next)."""
+    found = []
+    for i in range(1 if whole else len(group)):
+        inner, cost = 0.0, 0.0  # the run so far, without its last block's output
+        for j in range(i, len(group)):
+            m, before = group[j], group[j - 1] if j > i else None
+            fed = before is not None and before.output_bytes == m.input_bytes
+            if before is not None and before.output_held and not fed:
+                inner -= _bytes(before, before.output_bytes)
+            inner += m.saved_bytes_per_step - (_bytes(m, m.input_bytes) if fed or not m.input_held else 0.0)
+            cost += m.total_fwd_ms
+            found.append((inner - (_bytes(m, m.output_bytes) if m.output_held else 0.0), cost, (i, j + 1)))
+    return found
 
 
-def _predict(run: list[ModuleStats]) -> tuple[float, float]:
-    """Bytes per step a checkpoint of each block of ``run`` no longer holds, and the forward ms per step it reruns."""
-    saving = 0.0
-    for i, m in enumerate(run):
-        calls = max(m.calls_per_step, 1.0)
-        after_block = i > 0 and run[i - 1].output_bytes == m.input_bytes  # fed by the checkpointed block before it
-        followed = i + 1 < len(run) and run[i + 1].input_bytes == m.output_bytes
-        saving += m.saved_bytes_per_step
-        if after_block or not m.input_held:  # the checkpoint keeps its input, which nothing else holds
-            saving -= m.input_bytes * calls
-        if m.output_held and not followed:  # its output is left to the row after it
-            saving -= m.output_bytes * calls
-    return saving, sum(m.total_fwd_ms for m in run)
+def _bytes(m: ModuleStats, per_call: float) -> float:
+    return per_call * max(m.calls_per_step, 1.0)
