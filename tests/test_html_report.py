@@ -248,6 +248,7 @@ def test_memory_section_shows_the_layers_that_hold_most(trained, page_of_run):
     total = sum(n.saved_bytes * n.calls / steps for n in last.nodes if n.saved_bytes is not None)
     assert f"Held at the end of the forward: {total / 1e6:.3f} MB saved for backward per step" in page.sections["memory"]
     assert "parameters" in page.sections["memory"] and "optimizer state" in page.sections["memory"]
+    assert (last.checkpoint_plan is not None) == ("Checkpointing plan: checkpoint " in page.sections["memory"])
 
 
 def test_icicle_nests_each_module_inside_its_parent(trained, page_of_run):

@@ -46,8 +46,8 @@ class CheckpointPlan:
     def text(self) -> str:
         """The plan in one line.
 
-        >>> CheckpointPlan(("layer2", "layer3", "layer4"), 180e6, 9.0, 474e6, 128.0).text()
-        'checkpoint layer2..layer4: -180.0 MB saved (-38% of the step's peak), about +9.0 ms per step (+7%)'
+        >>> print(CheckpointPlan(("layer2", "layer3", "layer4"), 180e6, 9.0, 474e6, 128.0).text())
+        checkpoint layer2..layer4: -180.0 MB saved (-38% of the step's peak), about +9.0 ms per step (+7%)
         """
         peak = f" (-{100 * self.saved_bytes / self.peak_bytes:.0f}% of the step's peak)" if self.peak_bytes else ""
         step = f" (+{100 * self.cost_ms / self.step_ms:.0f}%)" if self.step_ms else ""
