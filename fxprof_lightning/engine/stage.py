@@ -77,8 +77,8 @@ class Stage:
         self.triggered += 1
 
     def watched(self, schedule: Schedule, follow: Follow, step: int) -> bool:
-        """``Engine.step_watched`` for the training stage: its idle steps are watched, and a trigger plans a cycle.
-        Decided by the schedule and the plans alone, as every rank has them (a rank whose profiling failed too): the
+        """The end of a training step for the follower (``Engine.end_step``): its idle steps are watched, and a
+        trigger plans a cycle. Decided by the schedule and the plans alone, as every rank has them (a rank whose profiling failed too): the
         ranks' agreements in ``Follow.tick`` are collectives."""
         if self.action(schedule, step) is not ProfilerAction.NONE or self.planned or self.extra:
             follow.skip()
