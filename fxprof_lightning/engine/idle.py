@@ -101,7 +101,7 @@ class IdleSteps:
         trigger = self.follow.noted(step, count, batch=True)
         self.base = len(self.ends)  # (the follower kept the last end only)
         if trigger is not None:
-            self.plan(trigger, step)  # the cycle it plans begins with the step after the next
+            self.plan(trigger, step)  # the cycle it plans begins with the next step
         if trigger is not None or self.given >= self.left:
             self.wake()  # the next step runs the driver's own methods
             return

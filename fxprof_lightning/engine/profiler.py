@@ -66,6 +66,8 @@ class Profiler(Engine):
         idle = self.idle
         if idle.active:  # an idle step between cycles: counted, nothing else to do (``idle``)
             idle.step_ended()
+            if not idle.active:  # the last one counted (or a cycle was planned): the next step begins as any other
+                self.begin_step("train")
             return
         if not self._running:
             raise RuntimeError(f"{self.name}.step() was called before start(): use `with {self.name}(...) as prof:` "
