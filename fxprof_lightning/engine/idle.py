@@ -5,9 +5,9 @@ each. After a training step's end, ``begin`` starts a stretch over the idle step
 in full: the traced step after it begins as any other): for each, the driver calls ``step_ended`` instead of its
 per-step work, and may put stand-ins for its per-step methods on itself for the stretch (``begin``'s ``stand_ins``:
 the Lightning callback empties its hooks, Lightning looks them up on the instance at every call). ``step_ended``
-appends the step's end to ``Follow.ends`` and, every ``BATCH`` steps, or at once when the step was slower
-than the follower's limit or when the request thread raised its flag, hands the steps to the follower and the
-stage (``_batch``). The stretch ends at its last step, at a trigger (a cycle planned out of the schedule) or when
+appends the step's end to ``Follow.ends`` and, every ``BATCH`` steps (``follow.BATCH`` until the watch knows the
+step time's level), or at once when the step was slower than the watch's limit or when the request thread raised its
+flag, hands the steps to the follower (``_batch``). The stretch ends at its last step, at a trigger (a cycle planned out of the schedule) or when
 the driver calls ``wake`` (a checkpoint only needs ``catch_up``: the step count of now).
 """
 
@@ -17,6 +17,7 @@ from collections.abc import Callable
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any
 
+from fxprof_lightning.engine.follow import BATCH as LEARNING
 from fxprof_lightning.engine.follow import NEVER, Follow, Trigger
 
 if TYPE_CHECKING:
@@ -110,8 +111,11 @@ class IdleSteps:
     def _plan(self) -> None:
         """When the next batch runs: the follower's next agreement of ranks, the stretch's end, ``BATCH`` steps."""
         follow = self.follow
-        self.limit = follow.watch.limit_ns() if follow.rank == 0 else NEVER
-        self.due = self.base + min(BATCH, self.left - self.given, follow.room()) if self.ends else 0
+        watch = follow.watch if follow.rank == 0 else None
+        self.limit = watch.limit_ns() if watch is not None else NEVER
+        # (until the watch knows the step time's level, which a slow step is compared with: the tick's batches)
+        batch = LEARNING if watch is not None and watch.fires and watch.level is None else BATCH
+        self.due = self.base + min(batch, self.left - self.given, follow.room()) if self.ends else 0
         if follow.asked():
             self.due = 0
 
