@@ -44,7 +44,8 @@ class IdleSteps:
         self.given = 0  # of those, the steps ended and handed to the follower
         self.ends: list[int] = []  # the follower's ``ends`` (the same list)
         self.base = 0  # ``len(ends)`` after the last batch
-        self.due = 0  # ``len(ends)`` at which the next batch runs (0: at the next step)
+        self.due = 0  # ``len(ends)`` at which ``_batch`` runs next (0: at the next step)
+        self.size = BATCH  # the steps' times ``ends`` holds before they go to the follower (after the end before them)
         self.limit = NEVER  # ns: a step slower than this is batched at once (the follower's watch counts it)
         self.driver: Any = None
         self.swapped: dict[str, Any] = {}  # what a stretch puts on the driver (``stand_ins``)
@@ -96,10 +97,14 @@ class IdleSteps:
                 vars(self.driver).pop(name, None)
 
     def _batch(self) -> None:
-        count = len(self.ends) - self.base
+        ends, follow = self.ends, self.follow
+        count = len(ends) - self.base
         self.given += count
         step = self.first + self.given - 1  # the last step that ended
-        trigger = self.follow.noted(step, count, batch=True)
+        # (at the stretch's end or the ranks' agreement, the steps' times wait for the next batch: a short stretch
+        # between the budget's skipped cycles costs no batch)
+        full = len(ends) > self.size or (len(ends) > 1 and ends[-1] - ends[-2] > self.limit) or follow.asked()
+        trigger = follow.noted(step, count, batch=full)
         self.base = len(self.ends)  # (the follower kept the last end only)
         if trigger is not None:
             self.plan(trigger, step)  # the cycle it plans begins with the next step
@@ -114,8 +119,8 @@ class IdleSteps:
         watch = follow.watch if follow.rank == 0 else None
         self.limit = watch.limit_ns() if watch is not None else NEVER
         # (until the watch knows the step time's level, which a slow step is compared with: the tick's batches)
-        batch = LEARNING if watch is not None and watch.fires and watch.level is None else BATCH
-        self.due = self.base + min(batch, self.left - self.given, follow.room()) if self.ends else 0
+        self.size = LEARNING if watch is not None and watch.fires and watch.level is None else BATCH
+        self.due = min(self.size + 1, self.base + min(self.left - self.given, follow.room())) if self.ends else 0
         if follow.asked():
             self.due = 0
 
