@@ -332,20 +332,23 @@ class Follow:
     def spent_s(self) -> float:
         return self.cost_s + self.setup_s
 
-    def allows(self) -> bool:
-        """Whether a scheduled cycle may run within ``budget``: what profiling spent so far and one more cycle (at their
-        mean cost) within that share of the wall time since the run began. Every rank gets rank 0's answer: call it where
-        every rank is, at a cycle's first step."""
+    def held(self) -> int:
+        """0 where a scheduled cycle may run within ``budget`` (what profiling spent so far and one more cycle, at their
+        mean cost, within that share of the wall time since the run began); else about how many steps until one may, at
+        the idle steps' pace (at least 1). Every rank gets rank 0's answer: call it where every rank is, at a cycle's
+        first step."""
         expected = self.cost_s / self.costed if self.costed else 0.0
         elapsed = max(time.monotonic() - self.started, 1e-9)
-        allowed = self.budget is None or self.spent_s() + expected <= self.budget * elapsed
+        wait_s = (self.spent_s() + expected) / self.budget - elapsed if self.budget is not None else 0.0
+        idle_s = self.watch.idle_s()
+        held = 0 if wait_s <= 0 else max(1, int(wait_s / idle_s)) if idle_s else 1
         if self.world_size > 1:
             import torch.distributed as dist
 
-            message = [allowed]
+            message = [held]
             dist.broadcast_object_list(message, src=0)
-            allowed = message[0]
-        return allowed
+            held = message[0]
+        return held
 
     def answered(self, trigger: Trigger, cycle: str, steps: list[int]) -> None:
         """The cycle that answers a request (rank 0 writes it where the ``trigger`` command waits for it)."""
