@@ -8,9 +8,7 @@ engine's.
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -27,20 +25,17 @@ from fxprof_lightning.engine.profiler import Profiler
 from fxprof_lightning.engine.settings import OPTIONS, HoldsSettings, Settings, takes_settings
 from fxprof_lightning.engine.step_phases import PhaseClock
 from fxprof_lightning.layout import DEFAULT_DIRPATH
-from fxprof_lightning.outputs.sinks import (
-    ConsoleSink,
-    CsvSink,
-    PictureSink,
-    Sink,
-    checked_sinks,
-)
+from fxprof_lightning.outputs.sinks import ConsoleSink, CsvSink, PictureSink, Sink, checked_sinks
 from fxprof_lightning.outputs.trackers import LoggerSink
 from fxprof_lightning.report import CycleReport
 from fxprof_lightning.schedule import Schedule
+from fxprof_lightning.trainer_parts import batch_size, module_to_time, printer
 
 __all__ = ["FXProfilerCallback"]
 
-IDLE_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward")  # empty in idle steps
+# Between cycles (``engine.idle``) these hooks are ``pl.Callback``'s empty ones on the instance (Lightning looks them up
+# there at every call), and ``on_train_batch_end`` only counts the step.
+IDLE_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward")
 
 
 class FXProfilerCallback(Callback, HoldsSettings):
@@ -93,8 +88,8 @@ class FXProfilerCallback(Callback, HoldsSettings):
         self.profiler.name = type(self).__name__
         self.extra_sinks = checked_sinks(sinks or ())  # after the callback's own (CSV, pictures, loggers, console)
         self._pl_module: pl.LightningModule | None = None
-        self._clock: PhaseClock | None = None  # times the phases of the whole step while a cycle records
-        self._idle = _Idle()  # the idle steps ahead whose hooks are skipped (``_go_idle``)
+        self.profiler.idle.stand_ins(self, {name: getattr(Callback, name).__get__(self) for name in IDLE_HOOKS},
+                                     end="on_train_batch_end")
 
     @property
     def schedule(self) -> Schedule:
@@ -116,41 +111,21 @@ class FXProfilerCallback(Callback, HoldsSettings):
         if stage not in ("fit", "validate"):
             return
         self._pl_module = pl_module
-        self._wake()
         self.profiler.target = None  # resolved when the loop starts: setup/configure_model may build it
         self.profiler.reset(train=stage == "fit")  # a new fit counts from 0 unless a checkpoint says otherwise
         out_dir = self.dirpath if self.dirpath is not None else Path(trainer.log_dir or trainer.default_root_dir) / DEFAULT_DIRPATH
         self.profiler.dirpath = out_dir
         logdir = next((lg.root_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), out_dir)
-        self.profiler.sinks = [CsvSink(), PictureSink(), LoggerSink(trainer.loggers), ConsoleSink(logdir=logdir, write=_printer(trainer)),
+        self.profiler.sinks = [CsvSink(), PictureSink(), LoggerSink(trainer.loggers), ConsoleSink(logdir=logdir, write=printer(trainer)),
                                *self.extra_sinks]
+        own = f"[Callback]{self.state_key}"  # (the phases of recorded steps, from what Lightning tells its profiler)
+        self.profiler.phase_clock = lambda: PhaseClock(trainer.profiler, own, inside=f"{own}.on_train_batch_end")
         if not trainer.loggers:
             rank_zero_warn("FXProfilerCallback: the Trainer has no logger, so no scalars or text are logged; "
                            f"the per-cycle CSV and traces are still written under {out_dir}", category=FxprofWarning)
 
     def _resolve_target(self) -> nn.Module:
-        """The submodule at ``module=``, or a ValueError listing the children that do exist. Without ``module=``: the
-        LightningModule where it has a ``forward`` of its own, else its one child with parameters (the model its
-        ``training_step`` calls); with several such children, the user is asked to choose."""
-        module: nn.Module = self._pl_module
-        path = self.module_path
-        if path is None and type(module).forward is pl.LightningModule.forward:
-            children = [name for name, child in module.named_children() if next(child.parameters(), None) is not None]
-            if len(children) == 1:
-                return module.get_submodule(children[0])
-            if children:
-                rank_zero_warn(f"FXProfilerCallback: {type(module).__name__} has no forward of its own and several child "
-                               f"modules ({', '.join(children)}), so no layer is timed: pass module='{children[0]}' (or "
-                               "another) to time the one to look at", category=FxprofWarning)
-        for depth, part in enumerate(path.split(".") if path else []):
-            child = getattr(module, part, None)
-            if not isinstance(child, nn.Module):
-                where = ".".join(path.split(".")[:depth]) or type(self._pl_module).__name__
-                children = [name for name, _ in module.named_children()] or ["(none)"]
-                raise ValueError(f"FXProfilerCallback(module={path!r}): {where} has no submodule {part!r}. "
-                                 f"Its child modules are: {', '.join(children)}")
-            module = child
-        return module
+        return module_to_time(self._pl_module, self.module_path)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -171,66 +146,11 @@ class FXProfilerCallback(Callback, HoldsSettings):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self.profiler.begin_step("train")
         if self.profiler.recording("train"):
-            self.profiler.add_batch_size(_batch_size(batch))
+            self.profiler.add_batch_size(batch_size(batch))
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._clock is not None:
-            self.profiler.add_step_phases(self._clock.lap())
-        self.profiler.end_step("train")
-        # Time the whole of each recorded step, from the end of the step before (so its wait for data is in it).
-        recording = self.profiler.recording("train")
-        if recording and self._clock is None:
-            self._clock = PhaseClock(trainer.profiler, f"[Callback]{self.state_key}",
-                                     inside=f"[Callback]{self.state_key}.on_train_batch_end")
-        elif not recording:
-            self._close_clock()
-            self._go_idle()
-
-    # Idle steps: between cycles the schedule needs nothing but the count of steps. Lightning calls a callback's hooks
-    # through the instance, so for those steps the per-step hooks are replaced on the instance by ``pl.Callback``'s
-    # empty ones and ``on_train_batch_end`` only counts and gives the step's end to the engine's watch (``follow``);
-    # the first traced step gets the class's hooks back.
-
-    def _go_idle(self) -> None:
-        # The last idle step runs the class's hooks: its on_train_batch_end starts the clock of the recorded step.
-        ahead = self.profiler.idle_steps_ahead("train") - 1
-        if ahead < 1:
-            return
-        self._idle.left, self._idle.done = ahead, 0
-        for name in IDLE_HOOKS:
-            super().__setattr__(name, getattr(pl.Callback, name).__get__(self))
-        super().__setattr__("on_train_batch_end", self._count_idle_step)
-
-    def _count_idle_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        idle = self._idle  # (a plain object: setting its counter skips the callback's own __setattr__)
-        idle.done += 1
-        follow = self.profiler.follow  # (the step time and requests: at every idle step, so called directly)
-        step = self.profiler.step_num + idle.done - 1  # (the engine is given the idle steps' count later)
-        trigger = follow.tick(step) if follow is not None else None
-        if trigger is not None:  # the cycle it plans begins with the next step
-            self.profiler.plan(trigger, step)
-        if trigger is not None or idle.done >= idle.left:  # the next step runs the class's hooks (the one after it
-            self._wake()  # is traced)
-
-    def _catch_up(self) -> None:
-        """Give the engine the idle steps that ended so far (it counts them as if their hooks had run)."""
-        idle = self._idle
-        if idle.done:
-            self.profiler.skip_idle_steps(idle.done, "train")
-            idle.left, idle.done = idle.left - idle.done, 0
-
-    def _wake(self) -> None:
-        """The class's hooks again, with the engine's step count up to date."""
-        self._catch_up()
-        self._idle.left = 0
-        for name in (*IDLE_HOOKS, "on_train_batch_end"):
-            self.__dict__.pop(name, None)
-
-    def _close_clock(self) -> None:
-        if self._clock is not None:
-            self._clock.close()
-            self._clock = None
+        self.profiler.end_train_step()  # (between cycles: ``IDLE_HOOKS`` empty, this hook counts the step)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -262,8 +182,6 @@ class FXProfilerCallback(Callback, HoldsSettings):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._wake()
-        self._close_clock()
         self.profiler.end_stage("train")  # training stopped inside a cycle (max_steps, early stopping)
 
     @override
@@ -272,49 +190,18 @@ class FXProfilerCallback(Callback, HoldsSettings):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._wake()
-        self._close_clock()
         self.profiler.abort()  # Lightning calls no teardown after an exception
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._wake()
-        self._close_clock()
+        self.profiler.idle.wake()
+        self.profiler.close_clock()
         self.profiler.timers.stop()  # the hooks waiting for a mode's first call that never came
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        self._catch_up()  # a checkpoint saved between cycles holds the step count of now
-        return self.profiler.state_dict()
+        return self.profiler.state_dict()  # (the step count of now, also between cycles)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._wake()
         self.profiler.load_state_dict(state_dict)
-
-
-def _printer(trainer: pl.Trainer) -> Callable[[str], None]:
-    """Prints through the Trainer's progress bar (its ``print`` writes above a running bar), else ``print``."""
-    bar = trainer.progress_bar_callback
-    return bar.print if bar is not None else print
-
-
-@dataclass
-class _Idle:
-    left: int = 0  # idle steps ahead when the hooks were skipped
-    done: int = 0  # of those, the steps that ended, not yet counted by the engine
-
-
-def _batch_size(batch: Any) -> int | None:
-    """Samples in a batch, as Lightning counts them for its logs (None when it cannot tell)."""
-    first = batch[0] if isinstance(batch, list | tuple) and batch else batch
-    if isinstance(first, torch.Tensor):  # what extract_batch_size finds first, without its walk (~30 us in a step)
-        return 1 if first.ndim == 0 else first.size(0)
-    from lightning.pytorch.utilities.data import extract_batch_size
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return extract_batch_size(batch)
-    except Exception:
-        return None

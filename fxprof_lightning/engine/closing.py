@@ -18,7 +18,7 @@ from fxprof_lightning import torch_api
 from fxprof_lightning.analysis.roofline import Peaks, device_peaks
 from fxprof_lightning.engine.cycle import Cycle
 from fxprof_lightning.engine.ranks import all_gather
-from fxprof_lightning.engine.stage import Stage
+from fxprof_lightning.engine.stage import RECORDING, Stage
 from fxprof_lightning.engine.statistics import merge_ranks
 from fxprof_lightning.nodes import NodeInfo
 from fxprof_lightning.report import CycleReport, NodeStats
@@ -27,8 +27,22 @@ from fxprof_lightning.timing.torch_trace import CycleTrace
 
 if TYPE_CHECKING:
     from fxprof_lightning.engine.core import Engine
+    from fxprof_lightning.schedule import ProfilerAction
 
-__all__ = ["close_cycle", "open_cycle"]
+__all__ = ["close_cycle", "open_cycle", "start_collecting"]
+
+
+def start_collecting(engine: Engine, stage: Stage, action: ProfilerAction) -> None:
+    """A traced step begins: open the stage's cycle if none is open, switch a timer that stopped fitting (when nothing
+    was recorded yet) and start the step."""
+    if stage.open is None:
+        stage.open = open_cycle(engine, stage, engine._val if stage is engine._train else engine._train)
+    cycle = stage.open
+    if cycle.timer is not None and not cycle.timer.progress.usable and not cycle.recorded:  # nothing recorded is lost: switch
+        cycle.timer, cycle.capture = engine.timers.for_module(engine.target)
+        cycle.captures_before = len(cycle.timer.progress.capture_s)
+    recording = action in RECORDING
+    cycle.begin_step(engine.target, recording, stage is engine._train and recording, engine.warn)
 
 
 def open_cycle(engine: Engine, stage: Stage, other: Stage) -> Cycle:

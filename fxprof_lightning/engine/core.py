@@ -30,10 +30,10 @@ from fxprof_lightning import FxprofWarning, torch_api
 from fxprof_lightning.analysis.roofline import Peaks
 from fxprof_lightning.capture.compiled import is_compiled, missing_for_kernels
 from fxprof_lightning.capture.timers import Timers
-from fxprof_lightning.engine.closing import close_cycle, open_cycle
+from fxprof_lightning.engine.closing import close_cycle, start_collecting
 from fxprof_lightning.engine.cycle import Cycle
 from fxprof_lightning.engine.follow import Follow, Trigger
-from fxprof_lightning.engine.loop_phases import LoopClock
+from fxprof_lightning.engine.idle import IdleSteps
 from fxprof_lightning.engine.ranks import broadcast, global_rank, world_size
 from fxprof_lightning.engine.settings import OPTIONS, HoldsSettings, Settings, takes_settings
 from fxprof_lightning.engine.stage import RECORDING, Stage
@@ -98,9 +98,13 @@ class Engine(HoldsSettings):
         self._fx_on = self.settings.fx_timing  # False when the target cannot be traced
         self.timers = Timers(self.warn)  # which timer times the module (set up at each begin_run)
         self._backward_start: int | None = None
-        self._clock: LoopClock | None = None  # the plain loop's phases (``Profiler``; the callback has its own)
+        # The phases of the whole step while a cycle records: the driver's clock (``lap``, ``close``), made by
+        # ``phase_clock`` (the Lightning callback's ``step_phases.PhaseClock``, ``Profiler``'s ``LoopClock``)
+        self.phase_clock: Callable[[], Any] | None = None
+        self._clock: Any = None
         self._taken: set[str] = set()  # directory names in dirpath from earlier runs
         self.follow: Follow | None = None  # cycles out of the schedule: on request, on a jump of the step time
+        self.idle = IdleSteps()  # the idle steps ahead, skipped by the driver (``go_idle``)
 
     @property
     def cycles(self) -> list[CycleReport]:
@@ -115,12 +119,14 @@ class Engine(HoldsSettings):
     @property
     def step_num(self) -> int:
         """The number of the training step in progress (or the next one), counted from 0."""
-        return self._train.step
+        idle = self.idle
+        return idle.first + idle.ended() if idle.active else self._train.step
 
     # ------------------------------------------------------------ the driver API (the Lightning callback)
 
     def reset(self, train: bool = True) -> None:
         """Forget the cycles and schedule position of validation (and of training, with ``train``)."""
+        self.idle.wake()
         if train:
             self._train = Stage("train")
         self._val = Stage("val")
@@ -165,16 +171,37 @@ class Engine(HoldsSettings):
         return state is not None and self._enabled and state.action(self.schedule, state.step) in RECORDING
 
     def idle_steps_ahead(self, stage: str = "train") -> int:
-        """How many steps from the next one need nothing of the profiler (a driver may skip their begin_step/end_step
-        calls and count them with ``skip_idle_steps``); 0 while a cycle is open or a step is in progress."""
+        """Steps from the next one that need nothing of the profiler; 0 while a cycle is open or a step is in progress."""
         state = self._stage(stage)
         return state.idle_steps_ahead(self.schedule) if state is not None else 0
 
-    def skip_idle_steps(self, count: int, stage: str = "train") -> None:
-        """Count ``count`` steps that ended without ``begin_step``/``end_step`` (at most ``idle_steps_ahead``)."""
-        state = self._stage(stage)
-        if state is not None:
-            state.step += count
+    def go_idle(self) -> None:
+        """After a training step's end, ``idle`` counts the idle steps ahead but the last (``idle.IdleSteps``)."""
+        if self.follow is not None:
+            self.idle.begin(self.idle_steps_ahead("train") - 1, self._train, self.follow, self.plan)
+
+    def end_train_step(self) -> None:
+        """``end_step`` with the phases of the step; then a clock for the recorded step ahead, or ``go_idle``."""
+        if self._clock is not None:
+            self.add_step_phases(self._clock.lap())
+        self.end_step("train")
+        if not self.time_phases():
+            self.go_idle()
+
+    def time_phases(self) -> bool:
+        """The driver's clock (``phase_clock``) runs while training steps are recorded (``CycleReport.phases``); whether
+        the step in progress is one."""
+        recording = self.recording("train")
+        if recording and self._clock is None and self.target is not None and self.phase_clock is not None:
+            self._clock = self.phase_clock()
+        elif not recording:
+            self.close_clock()
+        return recording
+
+    def close_clock(self) -> None:
+        if self._clock is not None:
+            self._clock.close()
+            self._clock = None
 
     def add_batch_size(self, samples: int | None, stage: str = "train") -> None:
         """The samples in the recorded step in progress (``CycleReport.batch_size``: their mean); before ``end_step``."""
@@ -201,21 +228,19 @@ class Engine(HoldsSettings):
         state.in_step = False
         step, state.step = state.step, state.step + 1
         self._lifecycle(state, "end", step)
-        if state is self._train:
-            self.step_watched(step)
-
-    def step_watched(self, step: int) -> bool:
-        """The end of training step ``step`` for ``follow.Follow``; True when it planned a cycle out of the schedule.
-        (A driver that skips idle steps' ``end_step`` calls gives each to ``follow.tick`` and its trigger to ``plan``.)"""
-        return self.follow is not None and self._train.watched(self.schedule, self.follow, step)
+        if state is self._train and self.follow is not None:  # (the end of the step for ``follow.Follow``)
+            self._train.watched(self.schedule, self.follow, step)
 
     def plan(self, trigger: Trigger, step: int) -> None:
-        """A cycle out of the schedule from the step after ``step`` (``follow.Follow.tick``'s trigger; also where
-        profiling failed: the cycle's last step is a gather every rank takes part in)."""
+        """A cycle out of the schedule from the step after ``step`` (``follow.Follow.tick``'s trigger, or
+        ``IdleSteps``')."""
         self._train.plan(self.schedule, trigger, step + 1)
 
     def end_stage(self, stage: str = "train") -> None:
         """The loop of ``stage`` stopped (or paused): write a cycle it left before its last recorded step."""
+        if stage == "train":
+            self.idle.wake()
+            self.close_clock()
         state = self._stage(stage)
         if state is None:
             return
@@ -229,7 +254,11 @@ class Engine(HoldsSettings):
 
         The step the exception stopped counts as recorded if the module ran in it (its samples are in the timer).
         """
+        self.idle.wake()
+        self.close_clock()
         self.timers.stop()
+        if self.follow is not None:
+            self.follow.stop()
         for state in (self._train, self._val):
             cycle = state.open
             if state.in_step and cycle is not None and cycle.ran_in_step and state.action(self.schedule, state.step) in RECORDING:
@@ -292,17 +321,6 @@ class Engine(HoldsSettings):
             return None
         return self._train if name == "train" else self._val
 
-    def _finish_step(self, stage: Stage) -> None:
-        """The step in progress when a loop stops: counted if the module ran in it, else dropped."""
-        if not stage.in_step:
-            return
-        if stage.open is not None and stage.open.ran_in_step:
-            self.end_step(stage.name)
-            return
-        stage.in_step = False
-        if stage.open is not None:
-            stage.open.pause(self.target)
-
     def _lifecycle(self, stage: Stage, edge: str, step: int) -> None:
         """Do what ``LIFECYCLE`` says for this edge of ``step``, each part under the failure policy."""
         action = stage.action(self.schedule, step)
@@ -310,7 +328,7 @@ class Engine(HoldsSettings):
             action = ProfilerAction.NONE
         for work in LIFECYCLE.get((edge, action), ()):
             if work == "collect" and self._enabled:
-                self._safely("starting a profiled step", self._start_collecting, stage, action)
+                self._safely("starting a profiled step", start_collecting, self, stage, action)
             elif work == "stop":  # (every rank: a cycle's last step may extend it, as every rank must agree)
                 if stage.open is not None:
                     self._safely("ending a profiled step", stage.open.end_step, self.target, step, action in RECORDING)
@@ -320,16 +338,6 @@ class Engine(HoldsSettings):
             elif work == "close":
                 what = "writing a cycle" if edge == "end" else "writing a partial cycle"
                 self._safely(what, self._close_cycle, stage, gather=True)
-
-    def _start_collecting(self, stage: Stage, action: ProfilerAction) -> None:
-        if stage.open is None:
-            stage.open = open_cycle(self, stage, self._val if stage is self._train else self._train)
-        cycle = stage.open
-        if cycle.timer is not None and not cycle.timer.progress.usable and not cycle.recorded:  # nothing recorded is lost: switch
-            cycle.timer, cycle.capture = self.timers.for_module(self.target)
-            cycle.captures_before = len(cycle.timer.progress.capture_s)
-        recording = action in RECORDING
-        cycle.begin_step(self.target, recording, stage is self._train and recording, self.warn)
 
     def _close_cycle(self, stage: Stage, gather: bool) -> None:
         close_cycle(self, stage, gather, self._train.history.tracked if stage is self._val else None)

@@ -1,8 +1,10 @@
 """Cycles that follow the job: one on request from another shell, one when the step time jumps.
 
-Between cycles the engine gives ``Follow.tick`` the end of every training step. That costs a clock read and a few
-comparisons; twice a second at most, rank 0 also asks the file system whether a request came (one ``os.stat`` of
-``<dirpath>/fxprof_request.json``, written by ``python -m fxprof_lightning trigger DIR``). The step time is watched by
+Between cycles the engine notes the end of every training step (``Follow.tick``, or in a stretch of idle steps one
+clock read and a list append a step, handed over in batches: ``idle.IdleSteps``). A thread of rank 0 asks the file
+system once a second whether a request came (one ``os.stat`` of ``<dirpath>``, where ``python -m fxprof_lightning
+trigger DIR`` puts ``fxprof_request.json``) and only raises a flag: the request is read at the next step. The step
+time is watched by
 ``StepWatch``: a robust median and spread of the last ``WINDOW`` idle steps, and a cycle starts when ``SUSTAIN`` steps
 in a row are slower than that level by more than its noise, half of it and 1 ms (a single slow step, such as a
 checkpoint save or a validation run, never starts one).
@@ -20,8 +22,11 @@ import json
 import os
 import socket
 import statistics
+import threading
 import time
+import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,9 +38,8 @@ JOB_FILE = "fxprof_job.json"  # the running job: pid, host, started, ended (writ
 REQUEST_FILE = "fxprof_request.json"  # a request for a cycle (the ``trigger`` command writes it, the job removes it)
 ANSWERS_FILE = "fxprof_answers.jsonl"  # one line per request answered: its id and the cycle that answers it
 INDEX_FILE = "fxprof_cycles.jsonl"  # the run's cycles: trigger, steps, cost (one line each, rank 0)
-POLL_S = 1.0  # how often, at most, rank 0 looks for a request (one os.stat: 10-40 us on this VM, caches cold)
-POLL_NS = int(POLL_S * 1e9)
-BATCH = 8  # idle steps noted before their times go to the watch (a jump is seen within SUSTAIN + BATCH steps)
+POLL_S = 1.0  # how often rank 0's thread looks for a request (one os.stat: 10-40 us on this VM, caches cold)
+BATCH = 8  # idle steps noted by ``tick`` before their times go to the watch (a jump is seen within SUSTAIN + BATCH steps)
 WINDOW = 300  # idle steps the step time's level is taken over
 MIN_STEPS = 50  # idle steps seen before a jump can be told
 SUSTAIN = 8  # steps in a row beyond the level's noise that start a cycle
@@ -45,6 +49,7 @@ MIN_JUMP_S = 0.001  # ... and this many seconds: on sub-ms steps, the machine's 
 #                     hundreds of steps (a 0.7 ms Trainer step on a 2-core machine, 2026-11-25)
 COOLDOWN = 500  # idle steps after a cycle the step time started before it may start another
 REFRESH = 64  # idle steps between two computations of the level and its noise (one sort of the window)
+NEVER = 2**62  # a count of steps, or a step time in ns, that no run reaches
 
 
 @dataclass
@@ -101,18 +106,26 @@ class StepWatch:
         return reason
 
     def add_all(self, first: int, seconds: list[float]) -> str | None:
-        """``add`` for the steps from ``first`` on; at once where none is slow and no refresh is due."""
-        if self.level is not None and max(seconds) <= self.limit and self.count % REFRESH + len(seconds) < REFRESH:
-            self.times.extend(seconds)
-            self.count += len(seconds)
-            self.quiet = max(self.quiet - len(seconds), 0)
-            self.slow, self.since = 0, None
-            return None
-        for step, value in enumerate(seconds, first):
-            reason = self.add(step, value)
+        """``add`` for the steps from ``first`` on: at once for the steps up to the next refresh where none is slow."""
+        done = 0
+        while done < len(seconds):
+            chunk = seconds[done:done + REFRESH - 1 - self.count % REFRESH]  # (the refresh's own step: ``add``)
+            if self.level is not None and chunk and max(chunk) <= self.limit:
+                self.times.extend(chunk)
+                self.count += len(chunk)
+                self.quiet = max(self.quiet - len(chunk), 0)
+                self.slow, self.since = 0, None
+                done += len(chunk)
+                continue
+            reason = self.add(first + done, seconds[done])
+            done += 1
             if reason is not None:
                 return reason
         return None
+
+    def limit_ns(self) -> int:
+        """The step time (ns) beyond which a step counts towards a jump (``NEVER`` while none can)."""
+        return int(self.limit * 1e9) if self.fires and self.level is not None else NEVER
 
     def _refresh(self, step: int) -> None:
         if len(self.times) < MIN_STEPS:
@@ -137,23 +150,40 @@ class StepWatch:
 
 
 class RequestBox:
-    """The requests ``python -m fxprof_lightning trigger DIR`` leaves in ``dirpath``; rank 0 only."""
+    """The requests ``python -m fxprof_lightning trigger DIR`` leaves in ``dirpath``; rank 0 only. A daemon thread
+    looks at the directory once a second (``look``) and raises ``flagged``; the step reads the request (``take``)."""
 
     def __init__(self, dirpath: Path) -> None:
         self.dirpath = dirpath
         self.folder, self.path = str(dirpath), str(dirpath / REQUEST_FILE)
         self.changed: int | None = None  # the directory's mtime when last looked into
         self.taken: set[str] = set()  # the ids of the requests answered
+        self.flagged = True  # a request may be there: read it at the next batch (one may be there before the run)
+        self.poke: Callable[[], None] | None = None  # told when ``flagged`` is raised (an idle stretch batches at once)
+        self._stop = threading.Event()
+        threading.Thread(target=_look_for_requests, args=(weakref.ref(self), self._stop), daemon=True,
+                         name="fxprof-requests").start()
 
-    def take(self) -> Trigger | None:
-        """A new request, if one came. One ``os.stat`` of the directory (a request file appears in it by
-        ``os.replace``, which changes its mtime): the file is read only after a change, or within 2 s of one (file
-        systems whose mtimes are coarse)."""
+    def look(self) -> None:
+        """(The thread.) One ``os.stat`` of the directory: a request file appears in it by ``os.replace``, which
+        changes its mtime; ``flagged`` after a change, or within 2 s of one (file systems whose mtimes are coarse)."""
         try:
             changed = os.stat(self.folder).st_mtime_ns
-            if changed == self.changed and time.time_ns() - changed > 2_000_000_000:
-                return None
-            self.changed = changed
+        except OSError:
+            return
+        if changed != self.changed or time.time_ns() - changed <= 2_000_000_000:
+            self.changed, self.flagged = changed, True
+            poke = self.poke
+            if poke is not None:
+                poke()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def take(self) -> Trigger | None:
+        """A new request, if one came (called where ``flagged``)."""
+        self.flagged = False
+        try:
             with open(self.path) as file:
                 request = json.load(file)
             os.unlink(self.path)
@@ -171,6 +201,16 @@ class RequestBox:
                                             "reason": trigger.reason})
 
 
+def _look_for_requests(box: weakref.ref[RequestBox], stop: threading.Event) -> None:
+    """The request thread: ``RequestBox.look`` once a second until the box is stopped or gone."""
+    while not stop.wait(POLL_S):
+        found = box()
+        if found is None:
+            return
+        found.look()
+        del found
+
+
 def answer_file(dirpath: Path) -> Path:
     return dirpath / ANSWERS_FILE
 
@@ -186,14 +226,15 @@ class Follow:
         self.setup_s = 0.0  # profiling's time outside cycles: the capture made ready (Dynamo's first use imports ~0.5 s)
         self.opened: tuple[int, int] | None = None  # (perf_counter_ns, step) where the open cycle began
         self.box: RequestBox | None = None
-        self.ends: list[int] = []  # (perf_counter_ns) the ends of the idle steps since the last batch
-        self.next_poll = 0  # (perf_counter_ns) when rank 0 looks for a request next
+        # (perf_counter_ns) the ends of the idle steps since the last batch, after the end of the step before them
+        # when it was idle; one list for the run (``idle.IdleSteps`` appends to it)
+        self.ends: list[int] = []
         self.every, self.countdown = 20, 20  # steps between the ranks' agreements (several ranks)
         self.pending: Trigger | None = None  # decided on rank 0, told to the others at the next agreement
 
     def start(self, dirpath: Path) -> None:
-        """The run begins (rank 0 writes the job file a request is checked against)."""
-        self.ends = []
+        """The run begins (rank 0 writes the job file a request is checked against, and looks for requests)."""
+        self.ends.clear()
         if self.rank == 0:
             self.box = RequestBox(dirpath)
             job = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "ended": None}
@@ -202,6 +243,7 @@ class Follow:
                 _write(dirpath / JOB_FILE, job)
 
     def end(self, dirpath: Path) -> None:
+        self.stop()
         if self.rank == 0:
             path = dirpath / JOB_FILE
             with contextlib.suppress(OSError, ValueError):
@@ -209,37 +251,55 @@ class Follow:
                 if job.get("pid") == os.getpid():
                     _write(path, {**job, "ended": time.time()})
 
+    def stop(self) -> None:
+        """No more requests are looked for (the run ended or stopped)."""
+        if self.box is not None:
+            self.box.stop()
+
     def tick(self, step: int) -> Trigger | None:
         """The end of idle training step ``step``; a trigger when a cycle should start now (every rank the same).
 
         Each call only notes the time; every ``BATCH`` steps (2-4 us a step less, caches cold) the steps' times go
-        to the watch and, once a second, rank 0 looks for a request."""
-        ends = self.ends
-        ends.append(time.perf_counter_ns())
-        if len(ends) > BATCH:
+        to the watch and, if the request thread raised its flag, rank 0 reads the request."""
+        self.ends.append(time.perf_counter_ns())
+        return self.noted(step, 1, len(self.ends) > BATCH)
+
+    def noted(self, step: int, count: int, batch: bool) -> Trigger | None:
+        """``count`` idle steps, the last ``step``, whose ends are in ``ends``: with ``batch`` their times go to the
+        watch (and a flagged request is read); a trigger when a cycle should start now (every rank the same)."""
+        if batch:
             self._batch(step)
         if self.world_size == 1:
             if self.pending is None:
                 return None
             found, self.pending = self.pending, None
             return found
-        self.countdown -= 1
+        self.countdown -= count
         if self.countdown > 0:
             return None
         return self._agree()
 
+    def room(self) -> int:
+        """How many idle steps may end before ``noted`` must be told (the ranks' next agreement; one rank: ``NEVER``)."""
+        return self.countdown if self.world_size > 1 else NEVER
+
+    def asked(self) -> bool:
+        """Whether the request thread raised its flag and no trigger waits: the next step should ``noted`` a batch."""
+        return self.box is not None and self.box.flagged and self.pending is None
+
     def _batch(self, step: int) -> None:
         """The times of the idle steps up to ``step`` to the watch; a request looked for (rank 0)."""
-        ends, self.ends = self.ends, self.ends[-1:]
+        ends = self.ends[:]
+        del self.ends[:-1]  # (in place: the list is shared)
         if self.rank != 0 or self.pending is not None:
             return
-        reason = self.watch.add_all(step - len(ends) + 2, [(b - a) / 1e9 for a, b in itertools.pairwise(ends)])
-        if reason is not None:
-            self.pending = Trigger("anomaly", reason)
+        if len(ends) > 1:
+            reason = self.watch.add_all(step - len(ends) + 2, [(b - a) / 1e9 for a, b in itertools.pairwise(ends)])
+            if reason is not None:
+                self.pending = Trigger("anomaly", reason)
         while self.watch.notes:  # (a return to the level before a jump)
             self._index({"note": self.watch.notes.pop(0)})
-        if self.box is not None and self.pending is None and ends[-1] >= self.next_poll:
-            self.next_poll = ends[-1] + POLL_NS
+        if self.box is not None and self.pending is None and self.box.flagged:
             self.pending = self.box.take()
 
     def open(self, step: int) -> None:
@@ -272,20 +332,23 @@ class Follow:
     def spent_s(self) -> float:
         return self.cost_s + self.setup_s
 
-    def allows(self) -> bool:
-        """Whether a scheduled cycle may run within ``budget``: what profiling spent so far and one more cycle (at their
-        mean cost) within that share of the wall time since the run began. Every rank gets rank 0's answer: call it where
-        every rank is, at a cycle's first step."""
+    def held(self) -> int:
+        """0 where a scheduled cycle may run within ``budget`` (what profiling spent so far and one more cycle, at their
+        mean cost, within that share of the wall time since the run began); else about how many steps until one may, at
+        the idle steps' pace (at least 1). Every rank gets rank 0's answer: call it where every rank is, at a cycle's
+        first step."""
         expected = self.cost_s / self.costed if self.costed else 0.0
         elapsed = max(time.monotonic() - self.started, 1e-9)
-        allowed = self.budget is None or self.spent_s() + expected <= self.budget * elapsed
+        wait_s = (self.spent_s() + expected) / self.budget - elapsed if self.budget is not None else 0.0
+        idle_s = self.watch.idle_s()
+        held = 0 if wait_s <= 0 else max(1, int(wait_s / idle_s)) if idle_s else 1
         if self.world_size > 1:
             import torch.distributed as dist
 
-            message = [allowed]
+            message = [held]
             dist.broadcast_object_list(message, src=0)
-            allowed = message[0]
-        return allowed
+            held = message[0]
+        return held
 
     def answered(self, trigger: Trigger, cycle: str, steps: list[int]) -> None:
         """The cycle that answers a request (rank 0 writes it where the ``trigger`` command waits for it)."""
@@ -296,7 +359,7 @@ class Follow:
     def skip(self) -> None:
         """A step that was not idle (a cycle's): the next step's time is not measured from its end (the idle steps
         noted since the last batch are left out too)."""
-        self.ends = []
+        self.ends.clear()
         self.watch.reset_clock()
 
     def _agree(self) -> Trigger | None:

@@ -13,6 +13,7 @@ from typing import Any
 from fxprof_lightning.engine.core import Engine
 from fxprof_lightning.engine.follow import Trigger
 from fxprof_lightning.engine.loop_phases import LoopClock
+from fxprof_lightning.engine.stage import Stage
 from fxprof_lightning.schedule import ProfilerAction
 
 __all__ = ["Profiler"]
@@ -50,17 +51,24 @@ class Profiler(Engine):
         """Begin profiling; the code until the next ``step()`` is training step ``step_num``."""
         if self._running:
             raise RuntimeError(f"{self.name}.start() was called twice without stop()")
+        self.phase_clock = lambda: LoopClock(self.target)
         self.begin_run()
         self.prepare()
         self._running = True
         self.begin_step("train")
-        self._time_phases()
+        self.time_phases()
 
     def step(self, batch_size: int | None = None) -> None:
         """End the current step and begin the next (inside ``validation()``: a validation step).
 
         ``batch_size``: the samples in the step that ends, for per-sample totals (``CycleReport.batch_size``,
         ``fxprof compare``)."""
+        idle = self.idle
+        if idle.active:  # an idle step between cycles: counted, nothing else to do (``idle``)
+            idle.step_ended()
+            if not idle.active:  # the last one counted (or a cycle was planned): the next step begins as any other
+                self.begin_step("train")
+            return
         if not self._running:
             raise RuntimeError(f"{self.name}.step() was called before start(): use `with {self.name}(...) as prof:` "
                                "or call prof.start() first")
@@ -70,32 +78,22 @@ class Profiler(Engine):
         if lapped:
             self.add_step_phases(self._clock.lap())
         self.end_step(stage)
+        if stage == "train" and not self.recording("train"):
+            self.go_idle()
         self.begin_step(stage)
-        self._time_phases()
+        self.time_phases()
         if lapped and self._clock is not None:  # (the rest of this call is the profiler's, not the loop's)
             self._clock.ours()
-
-    def _time_phases(self) -> None:
-        """A ``LoopClock`` on the module while training steps are recorded (``CycleReport.phases``)."""
-        recording = self.recording("train")
-        if recording and self._clock is None and self.target is not None:
-            self._clock = LoopClock(self.target)
-        elif not recording:
-            self._close_clock()
-
-    def _close_clock(self) -> None:
-        if self._clock is not None:
-            self._clock.close()
-            self._clock = None
 
     def stop(self) -> None:
         """End profiling: a step in progress that ran the module counts, a cycle in progress is written cut short."""
         if not self._running:
             return
         self._running = False
+        self.idle.wake()
         if self._clock is not None and self._current is self._train and self._train.in_step:
             self.add_step_phases(self._clock.lap())
-        self._close_clock()
+        self.close_clock()
         self._finish_step(self._current)
         self.end_stage("train")
         self.end_run()
@@ -109,7 +107,6 @@ class Profiler(Engine):
             self.stop()
         else:
             self._running = False
-            self._close_clock()
             self.abort()
 
     @contextlib.contextmanager
@@ -125,6 +122,7 @@ class Profiler(Engine):
         """
         if not self._running:
             raise RuntimeError(f"{self.name}.validation() needs a started profiler")
+        self.idle.wake()
         train = self._train
         if train.open is not None:
             train.open.pause(self.target)
@@ -140,9 +138,21 @@ class Profiler(Engine):
             if train.in_step and train.open is not None and self._enabled:
                 train.open.resume(self.target)
 
+    def _finish_step(self, stage: Stage) -> None:
+        """The step in progress when a loop stops: counted if the module ran in it, else dropped."""
+        if not stage.in_step:
+            return
+        if stage.open is not None and stage.open.ran_in_step:
+            self.end_step(stage.name)
+            return
+        stage.in_step = False
+        if stage.open is not None:
+            stage.open.pause(self.target)
+
     def state_dict(self) -> dict[str, Any]:
         """The schedule position and a cycle planned out of the schedule (a request taken is neither lost nor
         doubled by a restart), to resume with ``load_state_dict``."""
+        self.idle.catch_up()
         train = self._train
         trigger = vars(train.trigger) if train.trigger is not None else None
         return {"step": train.step, "val_step": self._val.step, "triggered": train.triggered, "trigger": trigger,
@@ -150,6 +160,7 @@ class Profiler(Engine):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue the schedule where ``state_dict`` left it (call before ``start()``)."""
+        self.idle.wake()
         self._train.step = int(state_dict.get("step", 0))
         self._val.step = int(state_dict.get("val_step", 0))
         self._train.triggered = int(state_dict.get("triggered", 0))

@@ -77,8 +77,8 @@ class Stage:
         self.triggered += 1
 
     def watched(self, schedule: Schedule, follow: Follow, step: int) -> bool:
-        """``Engine.step_watched`` for the training stage: its idle steps are watched, and a trigger plans a cycle.
-        Decided by the schedule and the plans alone, as every rank has them (a rank whose profiling failed too): the
+        """The end of a training step for the follower (``Engine.end_step``): its idle steps are watched, and a
+        trigger plans a cycle. Decided by the schedule and the plans alone, as every rank has them (a rank whose profiling failed too): the
         ranks' agreements in ``Follow.tick`` are collectives."""
         if self.action(schedule, step) is not ProfilerAction.NONE or self.planned or self.extra:
             follow.skip()
@@ -115,13 +115,20 @@ class Stage:
 
     def within(self, follow: Follow | None, schedule: Schedule, step: int) -> bool:
         """At the first step of a scheduled training cycle (every rank): whether the budget lets it run; if not, its
-        steps are idle (the wait stretched by a cycle)."""
+        steps are idle, and those of the later cycles that begin before the budget would let one run (the wait
+        stretched by as many cycles: one stretch of idle steps, ``idle``)."""
         if (self.name != "train" or follow is None or follow.budget is None or self.planned
                 or step != schedule.first_traced_step(schedule.cycle_of(step))):
             return True
-        if (self.trigger is not None and self.trigger.kind == "request") or follow.allows():
+        if self.trigger is not None and self.trigger.kind == "request":
             return True  # (a request always runs)
-        self.skipped.add(schedule.cycle_of(step))
+        held = follow.held()
+        if not held:
+            return True
+        index = schedule.cycle_of(step)
+        while index is not None and schedule.first_traced_step(index) < step + held:
+            self.skipped.add(index)
+            index = index + 1 if not schedule.repeat or index + 1 < schedule.repeat else None
         if self.trigger is not None and self.trigger.kind == "anomaly":  # answered by no later cycle
             self.trigger = None
         return False
