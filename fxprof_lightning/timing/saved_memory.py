@@ -1,5 +1,6 @@
 """The bytes autograd keeps for backward, per row: read after a timed forward call from the autograd nodes each row
-created (found by sequence number, as backward times are), without unpacking anything (``torch_api.saved_tensors``).
+created (found by sequence number, as backward times are), running no saved_tensors_hooks and recomputing nothing
+(``torch_api.saved_tensors``; on torch 2.6-2.10 by unpacking only what no hook packed, ``SavedReader._noting_hooks``).
 
 Each storage counts once, for the first row (in the order the forward ran) whose autograd nodes saved it: a view of a
 saved tensor, or a tensor two rows save (a layer's output that the next layer saves as its input), is not counted
