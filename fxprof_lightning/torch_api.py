@@ -3,17 +3,18 @@ import, with what it is for, the torch versions that have it (the Dynamo section
 2.14.1, 2.15.0, CPU wheels, 2026-11-27; the sections after it on 2.6.0, 2.11.0, 2.14.1, 2.15.0; "2.6-2.15": all of
 those) and what the package does without it. No other module touches ``torch._*`` (``tests/test_house.py``).
 
-Looking a name up never fails: a name this torch lacks is None here and listed in ``MISSING``; the code that would use
-it takes the way described beside it, and where that loses a feature, ``degraded`` warns once, naming the torch version
-and the feature. Importing the package therefore never fails on a torch of the supported range (2.6 and newer), or on
-a newer torch that renamed something.
+Looking a name up never fails: a name this torch lacks is None here and listed in ``MISSING``; the code using it takes
+the way described beside it, and where that loses a feature, ``degraded`` warns once, naming the torch version and the
+feature. Importing the package never fails on a torch of the supported range (2.6 and newer) or one renaming a name.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import importlib
 import inspect
+import threading
 import types
 import warnings
 import weakref
@@ -49,9 +50,8 @@ def lacks(path: str) -> bool:
 
 
 def _function(path: str, without: str, feature: str | None = None, value: Any = None) -> Callable[..., Any]:
-    """The function at ``path``; where absent, one that stands in for it: with no ``feature`` (what calls it rests on
-    it) calling it fails, naming what is missing (an error at use, reported by the caller's failure policy as any
-    other); with one, it warns once that ``feature`` is lost (``degraded``) and returns ``value``."""
+    """The function at ``path``; where absent, a stand-in: with no ``feature`` calling it fails, naming what is missing
+    (reported by the caller's failure policy); with one, it warns once that ``feature`` is lost and returns ``value``."""
     found = _find(path, without)
     if found is not None:
         return found
@@ -78,12 +78,10 @@ def degraded(feature: str, why: str) -> None:
 
 
 # ---------------------------------------------------------------- Dynamo (``torch._dynamo``): the capture
-
 # Dynamo's frontend with our backend (2.0+); ``isolate_recompiles`` (2.14+) gives the context a cache of its own.
-# Without it, the forward the context wraps is a copy of the user's function with a code object of its own
-# (``own_code``): Dynamo keeps its cache on the code object, so the user's ``torch.compile`` of the same forward is
-# untouched. (Frames Dynamo starts after a graph break inside a submodule share the user's code objects there; a
-# backend-match guard keeps each backend's graphs apart.)
+# Without it, the context wraps a copy of the user's forward with a code object of its own (``own_code``), which holds
+# Dynamo's cache: the user's ``torch.compile`` of it is untouched (frames after a graph break inside a submodule share
+# the user's code objects; a backend-match guard keeps each backend's graphs apart).
 _optimize = _find("torch._dynamo.eval_frame:_optimize", "no Dynamo capture: module hooks")
 try:
     ISOLATED_CACHE = _optimize is not None and "isolate_recompiles" in inspect.signature(_optimize).parameters
@@ -114,21 +112,18 @@ def graph_break_counts() -> Any:
     """Dynamo's graph breaks so far in the process, by reason (where this torch lacks them: none, and a warning)."""
     if counters is None:
         degraded("count graph breaks", "it has no torch._dynamo.utils.counters")
-        return {}
-    return counters["graph_break"]
+    return counters["graph_break"] if counters is not None else {}
 
 
 def graph_break_records() -> list[Any]:
     """Dynamo's record of its graph breaks, oldest first (where this torch lacks it: none, and a warning)."""
     if graph_break_reasons is None:
         degraded("name graph breaks", "it has no torch._dynamo.utils.graph_break_reasons")
-        return []
-    return graph_break_reasons
+    return graph_break_reasons if graph_break_reasons is not None else []
 
 
 def missing_for_dynamo() -> str | None:
-    """What this torch lacks for the Dynamo capture (None: nothing): Dynamo's frontend, the reading of its cache
-    entries and ``torch.compiler.set_stance`` (2.6+)."""
+    """What this torch lacks for the capture (None: nothing): Dynamo's frontend, its cache entries, ``set_stance``."""
     if _optimize is None:
         return "torch._dynamo.eval_frame has no _optimize"
     if _entries_for_region is None and _entries_of_code is None:
@@ -150,10 +145,9 @@ def region_of(context: Any) -> int | None:
 
 
 def own_code(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """``forward`` itself where the Dynamo context has a cache of its own; else the same function (and the same
-    bound object) with a copy of its code object, which holds a cache of its own. A forward of torch's own (which
-    Dynamo would wrap in its ``wrap_inline`` frame, one code object for all) is called from a frame of ours instead,
-    with a code object of its own."""
+    """``forward`` itself where the Dynamo context has a cache of its own; else the same function (and bound object)
+    with a copy of its code object, holding a cache of its own. One of torch's own (which Dynamo would wrap in its
+    ``wrap_inline`` frame, one code object for all) is called from a frame of ours instead."""
     function = getattr(forward, "__func__", forward)
     if ISOLATED_CACHE:
         return forward
@@ -192,20 +186,20 @@ def has_dynamo_setting(name: str) -> bool:
 
 def frames_skipped(functions: tuple[Callable[..., Any], ...], skipped: bool) -> None:
     """Whether Dynamo leaves the frames of ``functions``, and the frames they call, to run eagerly."""
+    for function in functions:
+        _code_skipped(function.__code__, skipped)
+
+
+def _code_skipped(code: types.CodeType, skipped: bool) -> None:
     if _set_code_exec_strategy is not None and _FrameAction is not None and _FrameExecStrategy is not None:
         action = _FrameAction.SKIP if skipped else _FrameAction.DEFAULT
-        for function in functions:
-            _set_code_exec_strategy(function.__code__, _FrameExecStrategy(action, action))
-        return
-    change = _skip_code if skipped else _reset_code
-    if change is not None:
-        for function in functions:
-            change(function.__code__)
+        _set_code_exec_strategy(code, _FrameExecStrategy(action, action))
+    elif (change := _skip_code if skipped else _reset_code) is not None:
+        change(code)
 
 
 def source_name(node: Any) -> str:
-    """The name of the source Dynamo gave a graph input (``L['self']._modules['0']._parameters['weight']``), '' where
-    none: a property in 2.8+, a method in 2.6-2.7."""
+    """The source Dynamo gave a graph input (``L['self']._parameters['weight']``; a method in 2.6-2.7), or ''."""
     source = getattr(node.meta.get("grapharg"), "source", None)
     name = getattr(source, "name", "") if source is not None else ""
     return (name() if callable(name) else name) or ""
@@ -217,7 +211,6 @@ tag_activation_checkpoint = _find("torch._higher_order_ops.wrap:tag_activation_c
 
 
 # ---------------------------------------------------------------- Dynamo, continued
-
 # Older aliases of ``torch.compiler.is_compiling`` (2.6-2.15): without one, the public two are answered alone.
 external_is_compiling = _find("torch._dynamo.external_utils:is_compiling", "the public is_compiling answered alone")
 utils_is_compiling = _find("torch._utils:is_compiling", "the public is_compiling answered alone")
@@ -229,20 +222,18 @@ check_key_padding_mask = _find("torch.nn.functional:_check_key_padding_mask", "n
 GLOBAL_MODULE_HOOKS = tuple(_find(f"torch.nn.modules.module:_global_{name}_hooks", "no global hooks seen", {})
                             for name in ("forward_pre", "forward", "backward_pre", "backward"))
 # Where a checkpointed region saves the inputs kept for its recompute, seen from the pack hook: ``_CheckpointFrame.
-# save_inputs`` (2.14+); before, the ``_NoopSaveInputs.apply`` that ``_checkpoint_without_reentrant_generator`` calls
-# (2.6-2.13). Without it they count as saved activations in the checking calls (HF's checkpointing refused).
+# save_inputs`` (2.14+), ``_checkpoint_without_reentrant_generator``'s ``_NoopSaveInputs.apply`` (2.6-2.13). Without
+# it they count as saved activations in the checking calls (HF's checkpointing refused).
 _saver = (_find("torch.utils.checkpoint:_CheckpointFrame.save_inputs", "the generator's frame looked for")
           or _find("torch.utils.checkpoint:_checkpoint_without_reentrant_generator", "kept inputs counted"))
 CHECKPOINT_INPUT_SAVERS = (_saver.__code__,) if _saver is not None else ()
 
 # ---------------------------------------------------------------- the autograd engine: capture and timing
-
 # The id of the backward pass the engine runs (-1: none; 2.6-2.15): tells a recompute inside backward (activation
 # checkpointing) from a forward call; without it, every call counts as forward.
 current_graph_task_id = _function("torch._C:_current_graph_task_id", "recomputes in backward count as forward",
                                   "tell a recompute inside backward from a forward call", -1)
-# The autograd node the engine runs (2.6-2.15): ties a recompute or an FSDP2 collective to its node; without it,
-# neither is tied to one.
+# The autograd node the engine runs (2.6-2.15): ties a recompute or an FSDP2 collective to its node (without: none).
 current_autograd_node = _function("torch._C:_current_autograd_node", "recomputes and collectives tied to no node",
                                   "tie a backward recompute or collective to its autograd node", None)
 # The sequence number the next autograd node gets (2.6-2.15): per-node backward timing and FLOP counting rest on it
@@ -256,7 +247,6 @@ queue_callback = _function("torch.autograd:Variable._execution_engine.queue_call
 engine_run_backward = _find("torch.autograd.graph:_engine_run_backward", "the stack searched to its top")
 
 # ---------------------------------------------------------------- the profiler's C++ side: backward events
-
 # Whether the C++ profiler runs (2.6-2.15): without it, another profiler is not noticed before ours starts.
 profiler_enabled = _function("torch._C._autograd:_profiler_enabled", "another profiler is not noticed",
                              "notice another profiler running", False)
@@ -267,8 +257,7 @@ _BACKWARD_EVENTS = {path: _find(path, "backward timed by hooks") for path in (
     "torch._C._autograd:_disable_profiler", "torch._C._profiler:ProfilerConfig", "torch._C._profiler:ProfilerState",
     "torch._C._profiler:ProfilerActivity", "torch._C._profiler:_ExperimentalConfig", "torch._C._profiler:RecordScope")}
 RecordScope = _BACKWARD_EVENTS["torch._C._profiler:RecordScope"]
-# Set while a torch.profiler session runs (2.6-2.15): without it, one started over ours is noticed only once the C++
-# profiler is off.
+# Set while a torch.profiler session runs (2.6-2.15): without it, one over ours is seen only once the profiler is off.
 _find("torch.autograd.profiler:_is_profiler_enabled", "a session over ours noticed only once the profiler is off")
 # torch's lean profiler range, ~1 us (2.6-2.15): without it, ``record_function``'s (3-7 us) bound the anchors.
 RecordFunctionFast = _find("torch._C._profiler:_RecordFunctionFast", "record_function's ranges")
@@ -284,9 +273,8 @@ def start_backward_events() -> None:
     ProfilerConfig, ProfilerState, ProfilerActivity, ExperimentalConfig = (_BACKWARD_EVENTS[f"torch._C._profiler:{name}"]
         for name in ("ProfilerConfig", "ProfilerState", "ProfilerActivity", "_ExperimentalConfig"))
     config = ProfilerConfig(ProfilerState.KINETO, False, False, False, False, False, ExperimentalConfig())
-    activities = {ProfilerActivity.CPU}
-    _BACKWARD_EVENTS["torch._C._autograd:_prepare_profiler"](config, activities)
-    _BACKWARD_EVENTS["torch._C._autograd:_enable_profiler"](config, activities, {RecordScope.BACKWARD_FUNCTION})
+    _BACKWARD_EVENTS["torch._C._autograd:_prepare_profiler"](config, {ProfilerActivity.CPU})
+    _BACKWARD_EVENTS["torch._C._autograd:_enable_profiler"](config, {ProfilerActivity.CPU}, {RecordScope.BACKWARD_FUNCTION})
 
 
 def stop_backward_events() -> Any:
@@ -299,7 +287,6 @@ def torch_profiler_running() -> bool:
     return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", False))
 
 # ---------------------------------------------------------------- dispatch and pytree: FLOPs and the checks
-
 # Python kernels (meta ones) in dispatch (2.6-2.15): FLOP counting runs under it; without it, ops whose meta kernel
 # is Python's get no FLOPs (each reported as a node without one).
 enable_python_dispatcher = _find("torch._dispatch.python:enable_python_dispatcher", "Python meta kernels unused",
@@ -308,14 +295,12 @@ enable_python_dispatcher = _find("torch._dispatch.python:enable_python_dispatche
 META_KEY = _find("torch._C:DispatchKey.Meta", "no float meta kernel for aten._grouped_mm")
 # The MoE experts' op (2.11+; not 2.6): without it, no formula or meta kernel of ours for it.
 grouped_mm = _find("torch:ops.aten._grouped_mm", "no FLOP formula for it")
-# Fake tensors' cache (``FakeTensorMode.cache``, 2.6-2.15): its entries made while our kernel was in place are dropped;
-# without it, nothing to drop.
+# Fake tensors' cache (``FakeTensorMode.cache``, 2.6-2.15): its entries made while our kernel was in place are dropped.
 FakeTensorMode = _find("torch._subclasses.fake_tensor:FakeTensorMode", "no fake-tensor cache to clear")
 # Nested containers' leaves (2.6-2.15): the checks rest on them (they fail at use without them).
 tree_leaves = _function("torch.utils._pytree:tree_leaves", "the checks fail at use")
 
 # ---------------------------------------------------------------- Inductor: per-layer times of compiled modules
-
 # Inductor's and AOTAutograd's settings (2.6-2.15; ``trace.provenance_tracking_to_timeline`` 2.14+), a compiled
 # graph's id (2.6-2.15) and its kernels' origins (2.14+; not 2.6, 2.11): without one, compiled modules get no
 # per-layer times from kernels (``missing_for_kernels``).
@@ -325,7 +310,6 @@ CompileContext = _find("torch._guards:CompileContext", "no per-layer times from 
 get_kernel_information_jsons = _find("torch._inductor.debug:get_kernel_information_jsons", "no per-layer times from kernels")
 
 # ---------------------------------------------------------------- FSDP2's private state (``fully_shard``)
-
 # A module's FSDP2 state, its parameter groups and their states (2.6-2.15): the checking calls put them back after
 # them; without one, an FSDP2 model is not captured by Dynamo (``verify.fsdp2_kept``) and gets no collective rows.
 get_module_fsdp_state = _find("torch.distributed.fsdp._fully_shard._fsdp_state:_get_module_fsdp_state", "not kept")
@@ -336,16 +320,14 @@ TrainingState = _find("torch.distributed.fsdp._fully_shard._fsdp_common:Training
 
 
 def fsdp_param_groups(state: Any) -> list[Any]:
-    """An FSDP2 state's parameter groups: a list in 2.14+ (``_fsdp_param_groups``), at most one before
-    (``_fsdp_param_group``, 2.6-2.13)."""
+    """An FSDP2 state's parameter groups (``_fsdp_param_groups`` 2.14+; one ``_fsdp_param_group`` in 2.6-2.13)."""
     groups, group = getattr(state, "_fsdp_param_groups", None), getattr(state, "_fsdp_param_group", None)
     return list(groups) if groups is not None else [group] if group is not None else []
 
 
-# The backend a ``torch.compile``'d module was given, by name (2.6-2.15): ``OptimizedModule.dynamo_ctx.callback``,
-# whose wrappers each hold the one inside as ``_torchdynamo_orig_backend`` or ``_torchdynamo_orig_callable``, down to the backend's own wrapper with
-# its ``compiler_name`` ("inductor", "eager"). Without it (another layout; a ``module.compile()``, whose context is in
-# a closure), the backend is known only after the cycle, when no Inductor-compiled graph ran in it.
+# The backend a ``torch.compile``'d module was given, by name (2.6-2.15): ``OptimizedModule.dynamo_ctx.callback``'s
+# wrappers hold the one inside (``_torchdynamo_orig_backend``/``_callable``) down to the backend's, with its
+# ``compiler_name``. Without it (a ``module.compile()``: the context in a closure), known after the cycle only.
 def compile_backend(module: Any) -> str | None:
     """The name of the backend ``module`` (an ``OptimizedModule``) is compiled by, or None where not known."""
     found = getattr(getattr(module, "dynamo_ctx", None), "callback", None)
@@ -356,11 +338,10 @@ def compile_backend(module: Any) -> str | None:
     return None
 
 
-# Dynamo starts a frame at the forward of a torch.nn (or torch.ao) module that has hooks, though torch.nn's files are
-# skipped (2.14+: ``trace_rules.check_verbose`` takes the ``frame``): after a graph break at a hook run eagerly, which
-# makes Dynamo run the whole calling frame eagerly (the loop of ``Sequential.forward``), the module's ops get a graph
-# of their own. Before (checked on 2.6 and 2.11) that frame is skipped and its ops run outside the graphs, untimed:
-# ``hooked_forward`` gives such a module a forward of its own, a frame of ours that calls torch's, which Dynamo starts.
+# Dynamo starts a frame at the forward of a torch.nn (or torch.ao) module with hooks, though torch.nn's files are
+# skipped (2.14+: ``trace_rules.check_verbose`` takes the ``frame``): after a graph break at a hook run eagerly, the
+# module's ops get a graph of their own. Before (2.6, 2.11) that frame is skipped, its ops untimed: ``hooked_forward``
+# gives such a module a forward of its own, a frame of ours calling torch's, which Dynamo starts.
 try:
     HOOKED_FORWARD_FRAMES = trace_rules is not None and "frame" in inspect.signature(trace_rules.check_verbose).parameters
 except (AttributeError, TypeError, ValueError):
@@ -368,18 +349,16 @@ except (AttributeError, TypeError, ValueError):
 
 
 def hooked_forward(module: Any) -> Callable[..., Any] | None:
-    """Where Dynamo would skip ``module``'s forward frame though the module has forward hooks (a torch.nn module on a
-    torch without ``HOOKED_FORWARD_FRAMES``): a function calling its forward, for the module's ``forward`` attribute
-    (the same ops, the same hooks, from a frame Dynamo starts). None where nothing is needed."""
+    """Where Dynamo would skip a hooked torch.nn ``module``'s forward frame (without ``HOOKED_FORWARD_FRAMES``): a
+    function calling its forward, for its ``forward`` attribute (a frame Dynamo starts); None where not needed."""
     if HOOKED_FORWARD_FRAMES or "forward" in module.__dict__ or not (module._forward_hooks or module._forward_pre_hooks):
         return None
     return _caller(module.forward) if type(module).__module__.startswith(("torch.nn.", "torch.ao.")) else None
 
 
 def compiling_answers() -> dict[Any, Any]:
-    """Dynamo's answers for "are we compiling?" while it traces, as a dict to edit (``tracing_state_functions``: a
-    function returning its cached dict in 2.11+, the dict itself in 2.6; empty where missing: those calls are then
-    answered as Dynamo answers them, and a model that branches on them is refused)."""
+    """Dynamo's answers for "are we compiling?" while it traces, a dict to edit (a function's cached dict in 2.11+, the
+    dict in 2.6; empty where missing: Dynamo answers them, and a model that branches on them is refused)."""
     answers = tracing_state_functions() if callable(tracing_state_functions) else tracing_state_functions
     return answers if isinstance(answers, dict) else {}
 
@@ -408,12 +387,11 @@ def forget_compiles(compile_ids: set[Any], shared: bool = False) -> None:
                 manager.extra_state.invalidate(manager.cache_entry, _DeletedGuardManager("dropped by fxprof_lightning"))
 
 
-# Functions libraries call inside ``try``/``except`` that an older torch lacks: ``torch.compiler.is_exporting`` (2.7+)
-# and ``torch.xpu.is_current_stream_capturing`` (2.7+; HF's masks ask both). Where one is missing, Dynamo 2.6 cannot
-# trace the ``AttributeError`` the ``except`` catches, and the capture failed (HF Llama). While a capture is
-# installed, such a torch lends one answering False, as the missing name's ``except`` does.
-_LENT = [(owner, name) for owner, name in ((torch.compiler, "is_exporting"), (getattr(torch, "xpu", None),
-                                                                              "is_current_stream_capturing"))
+# Functions libraries call inside ``try``/``except`` that 2.6 lacks: ``torch.compiler.is_exporting`` and
+# ``torch.xpu.is_current_stream_capturing`` (2.7+; HF's masks ask both): Dynamo 2.6 cannot trace the ``AttributeError``,
+# and the capture failed (HF Llama). While a capture is installed, such a torch lends one answering False.
+_LENT = [(owner, name) for owner, name in ((torch.compiler, "is_exporting"),
+                                           (getattr(torch, "xpu", None), "is_current_stream_capturing"))
          if owner is not None and not hasattr(owner, name)]
 
 
@@ -422,8 +400,7 @@ def _answers_false() -> bool:
 
 
 def lend_missing_queries(lent: bool) -> None:
-    """Put the missing functions (answering False) in place, or take them back; the same function object each time,
-    since Dynamo's graphs guard on it."""
+    """Put the missing functions (answering False, one object: Dynamo guards on it) in place, or take them back."""
     for owner, name in _LENT:
         if lent:
             setattr(owner, name, _answers_false)
@@ -442,30 +419,24 @@ if not PROVENANCE_LEVEL:
 
 
 def kernel_provenance() -> tuple[dict[str, list[str]], int]:
-    """Inductor's kernel -> post-grad nodes record now in use, and the last debug handle it gave (``PROVENANCE_LEVEL``):
-    the kernels a graph's code generation adds after its post-grad pass have greater handles, in that dict."""
+    """Inductor's kernel -> post-grad nodes record (``PROVENANCE_LEVEL``) and its last debug handle: kernels added
+    after a graph's post-grad pass have greater ones."""
     return (inductor_debug._inductor_triton_kernel_to_post_grad_node_info,
             inductor_debug._inductor_kernel_provenance_debug_handle)
 
-# Whether Dynamo's guards catch a flip of a module parameter's ``requires_grad`` (``BackboneFinetuning`` unfreezing a
-# backbone). Not a private name: a version's behaviour. Before 2.14 (checked on 2.6.0 and 2.11.0) Dynamo's C++ guard
-# manager takes a tensor held in a dict (a module's ``_parameters``) as immutable while the dict's version tag is
-# unchanged, and skips its TENSOR_MATCH (requires_grad, dtype, shape): ``requires_grad_`` leaves the tag as it was, so
-# the graph of the frozen state passes its guards (2.11 names it ``config.skip_tensor_guards_with_matching_dict_tags``;
-# 2.6 has no setting). 2.14.1 fails the guard. Where False, the timer compares the parameters' flags itself before each
+# Whether Dynamo's guards catch a flip of a parameter's ``requires_grad`` (``BackboneFinetuning`` unfreezing a backbone;
+# a version's behaviour, no private name): before 2.14 (2.6.0, 2.11.0) the C++ guard manager skips the TENSOR_MATCH of
+# a tensor in a dict (``_parameters``) whose version tag is unchanged, which ``requires_grad_`` leaves (2.11's
+# ``config.skip_tensor_guards_with_matching_dict_tags``). Where False, the timer compares the flags itself before each
 # call (``dynamo._parameter_flags``) and captures again in a fresh cache; nothing is lost.
 PARAMETER_FLAGS_GUARDED = torch.torch_version.TorchVersion(TORCH) >= "2.14"
-# Whether Dynamo traces the module-level ``random.random()`` (a C method bound to ``random``'s own ``Random``) into its
-# graph, replaying the draw (2.14+, checked on 2.14.1); before (checked on 2.6.0, 2.11.0) it breaks the graph there and
-# draws eagerly, so the captured program is eager's, and the frame resumed after the break gets the drawn float as a
-# constant, an input of the graph from its second value on (automatic dynamic: one call missing the guards, untimed,
-# then a capture). Not a private name, nothing lost: tests read it to expect each torch's capture.
+# Whether Dynamo traces the module-level ``random.random()`` into its graph, replaying the draw (2.14.1); before (2.6.0,
+# 2.11.0) it breaks the graph there and draws eagerly; the resumed frame gets the float as a constant, then as an input
+# (automatic dynamic: one call missing the guards, untimed, then a capture). Tests read it to expect each capture.
 TRACES_RANDOM_RANDOM = torch.torch_version.TorchVersion(TORCH) >= "2.14"
-# ``torch.cuda.is_current_stream_capturing`` (all versions) is documented to answer False where no CUDA context
-# exists, but raises on a CUDA build without its driver; eager's ``try``/``except`` (HF's ``is_tracing``) turns that
-# into False, while Dynamo before 2.14 runs the call as it traces and the capture failed (2.6, 2.11 seen: HF Llama,
-# GPT-2). On such a torch and machine it answers False while a capture is installed (its code swapped, its identity
-# kept: the graphs guard on it).
+# ``torch.cuda.is_current_stream_capturing`` raises on a CUDA build without its driver (documented: False); eager's
+# ``try``/``except`` (HF's ``is_tracing``) makes that False, but Dynamo before 2.14 failed the capture (2.6, 2.11: HF
+# Llama, GPT-2). There it answers False while a capture is installed (its code swapped, its identity kept: guarded).
 TRACES_STREAM_QUERY_WITHOUT_CUDA = torch.torch_version.TorchVersion(TORCH) >= "2.14"
 _stream_query = _find("torch.cuda.graphs:is_current_stream_capturing", "nothing to answer")
 _STREAM_QUERY_CODE = getattr(_stream_query, "__code__", None)
@@ -479,43 +450,39 @@ def lend_stream_query(lent: bool) -> None:
 
 
 # Following torch's own frames after a graph break (the capture's "follow" way, ``DynamoTimer._explore``): Dynamo's
-# setting ``dont_skip_tracing`` (2.8+) makes its trace rules (``trace_rules.lookup_inner``) answer "trace" for every
-# function but Dynamo's own. On 2.6-2.7, which lack the setting, ``following`` gives ``trace_rules.lookup_inner`` that
-# answer for torch's own code (not Dynamo's; other skipped files, Python's own, stay skipped) inside the capture alone
-# (2.6-2.15 have it, called through the module by ``check``/``check_verbose``; ``getfile``, ``_module_dir`` and the two
-# variable classes likewise). Without one of them (``FOLLOWS`` False), the frames of torch's own code after a graph
-# break run eagerly, untimed (``degraded`` says so where asked).
+# ``dont_skip_tracing`` (2.8+) makes ``trace_rules.lookup_inner`` answer "trace" for all but Dynamo's own functions. On
+# 2.6-2.7 ``following`` swaps in, for the capture alone, a ``lookup_inner`` answering so for torch's own code (Python's
+# stays skipped; it, ``getfile``, ``_module_dir``, the two variable classes: 2.6-2.15). Without one (``FOLLOWS``
+# False), torch's frames after a graph break run eagerly, untimed (``degraded`` says so where asked).
 _lookup_inner = _find("torch._dynamo.trace_rules:lookup_inner", "torch's frames after a break run untimed")
 _getfile = _find("torch._dynamo.trace_rules:getfile", "torch's frames after a break run untimed")
 _module_dir = _find("torch._dynamo.trace_rules:_module_dir", "torch's frames after a break run untimed")
 UserFunctionVariable = _find("torch._dynamo.variables:UserFunctionVariable", "torch's frames after a break run untimed")
 FOLLOWS = has_dynamo_setting("dont_skip_tracing") or None not in (
     _lookup_inner, _getfile, _module_dir, SkipFunctionVariable, UserFunctionVariable)
-# Where a Dynamo context has no cache of its own (< 2.14, ``ISOLATED_CACHE``), a frame Dynamo was called for and
-# skipped by its trace rules (``trace_rules.check``, 2.6-2.15) is marked skipped on its code object, for every context
-# after: the frames of torch's own code that a capture not following them skipped (``nn.Transformer``'s layers after
-# its causal-mask check) stayed skipped in the following capture, which then gave the same graphs (checked on 2.11).
-# ``following`` notes those codes while each capture runs, and marks them not skipped again (``set_code_exec_strategy``
-# 2.8+, ``reset_code`` 2.6-2.7, as ``frames_skipped``) before a capture that follows them. Without ``trace_rules.check``
-# nothing is noted, and a following capture after another leaves torch's frames untimed as before.
+# Where a Dynamo context has no cache of its own (< 2.14), a frame its trace rules skipped (``trace_rules.check``,
+# 2.6-2.15) stays marked skipped on its code object for every later context: torch's frames that a capture not
+# following them skipped (``nn.Transformer``'s layers after its mask check) stayed skipped in a following one (2.11).
+# ``following`` notes those codes in each capture and marks them not skipped (``_code_skipped``) before one that
+# follows them. Without ``trace_rules.check`` nothing is noted: torch's frames stay untimed there, as before.
 _check = getattr(trace_rules, "check", None)
 _SKIPPED: weakref.WeakSet[types.CodeType] = weakref.WeakSet()  # codes Dynamo's trace rules skipped in a capture (< 2.14)
 
 
 @contextlib.contextmanager
 def following(follow: bool, settings: dict[str, Any]) -> Any:
-    """Inside the block (one capture), Dynamo's ``settings`` (``dynamo_config``), and Dynamo follows torch's own frames
-    after a graph break where ``follow`` (``dont_skip_tracing``; on a torch without it, ``trace_rules.lookup_inner``
-    answers as the setting would); where a context has no cache of its own, the frames a capture before skipped are
-    first marked not skipped, and those this capture skips are noted."""
+    """Inside the block (one capture), Dynamo's ``settings``; Dynamo follows torch's own frames after a graph break
+    where ``follow`` (``dont_skip_tracing``, or ``_followed_lookup``); where a context has no cache of its own, the
+    frames a capture before skipped are first marked not skipped, and those this capture skips are noted."""
     if follow and not FOLLOWS:
         degraded("follow torch's own frames after a graph break",
                  "it has neither torch._dynamo.config.dont_skip_tracing nor the trace rules to answer as it; torch's "
                  "own code after a graph break runs eagerly, untimed")
     saved: dict[str, Any] = {}
     if not ISOLATED_CACHE and _check is not None:
-        if follow:
-            _unskip(list(_SKIPPED))
+        if follow:  # torch's frames a capture before skipped (not Dynamo's own, nor codes holding cache entries)
+            for code in [c for c in _SKIPPED if _torch_not_dynamo(c.co_filename) and not cache_entries(c, None)]:
+                _code_skipped(code, False)
             _SKIPPED.clear()
         saved["check"] = _check
         trace_rules.check = _noting_check
@@ -546,8 +513,7 @@ def _torch_not_dynamo(filename: str) -> bool:
 
 def _followed_lookup(obj: Any, name: Any = None, filename: Any = None, is_direct_call: bool = True,
                      reasons: Any = None) -> Any:
-    """``trace_rules.lookup_inner`` as ``dont_skip_tracing`` makes it answer (2.8+) for torch's own code: a function of
-    torch's it would skip is traced, but for Dynamo's own."""
+    """``trace_rules.lookup_inner`` answering as ``dont_skip_tracing`` (2.8+) makes it for torch's own code, not Dynamo's."""
     rule = _lookup_inner(obj, name, filename, is_direct_call, reasons)
     if rule is not SkipFunctionVariable:
         return rule
@@ -559,36 +525,69 @@ def _followed_lookup(obj: Any, name: Any = None, filename: Any = None, is_direct
     return UserFunctionVariable
 
 
-def _unskip(codes: list[types.CodeType]) -> None:
-    """Mark ``codes`` not skipped by Dynamo (those of Dynamo's own, and any holding cache entries, left as they are)."""
-    for code in codes:
-        if not _torch_not_dynamo(code.co_filename) or cache_entries(code, None):
-            continue
-        if _set_code_exec_strategy is not None and _FrameAction is not None and _FrameExecStrategy is not None:
-            _set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.DEFAULT, _FrameAction.DEFAULT))
-        elif _reset_code is not None:
-            _reset_code(code)
 # Whether Dynamo goes on after a graph break inside a loop (2.11, 2.14, 2.15 yes; 2.6 no: the frame runs eagerly,
 # its layers untimed, each named in ``Capture.untimed``: HF Llama's ``lm_head``).
 RESUMES_IN_LOOPS = torch.torch_version.TorchVersion(TORCH) >= "2.11"
 
 # ---------------------------------------------------------------- saved tensors: what autograd keeps for backward
-# Read without unpacking (no user's hook runs, no region recomputes): a node's ``_raw_saved_<name>`` (2.6-2.15),
-# ``SavedTensor.data``/``.unpack_hook`` (2.11-2.15; not 2.6: no saved bytes). A non-reentrant checkpoint's unpack hook
-# holds its ``_CheckpointFrame`` (``frame``): inputs in ``saved_args`` (2.14+), ``input_saver.grad_fn`` (2.6-2.13).
+# Read running no hook, recomputing nothing: a node's ``_raw_saved_<name>`` (2.6-2.15), ``SavedTensor.data`` and
+# ``.unpack_hook`` (2.11-2.15). On 2.6-2.10 ``_saved_<name>`` unpacks, running no hook where none was on top when the
+# node was made: ``_push``/``_pop_saved_tensors_default_hooks`` (2.6-2.15), wrapped from import on (Dynamo guards on
+# them), note those pushed in the forward call (``note_saved_hooks``); without them, no saved bytes. A checkpoint's
+# unpack hook holds its ``_CheckpointFrame``: inputs in ``saved_args`` (2.14+), ``input_saver.grad_fn`` (2.6-2.13).
 _SavedTensor = _find("torch._C._autograd:SavedTensor", "no saved bytes")
-READS_SAVED_TENSORS = None not in [_find(f"torch._C._autograd:SavedTensor.{n}", "no saved bytes") for n in ("data", "unpack_hook")]
+HAS_DATA = None not in [_find(f"torch._C._autograd:SavedTensor.{n}", "saved bytes by unpacking") for n in ("data", "unpack_hook")]
+_push, _pop = (_find(f"torch._C._autograd:_{n}_saved_tensors_default_hooks", "no saved bytes") for n in ("push", "pop"))
+READS_SAVED_TENSORS = HAS_DATA or None not in (_push, _pop)
 _RAW_SAVED: dict[type, tuple[str, ...]] = {}  # node type -> its ``_raw_saved_<name>`` attributes
+_NOTES: list[Any] = []  # (``note_saved_hooks``) the thread, its notes, the unpack hooks pushed since
 
 
-def saved_tensors(node: Any) -> list[tuple[Any, Any]]:
-    """``(stored, unpack hook or None)`` of each tensor the autograd ``node`` saved ([] without the names above)."""
+def note_saved_hooks(notes: list[tuple[int, Any]] | None) -> None:
+    """Until None: each change of the hooks on top in this thread into ``notes`` (sequence number, unpack hook or None)."""
+    _NOTES[:] = [threading.get_ident(), notes, []] if notes is not None else []
+
+
+def _noting_push(pack_hook: Any, unpack_hook: Any) -> None:
+    _push(pack_hook, unpack_hook)
+    if _NOTES and _NOTES[0] == threading.get_ident():
+        _NOTES[2].append(unpack_hook)
+        _NOTES[1].append((sequence_nr_now(), unpack_hook))
+
+
+def _noting_pop() -> None:
+    _pop()
+    if _NOTES and _NOTES[0] == threading.get_ident() and _NOTES[2]:
+        _NOTES[2].pop()
+        _NOTES[1].append((sequence_nr_now(), _NOTES[2][-1] if _NOTES[2] else None))
+
+
+if not HAS_DATA and READS_SAVED_TENSORS:
+    torch._C._autograd._push_saved_tensors_default_hooks, torch._C._autograd._pop_saved_tensors_default_hooks = (
+        _noting_push, _noting_pop)
+
+
+def saved_tensors(node: Any, notes: list[tuple[int, Any]] | None = None) -> list[tuple[Any, Any]]:
+    """``(tensor or None, unpack hook or None)`` per tensor ``node`` saved (``notes``: its call's, without ``HAS_DATA``)."""
     if (names := _RAW_SAVED.get(type(node))) is None:
         names = _RAW_SAVED[type(node)] = tuple(n for n in dir(type(node)) if n.startswith("_raw_saved_"))
-    values = [getattr(node, name) for name in names] if READS_SAVED_TENSORS else []  # (a list: a list's own saved)
-    return [(s.data, s.unpack_hook) for v in values for s in (v if isinstance(v, tuple | list) else (v,)) if s is not None]
+    if HAS_DATA:
+        return [(s.data, s.unpack_hook) for s in _flat(getattr(node, n) for n in names)]
+    at = bisect.bisect_right(notes or [], node._sequence_nr(), key=lambda note: note[0]) - 1
+    if notes is None or (at >= 0 and notes[at][1] is not None):  # (not noted, or packed by the hook on top then)
+        return [(None, notes[at][1]) for _ in _flat(getattr(node, n) for n in names)] if notes else []
+    try:  # no hook on top: unpacking runs none (an op's ``_saved_x``, a Function's ``saved_tensors``)
+        return [(t, None) for t in _flat(getattr(node, n[4:] if hasattr(type(node), n[4:]) else "saved_tensors")
+                                         for n in names)]
+    except RuntimeError:  # modified in place since: unknown to backward as well
+        return []
 
-def checkpoint_inputs(unpack_hook: Any) -> tuple[Any, list[Any]] | None:
+
+def _flat(values: Any) -> list[Any]:
+    return [s for v in values for s in (v if isinstance(v, tuple | list) else (v,)) if s is not None]
+
+
+def checkpoint_inputs(unpack_hook: Any, notes: list[tuple[int, Any]] | None = None) -> tuple[Any, list[Any]] | None:
     """The frame of the checkpointed region whose unpack hook this is and the inputs it keeps; None: another hook."""
     code = getattr(unpack_hook, "__code__", None)
     if code is None or code.co_filename != torch.utils.checkpoint.__file__ or "frame" not in code.co_freevars:
@@ -596,5 +595,5 @@ def checkpoint_inputs(unpack_hook: Any) -> tuple[Any, list[Any]] | None:
     frame = unpack_hook.__closure__[code.co_freevars.index("frame")].cell_contents
     saved, node = getattr(frame, "saved_args", None), getattr(getattr(frame, "input_saver", None), "grad_fn", None)
     kept = [(s.data, None) for s in saved if isinstance(s, _SavedTensor)] if isinstance(saved, list) else (
-        saved_tensors(node) if node is not None else [])
+        saved_tensors(node, notes) if node is not None else [])
     return frame, [t for t, hook in kept if hook is None]

@@ -190,27 +190,98 @@ def test_training_is_bitwise_unchanged_with_memory_measured(tmp_path):
 
 
 def test_a_users_saved_tensors_hooks_run_untouched_and_leave_the_bytes_unknown(tmp_path):
-    packed = []
+    packed, unpacked = [], []
 
     def pack(tensor):
         packed.append(tensor.shape)
         return tensor.clone()
+
+    def unpack(tensor):
+        unpacked.append(tensor.shape)
+        return tensor
 
     model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         prof = Profiler(model, wait=0, warmup=1, active=2, repeat=2, dirpath=tmp_path, torch_profiler=False,
                         pictures=False, sinks=[])
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), prof:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack), prof:
             for _ in range(6):
-                before = len(packed)
-                model(torch.randn(BATCH, 32)).sum().backward()
+                before, out = len(packed), model(torch.randn(BATCH, 32))
+                assert len(packed) - before == 4 and len(unpacked) == before  # the read unpacked nothing
+                out.sum().backward()
                 assert len(packed) - before == 4  # every saved tensor went through the user's hook, each step
+                assert len(unpacked) == len(packed)  # each unpacked once, by backward
                 prof.step()
     assert len(prof.cycles) == 2 and all(n.saved_bytes is None for c in prof.cycles for n in c.nodes)
     assert not [w for w in caught if issubclass(w.category, FxprofWarning)]  # (the hooks are the user's choice)
     markdown = prof.cycles[0].to_markdown()  # said once per cycle, in its report
     assert "MB saved/step" not in markdown and markdown.count("a saved_tensors_hooks of yours packs") == 1
+
+
+def _same(tensor):
+    return tensor
+
+
+class HooksInside(nn.Module):
+    """A block whose forward packs what it saves with hooks of its own (as CPU offload of one block does)."""
+
+    def __init__(self, unpack):
+        super().__init__()
+        self.pre, self.block, self.head, self.unpack = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 4), unpack
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pre(x).relu()
+        with torch.autograd.graph.saved_tensors_hooks(_same, self.unpack):
+            h = self.block(h)
+        return self.head(h)
+
+
+def test_hooks_pushed_inside_the_forward_leave_only_their_rows_unknown(tmp_path):
+    unpacked = []
+
+    def unpack(tensor):
+        unpacked.append(torch.is_grad_enabled())  # (False in backward; True where a forward's read would run it)
+        return tensor
+
+    cycle = _profile(HooksInside(unpack), tmp_path)
+    assert len(unpacked) >= 10 and not any(unpacked)  # the block's input and weight, by each backward only
+    saved = {m.path: m.saved_bytes_per_step for m in cycle.modules}
+    assert saved["pre"] == BATCH * 32 * F32  # x
+    # (2.14 runs the rest of the forward eagerly, untimed, after Dynamo's break at the hooks: no rows there)
+    assert saved.get("block") is None and saved.get("head", BATCH * 32 * F32) == BATCH * 32 * F32
+    if "block" in saved:
+        assert "a saved_tensors_hooks of yours packs" in cycle.to_markdown()
+
+
+def test_reading_runs_no_unpack_hook_and_recomputes_no_checkpointed_region():
+    calls, unpacked = [], []
+
+    def block(x):
+        calls.append(1)
+        return x.sin().cos()
+
+    def unpack(tensor):
+        unpacked.append(1)
+        return tensor
+
+    x, notes = torch.randn(4, requires_grad=True), None if torch_api.HAS_DATA else []
+    torch_api.note_saved_hooks(notes)
+    h = checkpoint(block, x * 2, use_reentrant=False)
+    with torch.autograd.graph.saved_tensors_hooks(_same, unpack):
+        out = h.exp()
+    y = out.tanh()  # (unhooked: it saves its result)
+    torch_api.note_saved_hooks(None)
+    tanh, exp = y.grad_fn, y.grad_fn.next_functions[0][0]
+    cos = exp.next_functions[0][0]
+    assert [t.data_ptr() for t, hook in torch_api.saved_tensors(tanh, notes)] == [y.data_ptr()] and not unpacked
+    assert [hook is not None for _, hook in torch_api.saved_tensors(exp, notes)] == [True]
+    assert torch_api.checkpoint_inputs(torch_api.saved_tensors(exp, notes)[0][1], notes) is None  # the user's hook
+    (_, hook), = torch_api.saved_tensors(cos, notes)
+    _, inputs = torch_api.checkpoint_inputs(hook, notes)
+    assert [t.shape for t in inputs if t.numel()] == [x.shape] and calls == [1] and not unpacked  # nothing recomputed nor unpacked
+    y.sum().backward()
+    assert calls == [1, 1] and unpacked == [1]  # backward alone recomputes the region and unpacks
 
 
 def test_memory_off_leaves_the_tables_as_they_were(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fxprof_lightning import FxprofWarning, torch_api
+from fxprof_lightning.timing.saved_memory import read_saved_bytes
 
 # Takes private names away from torch (``REMOVE``), then imports every module of the package and runs ``USE``; prints
 # what torch_api found missing and the package's warnings meanwhile.
@@ -42,6 +43,27 @@ PROFILED = """model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()
     result["method"] = prof.cycles[0].capture.method"""
 
 
+NO_DATA = "if hasattr(torch._C._autograd.SavedTensor, 'data'):\n    del torch._C._autograd.SavedTensor.data\n"
+
+
+def test_a_torch_without_saved_tensor_data_reads_saved_bytes_by_unpacking(tmp_path):
+    """As on 2.6-2.10: the saved bytes read by unpacking where no hook was on top, no warning."""
+    use = PROFILED + "\n    result['saved'] = [n.saved_bytes for n in prof.cycles[0].nodes]"
+    result = _run(NO_DATA, use, str(tmp_path))
+    assert "torch._C._autograd:SavedTensor.data" in result["missing"] and result["warnings"] == []
+    assert result["method"] == "dynamo" and sum(result["saved"]) == 2 * 4 * 4 + 2 * 4 * 4  # x, the ReLU's result
+
+
+def test_a_torch_with_neither_way_to_read_saved_tensors_warns_and_reads_none(monkeypatch):
+    """Without ``SavedTensor.data`` nor the hooks' push and pop (the capture needs them: checked in process)."""
+    monkeypatch.setattr(torch_api, "_TOLD", set())
+    monkeypatch.setattr(torch_api, "HAS_DATA", False)
+    monkeypatch.setattr(torch_api, "READS_SAVED_TENSORS", False)
+    with pytest.warns(FxprofWarning, match=r"cannot read the bytes saved for backward: it has no torch\._C\._autograd\."
+                      r"SavedTensor\.data or \.unpack_hook \(2\.11\+\), nor _push/_pop_saved_tensors_default_hooks"):
+        assert read_saved_bytes(None, 0, 0, [], [], [], None, 3).per_call(0) is None
+
+
 def _run(remove: str, use: str, directory: str) -> dict:
     script = SCRIPT.format(remove=remove, use=use)
     done = subprocess.run([sys.executable, "-c", script, directory], capture_output=True, text=True, timeout=300)
@@ -55,9 +77,6 @@ def _run(remove: str, use: str, directory: str) -> dict:
     ("del torch._C._current_graph_task_id", "torch._C:_current_graph_task_id",
      "cannot tell a recompute inside backward from a forward call: it has no torch._C._current_graph_task_id; "
      "recomputes in backward count as forward"),
-    ("del torch._C._autograd.SavedTensor.data", "torch._C._autograd:SavedTensor.data",
-     "cannot read the bytes saved for backward: it has no torch._C._autograd.SavedTensor.data or .unpack_hook (2.11+), "
-     "and unpacking would run saved_tensors_hooks; no saved bytes"),
 ])
 def test_a_torch_without_a_name_imports_profiles_and_warns_once(tmp_path, remove, path, warning):
     """The package imports, the name is in ``MISSING``, and a profiled loop that needs it runs with the Dynamo

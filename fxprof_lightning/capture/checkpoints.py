@@ -102,9 +102,11 @@ def open_checkpoints(graph_module: fx.GraphModule, instrumented: Callable[[fx.Gr
     graph.set_codegen(graph_module.graph._codegen)
     output = graph.graph_copy(graph_module.graph, copies)
     graph.output(output)
+    bodies = []
     for node in graph.nodes:
         if not _is_checkpoint(node):
             continue
+        bodies.append(node.args[0])
         body = getattr(graph_module, node.args[0].target)
         checkpoint_kwargs, body_kwargs = torch_api.tag_activation_checkpoint.divide_kwargs(node.kwargs)
         if "_checkpoint_context_fn" in body.meta:
@@ -116,7 +118,7 @@ def open_checkpoints(graph_module: fx.GraphModule, instrumented: Callable[[fx.Gr
         node.args, node.kwargs = operands, body_kwargs
         node.meta[NESTS] = True
         mark_untimed(node)
-    graph.eliminate_dead_code()
+    _erase_unused(graph, bodies)
     return fx.GraphModule(graph_module, graph, class_name=type(graph_module).__name__)
 
 
@@ -128,6 +130,7 @@ def inline_checkpoints(graph_module: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     graph.set_codegen(graph_module.graph._codegen)
     copies: dict[fx.Node, Any] = {}
+    bodies = [node.args[0] for node in graph_module.graph.nodes if _is_checkpoint(node)]
     for node in graph_module.graph.nodes:
         if not _is_checkpoint(node):
             copies[node] = graph.node_copy(node, lambda n: copies[n])
@@ -136,8 +139,17 @@ def inline_checkpoints(graph_module: fx.GraphModule) -> fx.GraphModule:
         placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
         inputs = dict(zip(placeholders, fx.map_arg(node.args[1:], lambda n: copies[n]), strict=True))
         copies[node] = graph.graph_copy(body.graph, inputs)  # the region's outputs: a tuple, as the op returns
-    graph.eliminate_dead_code()
+    _erase_unused(graph, [copies[body] for body in bodies])
     return fx.GraphModule(graph_module, graph, class_name=type(graph_module).__name__)
+
+
+def _erase_unused(graph: fx.Graph, bodies: list[fx.Node]) -> None:
+    """Erase the regions' graph attributes that no node uses now. Not ``eliminate_dead_code``: it also erased ops
+    whose result is unused but whose effect is not, BatchNorm's ``num_batches_tracked.add_(1)`` outside a region
+    (the graph then differed from eager, and was refused)."""
+    for node in dict.fromkeys(bodies):
+        if not node.users:
+            graph.erase_node(node)
 
 
 def _is_module_state(operand: Any) -> bool:

@@ -143,7 +143,7 @@ class DynamoGraphs(NodeTimer):
         if self._fsdp is not None:
             self._fsdp.in_call = True
         try:
-            with torch.compiler.set_stance("eager_on_recompile"):
+            with torch.compiler.set_stance("eager_on_recompile"), self._noting_hooks():
                 out = self._compiled(*args, **kwargs)
         finally:
             if self._fsdp is not None:

@@ -323,7 +323,8 @@ class NodeTimer(NodeSamples, SavedReader, Readings):
             start, first = time.perf_counter_ns(), sequence_nr_now()
             if self._trace_ranges:
                 self.call_starts.append(start)
-            out = graph_forward(*args, **kwargs)
+            with self._noting_hooks():
+                out = graph_forward(*args, **kwargs)
             self.forward_walls_ns.append(time.perf_counter_ns() - start)
             self._read_saved(out, first)
             return out

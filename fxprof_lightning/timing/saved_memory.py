@@ -1,5 +1,6 @@
 """The bytes autograd keeps for backward, per row: read after a timed forward call from the autograd nodes each row
-created (found by sequence number, as backward times are), without unpacking anything (``torch_api.saved_tensors``).
+created (found by sequence number, as backward times are), running no saved_tensors_hooks and recomputing nothing
+(``torch_api.saved_tensors``; on torch 2.6-2.10 by unpacking only what no hook packed, ``SavedReader._noting_hooks``).
 
 Each storage counts once, for the first row (in the order the forward ran) whose autograd nodes saved it: a view of a
 saved tensor, or a tensor two rows save (a layer's output that the next layer saves as its input), is not counted
@@ -12,6 +13,7 @@ saved, that row's bytes are unknown (None), and the report says why (``CycleRepo
 from __future__ import annotations
 
 import bisect
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,15 +66,17 @@ def _state_storages(module: nn.Module | None) -> set[tuple[str, int, int]]:
 
 
 def read_saved_bytes(output: Any, first: int, end: int, firsts: list[int], ends: list[int], owners: list[int],
-                     module: nn.Module | None, rows: int) -> SavedBytes:
+                     module: nn.Module | None, rows: int, notes: list[tuple[int, Any]] | None = None) -> SavedBytes:
     """The saved bytes per row of the forward call that made the autograd nodes ``[first, end)`` and returned
     ``output``: the nodes its output reaches, each given to the row whose call created it (``firsts``/``ends``/
     ``owners``: the node calls' sequence ranges and rows, in order); ``module``'s parameters and buffers are not
-    activations; ``rows``: how many rows there are now."""
+    activations; ``rows``: how many rows there are now; ``notes``: the hooks the call ran under
+    (``torch_api.noting_saved_hooks``, where torch needs them)."""
     found = SavedBytes(known=rows)
-    if not torch_api.READS_SAVED_TENSORS:
+    if not torch_api.READS_SAVED_TENSORS or (notes is None and not torch_api.HAS_DATA):
         torch_api.degraded("read the bytes saved for backward", "it has no torch._C._autograd.SavedTensor.data or "
-                           ".unpack_hook (2.11+), and unpacking would run saved_tensors_hooks; no saved bytes")
+                           ".unpack_hook (2.11+), nor _push/_pop_saved_tensors_default_hooks to know which saved "
+                           "tensors unpack without running a saved_tensors_hooks; no saved bytes")
         found.known = 0  # (every row unknown)
         return found
     start = bisect.bisect_left(firsts, first)
@@ -88,11 +92,11 @@ def read_saved_bytes(output: Any, first: int, end: int, firsts: list[int], ends:
             continue  # made between the rows (no row owns it)
         row = owners[i]
         kept = []
-        for stored, hook in torch_api.saved_tensors(node):
+        for stored, hook in torch_api.saved_tensors(node, notes):
             if hook is None:
                 kept.append(stored)
                 continue
-            region = torch_api.checkpoint_inputs(hook)
+            region = torch_api.checkpoint_inputs(hook, notes)
             if region is None:
                 found.unknown.add(row)
                 found.why = HOOKED
@@ -115,17 +119,44 @@ class SavedReader:
     """``NodeTimer``'s reading of the saved bytes (its members: ``_saved``, the sequence ranges)."""
 
     measure_memory = False  # read what autograd saves for backward, once per cycle (``Timers`` sets it)
+    _hook_notes: list[tuple[int, Any]] | None = None
+
+    def _reads(self) -> bool:
+        return (self.measure_memory and self._saved is None and not self._cuda and not self._hooks_now
+                and self._backward and torch.is_grad_enabled())
+
+    @contextlib.contextmanager
+    def _noting_hooks(self) -> Any:
+        """Around a timed forward call to be read, where torch has no ``SavedTensor.data``: the changes of the
+        saved_tensors_hooks on top (``torch_api.note_saved_hooks``), or one unknown hook for all where one was pushed
+        before (the public ``disable_saved_tensors_hooks`` raises then)."""
+        if torch_api.HAS_DATA or not torch_api.READS_SAVED_TENSORS or not self._reads():
+            yield
+            return
+        try:
+            with torch.autograd.graph.disable_saved_tensors_hooks("fxprof_lightning: are hooks on the stack?"):
+                pass
+        except RuntimeError:
+            self._hook_notes = [(0, "a hook pushed before")]
+            yield
+            return
+        self._hook_notes = []
+        torch_api.note_saved_hooks(self._hook_notes)
+        try:
+            yield
+        finally:
+            torch_api.note_saved_hooks(None)
 
     def _read_saved(self, output: Any, first: int) -> None:
         """After a timed forward call (CPU, sequence ranges logged) that made autograd nodes from ``first`` on: the bytes
         each row's autograd nodes keep for backward, read at the first such call of each cycle (the warm-up's where
         there is one: no recorded step pays for it)."""
-        if (not self.measure_memory or self._saved is not None or self._cuda or self._hooks_now or not self._backward
-                or not torch.is_grad_enabled()):
+        notes, self._hook_notes = self._hook_notes, None
+        if not self._reads():
             return
         self._fold()
         self._saved = read_saved_bytes(output, first, torch_api.sequence_nr_now(), self._firsts, self._ends,
-                                       self._owners, self._root, len(self.nodes))
+                                       self._owners, self._root, len(self.nodes), notes)
 
     def saved_memory(self) -> tuple[list[float | None] | None, str | None]:
         """Per row, the bytes its autograd nodes keep for backward per call (None: unknown), and why some are unknown;
