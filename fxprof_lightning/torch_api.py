@@ -532,8 +532,8 @@ RESUMES_IN_LOOPS = torch.torch_version.TorchVersion(TORCH) >= "2.11"
 # ---------------------------------------------------------------- saved tensors: what autograd keeps for backward
 # Read running no hook, recomputing nothing: a node's ``_raw_saved_<name>`` (2.6-2.15), ``SavedTensor.data`` and
 # ``.unpack_hook`` (2.11-2.15). On 2.6-2.10 ``_saved_<name>`` unpacks, running no hook where none was on top when the
-# node was made: ``_push``/``_pop_saved_tensors_default_hooks`` (2.6-2.15), wrapped from import on (Dynamo guards on
-# them), note those pushed in the forward call (``note_saved_hooks``); without them, no saved bytes. A checkpoint's
+# node was made: ``_push``/``_pop_saved_tensors_default_hooks`` (2.6-2.15), wrapped from the first read on (Dynamo guards
+# on them), note those pushed in the forward call (``note_saved_hooks``); without them, no saved bytes. A checkpoint's
 # unpack hook holds its ``_CheckpointFrame``: inputs in ``saved_args`` (2.14+), ``input_saver.grad_fn`` (2.6-2.13).
 _SavedTensor = _find("torch._C._autograd:SavedTensor", "no saved bytes")
 HAS_DATA = None not in [_find(f"torch._C._autograd:SavedTensor.{n}", "saved bytes by unpacking") for n in ("data", "unpack_hook")]
@@ -544,7 +544,12 @@ _NOTES: list[Any] = []  # (``note_saved_hooks``) the thread, its notes, the unpa
 
 
 def note_saved_hooks(notes: list[tuple[int, Any]] | None) -> None:
-    """Until None: each change of the hooks on top in this thread into ``notes`` (sequence number, unpack hook or None)."""
+    """Until None: each change of the hooks on top in this thread into ``notes`` (sequence number, unpack hook or None);
+    the first call wraps torch's push and pop for good (pass-through; not at import: the user's own code is untouched
+    until a cycle reads saved bytes)."""
+    hooks = torch._C._autograd
+    if notes is not None and not HAS_DATA and READS_SAVED_TENSORS and hooks._pop_saved_tensors_default_hooks is _pop:
+        hooks._push_saved_tensors_default_hooks, hooks._pop_saved_tensors_default_hooks = _noting_push, _noting_pop
     _NOTES[:] = [threading.get_ident(), notes, []] if notes is not None else []
 
 
@@ -561,10 +566,6 @@ def _noting_pop() -> None:
         _NOTES[2].pop()
         _NOTES[1].append((sequence_nr_now(), _NOTES[2][-1] if _NOTES[2] else None))
 
-
-if not HAS_DATA and READS_SAVED_TENSORS:
-    torch._C._autograd._push_saved_tensors_default_hooks, torch._C._autograd._pop_saved_tensors_default_hooks = (
-        _noting_push, _noting_pop)
 
 
 def saved_tensors(node: Any, notes: list[tuple[int, Any]] | None = None) -> list[tuple[Any, Any]]:
