@@ -449,9 +449,14 @@ class Verdict:
 def _at_level_before(table: Sequence[NodeStats], regressions: list[Regression],
                      before: Sequence[NodeStats]) -> list[NodeStats]:
     """``table`` as it joins the baseline: each row of a confirmed regression at its level ``before`` (the last
-    baseline table's row; a new row left out), so that the slowdown stays flagged in every cycle while it lasts
-    instead of becoming the level later cycles are compared with."""
+    baseline table's row; a new row left out, and so are the new nodes of a module flagged as ``module <path>``), so
+    that the slowdown stays flagged in every cycle while it lasts instead of becoming the level later cycles are
+    compared with."""
     slower, old = {r.node for r in regressions}, {s.name: s for s in before}
+    modules = [r.node.removeprefix("module ") for r in regressions if r.node.startswith("module ")]
+    # A flagged module's new nodes stay new: the module, not they, is compared with the run before the slowdown.
+    slower |= {s.name for s in table if s.name not in old and s.op not in ("module", "step", "unowned") and any(
+        s.module_path == m or s.module_path.startswith(m + ".") for m in modules)}
     return [old.get(s.name, s) if s.name in slower else s for s in table if s.name not in slower or s.name in old]
 
 
