@@ -373,22 +373,28 @@ def _row(name: str, ms: float) -> NodeStats:
 
 def step_change(baseline_steps: Sequence[Sequence[float]], now_steps: Sequence[float], *, k: float = DEFAULT_K,
                 min_relative: float = DEFAULT_MIN_RELATIVE) -> Delta | None:
-    """The recorded step's wall time now against the baseline cycles' (ms, each cycle's median; the noise as for a
-    node's median: the cycle-to-cycle and within-cycle spreads), as a row ``"step (wall)"``, or None without steps on
-    either side. Beyond the noise, slower, it is a change of the step as a whole, flagged even where no single row
-    explains it (each row a little slower; a slowdown shared by every row, which ``compare`` discounts).
+    """The recorded step's wall time now against the baseline cycles' (ms, each cycle's median; the noise from the
+    baseline's cycle-to-cycle and within-cycle spreads; slower only when the fastest step now is slower beyond it too),
+    as a row ``"step (wall)"``, or None without steps on either side. Beyond the noise, slower, it is a change of
+    the step as a whole, flagged even where no single row explains it (each row a little slower; a slowdown shared by
+    every row, which ``compare`` discounts).
 
     >>> step_change([[10.0, 10.1], [10.2, 10.0], [10.1, 10.1]], [13.0, 13.1]).slower
     True
+    >>> step_change([[10.0, 10.1], [10.2, 10.0], [10.1, 10.1]], [10.1, 25.0, 30.0]).slower  # two steps delayed
+    False
     """
     cycles = [list(steps) for steps in baseline_steps if steps]
     if not cycles or not now_steps:
         return None
-    within = math.hypot(statistics.median(_mad(steps) for steps in cycles), _mad(list(now_steps)))
-    side = _side([statistics.median(steps) for steps in cycles], statistics.median(now_steps), within)
+    side = _side([statistics.median(steps) for steps in cycles], statistics.median(now_steps),
+                 statistics.median(_mad(steps) for steps in cycles))
+    # Every step slower, the fastest too (not a median moved by delayed steps); B's own spread widens no threshold.
+    fastest = _Side(side.baseline, min(now_steps), side.noise)
+    beyond = side.beyond(1.0, k, min_relative, DEFAULT_MIN_MS) and (
+        side.now < side.baseline or fastest.beyond(1.0, k, min_relative, DEFAULT_MIN_MS))
     ratio = side.now / side.baseline if side.baseline > 0 else math.inf
-    return Delta("step (wall)", "step", side.baseline, side.now, ratio, side.noise,
-                 side.beyond(1.0, k, min_relative, DEFAULT_MIN_MS))
+    return Delta("step (wall)", "step", side.baseline, side.now, ratio, side.noise, beyond)
 
 
 def _mad(values: list[float]) -> float:
