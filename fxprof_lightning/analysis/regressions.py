@@ -350,7 +350,10 @@ def gone_rows(baseline: Sequence[Sequence[NodeStats]], now: Sequence[NodeStats])
     """The node rows of ``baseline`` that ``now`` lacks (code no longer run), each direction faster to nothing (now
     0 ms, ratio 0): the time they took is gone from the step, and shown with the other changes.
 
-    >>> [(d.node, d.ratio) for d in gone_rows([[_row("fc", 1.0), _row("helper", 3.0)]], [_row("fc", 1.0)])]
+    >>> from fxprof_lightning.report import NodeStats
+    >>> def row(name, ms):
+    ...     return NodeStats(name, "call_function", name, "", 1, ms, ms, ms, ms, ms, 50.0)
+    >>> [(d.node, d.ratio) for d in gone_rows([[row("fc", 1.0), row("helper", 3.0)]], [row("fc", 1.0)])]
     [('helper', 0.0)]
     """
     present, gone = {s.name for s in now}, {}
@@ -365,10 +368,6 @@ def gone_rows(baseline: Sequence[Sequence[NodeStats]], now: Sequence[NodeStats])
             if medians:
                 found.append(Delta(name, direction, statistics.median(medians), 0.0, 0.0, 0.0, True))
     return found
-
-
-def _row(name: str, ms: float) -> NodeStats:
-    return NodeStats(name, "call_function", name, "", 1, ms, ms, ms, ms, ms, 50.0)
 
 
 def step_change(baseline_steps: Sequence[Sequence[float]], now_steps: Sequence[float], *, k: float = DEFAULT_K,
