@@ -221,7 +221,8 @@ class CycleReport:
         ranges: FSDP2's ranges in the trace (all-gather, reduce-scatter... per module), slowest first.
         step_ms: wall time of each recorded step (from its start to the next step's start), rank 0's.
         step_cpu_ms: this process's CPU time (all threads) over each recorded step.
-        step_wait_ms: where Linux reports CPU pressure, the time some task waited for a CPU in each recorded step.
+        step_wait_ms: where Linux keeps scheduler statistics, the time this process's threads waited for a core in each
+            recorded step (summed over the threads).
         regressions: nodes slower than in the earlier cycles beyond the noise (``regressions.Regression``), confirmed
             (flagged in the sound cycle before too, or beyond what noise can explain; ``regressions.Verdict``).
         unconfirmed: nodes flagged for the first time: the next sound cycle confirms them or not.

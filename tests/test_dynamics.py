@@ -640,11 +640,11 @@ def test_a_slowdown_outside_every_node_row_is_flagged_as_the_step_phase_it_is_in
     # come after it. With torch's own intra-op threads: the 30 ms busy loads leave the second thread asleep, the
     # process's CPU per wall second halves (2.5 -> 1.2) and the layers run 2x slower, which the watch took for load
     # from other processes in every cycle after the slowdown (a CI run of 2026-11-26) until it read the machine's
-    # CPU pressure (no task waited for a core: no load).
+    # CPU pressure (no task waited for a core: no load), and now its own threads' wait for a core.
     data = SlowData(108)
     callback = FXProfilerCallback(module="model", wait=4, warmup=1, active=3, pictures=False, torch_profiler=False)
     make_trainer(tmp_path, [callback, SlowDataFrom(data, 43)], max_steps=108).fit(Wide(), DataLoader(data, batch_size=None))
-    if trust.cpu_waited_us() is not None:  # (without it, the jump and the CPU-per-wall drop still decide)
+    if trust.threads_waited_ns() is not None:  # (without it, the jump and the CPU-per-wall drop still decide)
         # Load is still told by its own signatures (uneven steps; tasks waiting for cores), never by the slower step
         # or the halved CPU per wall second alone.
         called = [c.distortion for c in callback.cycles if c.distortion]

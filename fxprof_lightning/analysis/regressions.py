@@ -519,7 +519,7 @@ class RegressionWatch:
         self.baseline: list[Sequence[NodeStats]] = []  # the recent sound cycles' tables
         self.medians: list[float] = []  # and their median step ms
         self.cpu: list[float] = []  # and their CPU s per wall s
-        self.wait: list[float] = []  # and the share of their wall time some task waited for a CPU (where known)
+        self.wait: list[float] = []  # and the share of their wall time our threads waited for a core (where known)
         self._flagged: dict[tuple[str, str], float] = {}  # flagged in the last sound cycle: ms per call it added
         self._held: tuple[Sequence[NodeStats], float, float | None, float | None] | None = None  # that cycle, if only flags in question
 
@@ -534,7 +534,7 @@ class RegressionWatch:
         """``modules``: the cycle's module tree; a module slower per step that has nodes the last baseline cycle
         did not (a loop run more times, a branch taken) is flagged as ``"module <path>"`` (see ``module_rows``).
         ``steps``: the step's time outside the node rows as rows (``step_rows``), watched as the nodes are.
-        ``step_wait_ms``: the CPU pressure of each recorded step, where the machine reports it (``trust``)."""
+        ``step_wait_ms``: the process's threads' wait for a core in each recorded step, where Linux says (``trust``)."""
         if partial:
             return Verdict(skipped="partial")
         recent = self.baseline[-self.baseline_cycles:]

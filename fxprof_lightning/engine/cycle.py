@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 
 from fxprof_lightning import torch_api
-from fxprof_lightning.analysis.trust import cpu_waited_us
+from fxprof_lightning.analysis.trust import threads_waited_ns, waited_ms
 from fxprof_lightning.capture.timers import Timer
 from fxprof_lightning.engine.statistics import summarize_modules, summarize_nodes, summarize_ranges
 from fxprof_lightning.nodes import Capture, NodeInfo
@@ -61,7 +61,7 @@ class Cycle:
     step_start: tuple[int, float, int | None] | None = None  # perf_counter_ns, process_time, CPU waited (us) at its start
     step_ms: list[float] = field(default_factory=list)
     step_cpu_ms: list[float] = field(default_factory=list)
-    step_wait_ms: list[float] = field(default_factory=list)  # where Linux says: ms some task waited for a CPU, per step
+    step_wait_ms: list[float] = field(default_factory=list)  # where Linux says: ms our threads waited for a core, per step
     device: dict[str, float] | None = None  # where the trace's GPU time went (gpu_trace.summary)
     phases: list[dict[str, int]] = field(default_factory=list)  # ns per phase of each recorded step (step_phases)
     batch_sizes: list[int] = field(default_factory=list)  # samples in each recorded step, where the driver said
@@ -148,19 +148,18 @@ class Cycle:
                                         self.timer.progress.interruptions if self.timer is not None else 0, sequence_nr_now(),
                                         len(self.step_ms), len(self.phases), len(self.batch_sizes),
                                         len(self.backward_wall_ns))
-            self.step_start = (time.perf_counter_ns(), time.process_time(), cpu_waited_us())
+            self.step_start = (threads_waited_ns(), time.process_time(), time.perf_counter_ns())
 
     def end_step(self, module: nn.Module, step: int, recording: bool) -> None:
         """The step ends (``step_trace`` then ends it in the trace). A recorded step in which the timer was
         interrupted (a capture, a call that missed the guards and ran untimed) is dropped: its samples, times and
         phases are forgotten and the step is named in ``dropped`` with why."""
         if self.step_start is not None:
-            wall, cpu, waited = self.step_start
+            waited, cpu, wall = self.step_start
             self.step_ms.append((time.perf_counter_ns() - wall) / 1e6)
             self.step_cpu_ms.append((time.process_time() - cpu) * 1e3)
-            waited_now = cpu_waited_us() if waited is not None else None
-            if waited_now is not None:
-                self.step_wait_ms.append((waited_now - waited) / 1e3)
+            if (wait := waited_ms(waited)) is not None:
+                self.step_wait_ms.append(wait)
             self.step_start = None
         if self.timer is not None:
             self.timer.uninstall(module)

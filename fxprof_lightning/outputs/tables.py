@@ -100,7 +100,7 @@ def markdown(report: CycleReport, top_k: int | None = None) -> str:
             trust += f", {cpu:.2f} CPU s per wall s"
         wait = waited_share(report.step_ms, report.step_wait_ms)
         if wait is not None:
-            trust += f", some task waited for a CPU {100 * wait:.0f}% of the time"
+            trust += f", its threads waited for a core {100 * wait:.0f}% of the time"
         lines += [trust + ".", ""]
     if report.distortion:
         lines += [f"**These numbers look distorted by other load:** {report.distortion}.", ""]
