@@ -66,7 +66,7 @@ from fxprof_lightning.outputs.formats import (
     steps_text,
 )
 from fxprof_lightning.outputs.runs import RunError, find_cycles, load_cycle
-from fxprof_lightning.report import CycleReport, NodeStats, describe_phases, shorten
+from fxprof_lightning.report import CycleReport, NodeStats, describe_phases, last_sound, shorten
 
 __all__ = ["main"]
 
@@ -436,11 +436,11 @@ def run_report(path: Path, stage: str, last: int, layers: int, options: dict,
         lines.append(f"(the last {len(shown)} cycles; {len(cycles) - len(shown)} earlier ones: --last {len(cycles)})")
     lines += cycle_table(shown, found)
     lines += ["", *trend_table(shown, layers)]
-    if cycles[-1].phases:
-        lines += ["", *textwrap.wrap(f"The whole step in cycle {cycles[-1].index}: {describe_phases(cycles[-1].phases)}",
-                                     WIDTH)]
-    if cycles[-1].unowned():
-        lines += ["", *textwrap.wrap(f"Time no row owns in cycle {cycles[-1].index}: {_unowned(cycles[-1])}", WIDTH)]
+    now = last_sound(cycles)  # (the last cycle not distorted by other load)
+    if now.phases:
+        lines += ["", *textwrap.wrap(f"The whole step in cycle {now.index}: {describe_phases(now.phases)}", WIDTH)]
+    if now.unowned():
+        lines += ["", *textwrap.wrap(f"Time no row owns in cycle {now.index}: {_unowned(now)}", WIDTH)]
     for cycle in (c for c in shown if c.dropped_steps or c.capture_s):
         lines += textwrap.wrap(f"Left out of cycle {cycle.label}'s numbers: {cycle.dropped_text()}", WIDTH)
     lines += textwrap.wrap(_costs(cycles), WIDTH)
@@ -457,10 +457,10 @@ def run_report(path: Path, stage: str, last: int, layers: int, options: dict,
         lines.append("Flagged in the last cycle, not yet confirmed (the next cycle confirms them or not):")
         lines += [_regression_line(c, r) for c, r in pending]
     lines += legend_report(options)
-    advice = cycles[-1].advice
-    if advice:
-        lines += ["", f"Advice stored with cycle {cycles[-1].index}:"]
-        for item in advice:
+    if now.advice:
+        note = " (the last not distorted by other load)" if now is not cycles[-1] else ""
+        lines += ["", f"Advice stored with cycle {now.index}{note}:"]
+        for item in now.advice:
             lines += textwrap.wrap(str(item), WIDTH, initial_indent="  - ", subsequent_indent="    ")
     if html is not None:
         from fxprof_lightning.outputs.html_report import write_page  # it builds on this module's helpers
@@ -545,12 +545,13 @@ def _note(why: str | None, cycle: CycleReport) -> str:
 
 
 def trend_table(cycles: list[CycleReport], layers: int) -> list[str]:
-    """ms per call (forward + backward medians) of the slowest nodes of the last cycle, in every cycle."""
-    top = cycles[-1].nodes[:layers]
+    """ms per call (forward + backward medians) of the slowest nodes of the last sound cycle, in every cycle."""
+    now = last_sound(cycles)
+    top = now.nodes[:layers]
     if not top:
         return ["(the last cycle timed no node)"]
     column = 10
-    lines = [f"Trend of the {len(top)} slowest layers of cycle {cycles[-1].index}, ms per call "
+    lines = [f"Trend of the {len(top)} slowest layers of cycle {now.index}, ms per call "
              "(forward + backward medians):"]
     lines += [f"  [{i + 1}] {shorten(n.layer or n.name, 60)}  (node {shorten(n.name, 40)})" for i, n in enumerate(top)]
     lines.append(f"{'cycle':>7}" + "".join(f"{f'[{i + 1}]':>{column + 2}}" for i in range(len(top))))

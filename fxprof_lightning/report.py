@@ -4,12 +4,12 @@ timers' samples by ``engine.statistics``; their Markdown and CSV forms are drawn
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CycleReport", "ModuleStats", "NodeStats", "RangeStats", "layer_label"]
+__all__ = ["CycleReport", "ModuleStats", "NodeStats", "RangeStats", "last_sound", "layer_label"]
 
 NS_PER_MS = 1e6
 # The rows of ``CycleReport.unowned``: time of the measured forward and backward that no row owns.
@@ -421,3 +421,10 @@ class CycleReport:
         """The step's phases and the time no row owns as CSV (``outputs.tables.step_csv``)."""
         from fxprof_lightning.outputs import tables
         return tables.step_csv(self)
+
+
+def last_sound(cycles: Sequence[CycleReport]) -> CycleReport:
+    """The cycle the slowest layers, the step's split and the advice are read from: the last one whose numbers can be
+    trusted (complete, with node rows, not distorted by other load), else the last one. Under load, a run's last
+    cycle may be inflated ~150x; its slowest layer is then load's, not the model's."""
+    return next((c for c in reversed(cycles) if c.nodes and not c.partial and not c.distortion), cycles[-1])

@@ -226,7 +226,7 @@ def test_a_request_taken_before_a_checkpoint_is_answered_after_the_restart(tmp_p
 def _train_asking(tmp_path, steps: int, ask_at: int | None, **options) -> tuple[Profiler, nn.Module]:
     """A plain loop of ``steps`` steps of 10 ms (time for the job to look for requests), asking for a cycle at
     ``ask_at`` as ``fxprof trigger`` does (without waiting for the answer)."""
-    from fxprof_lightning.engine.follow import write_request
+    from fxprof_lightning.engine.follow import REQUEST_FILE, write_request
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
@@ -237,6 +237,11 @@ def _train_asking(tmp_path, steps: int, ask_at: int | None, **options) -> tuple[
         for step, x in enumerate(data):
             if step == ask_at:
                 write_request(tmp_path, {"id": "asked", "active": None, "reason": "a test", "asked": time.time()})
+                # until the job's thread takes it (it looks once a second): the cycle it plans then starts at the
+                # next step, far from a scheduled one (taken 30 steps later, a scheduled cycle answered it in a run)
+                deadline = time.monotonic() + 5
+                while (tmp_path / REQUEST_FILE).exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)
             model(x).square().mean().backward()
             optimizer.step()
             optimizer.zero_grad()

@@ -149,6 +149,12 @@ def test_load_from_other_processes_is_told_from_work_and_flags_nothing(tmp_path)
     assert not any(c.regressions for c in prof.cycles), [(c.index, c.regressions) for c in prof.cycles]
     loaded = [c.distortion for c in prof.cycles if c.steps[0] >= 17]
     assert any(why and "its threads waited for a core" in why for why in loaded), loaded
+    # The slowest layers and the step are read from the last cycle not distorted (the load lasts to the end)
+    sound = [c.index for c in prof.cycles if not c.distortion]
+    out = subprocess.run([sys.executable, "-m", "fxprof_lightning", "report", str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert f"slowest layers of cycle {sound[-1]}, ms per call" in out.stdout, (sound, out.stdout)
+    assert f"The whole step in cycle {sound[-1]}:" in out.stdout, out.stdout
 
 
 @notices("counted no step")

@@ -24,7 +24,7 @@ from fxprof_lightning.analysis.trust import step_spread
 from fxprof_lightning.layout import PHASES
 from fxprof_lightning.outputs.formats import legend_report, median_step_ms, ms_text, per_step, ratio_text, steps_text
 from fxprof_lightning.outputs.plots import _tree
-from fxprof_lightning.report import CycleReport, describe_phases, shorten
+from fxprof_lightning.report import CycleReport, describe_phases, last_sound, shorten
 
 __all__ = ["render", "write_page"]
 
@@ -85,7 +85,7 @@ def render(cycles: Sequence[CycleReport], found: dict[int, Verdict], *, run: str
     ``title`` is the report's second line (how many cycles), ``last`` how many cycles the tables show, ``layers``
     how many of the last cycle's slowest layers the trend follows; trace links are relative to ``page_dir``.
     """
-    now = cycles[-1]
+    now = last_sound(cycles)  # (the last cycle not distorted by other load)
     shown = list(cycles[-last:])
     confirmed = sum(len(found[id(c)].regressions) for c in cycles)
     sections = [  # id, link text, heading, content; the first screen: where the step goes, then the slowest layers

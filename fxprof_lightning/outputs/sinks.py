@@ -44,7 +44,7 @@ from fxprof_lightning.layout import (
     stage_tag,
 )
 from fxprof_lightning.outputs import tables
-from fxprof_lightning.report import CycleReport, shorten
+from fxprof_lightning.report import CycleReport, last_sound, shorten
 
 # What TensorBoard's summary writer would replace in a tag (with a warning each time): all but letters, digits, _ - . /
 TAG_UNSAFE = re.compile(r"[^-\w./]+")
@@ -381,15 +381,17 @@ def cycle_line(report: CycleReport, name: str) -> str:
 
 def summary(cycles: list[CycleReport], name: str, out_dir: Path, logdir: str | os.PathLike,
             cost: tuple[float, float] | None = None) -> str:
-    """The end-of-run text: how many cycles, what they cost, the slowest nodes of the last one, where the traces are."""
-    last = cycles[-1]
+    """The end-of-run text: how many cycles, what they cost, the slowest nodes of the last sound one
+    (``report.last_sound``), where the traces are."""
+    last = last_sound(cycles)
     lines = [f"{name}: {len(cycles)} cycle(s) recorded; output in {out_dir}"]
     if cost is not None:
         lines[0] += f"; profiling cost {cost[0]:.2f} s, {100 * cost[1]:.2f}% of the run's wall time"
     if last.nodes:
         partial = ", partial" if last.partial else ""
         lines.append(
-            f"Slowest nodes of cycle {last.index} (steps {last.steps[0]}-{last.steps[-1]}{partial}), "
+            f"Slowest nodes of cycle {last.index} (steps {last.steps[0]}-{last.steps[-1]}{partial}"
+            f"{', the last not distorted by other load' if last is not cycles[-1] else ''}), "
             "mean ms per call (share of all nodes):"
         )
         for n in last.nodes[:5]:
