@@ -44,6 +44,7 @@ from fxprof_lightning.cli import check_cycles, main
 from fxprof_lightning.outputs.formats import median_step_ms, ms_text, per_step
 from fxprof_lightning.outputs.html_report import SLOWEST_ROWS, write_page
 from fxprof_lightning.outputs.runs import load_run
+from fxprof_lightning.report import last_sound
 
 try:
     import websocket  # the websocket-client package
@@ -189,7 +190,7 @@ def test_page_shows_every_section_with_the_runs_numbers(trained, page_of_run):
     out, status = page_of_run
     cycles = load_run(trained, stage="train")
     found = check_cycles(cycles, OPTIONS)
-    last = cycles[-1]
+    last = last_sound(cycles)  # (what the page reads: the last cycle not distorted by other load)
     page = parse(out)
     assert page.order == SECTIONS
 
@@ -238,7 +239,7 @@ def test_page_shows_every_section_with_the_runs_numbers(trained, page_of_run):
 
 def test_memory_section_shows_the_layers_that_hold_most(trained, page_of_run):
     out, _ = page_of_run
-    last = load_run(trained, stage="train")[-1]
+    last = last_sound(load_run(trained, stage="train"))
     steps = len(last.steps)
     held = sorted(((n.layer, n.saved_bytes * n.calls / steps) for n in last.nodes if n.saved_bytes),
                   key=lambda item: -item[1])
@@ -253,7 +254,7 @@ def test_memory_section_shows_the_layers_that_hold_most(trained, page_of_run):
 
 def test_icicle_nests_each_module_inside_its_parent(trained, page_of_run):
     out, _ = page_of_run
-    last = load_run(trained, stage="train")[-1]
+    last = last_sound(load_run(trained, stage="train"))
     groups = [a["data-path"] for tag, a in parse(out).svg["modules"] if tag == "g"]
     rects = [a for tag, a in parse(out).svg["modules"] if tag == "rect"]
     boxes = {path: (float(r["x"]), float(r["width"]), float(r["y"])) for path, r in zip(groups, rects, strict=True)}
@@ -277,7 +278,7 @@ def test_trend_follows_the_slowest_layers_and_marks_distorted_cycles(trained, pa
     cycles = load_run(trained, stage="train")
     found = check_cycles(cycles, OPTIONS)
     page = parse(out)
-    top = cycles[-1].nodes[:6]
+    top = last_sound(cycles).nodes[:6]
     numbers = page.tables["trend-numbers"]
     assert [row[0] for row in numbers] == [str(c.index) for c in cycles]
     for row, cycle in zip(numbers, cycles, strict=True):
@@ -300,7 +301,7 @@ def test_regressions_say_what_the_text_report_says(capsys, trained, tmp_path, ki
     """Five copies of a real cycle, the last with its slowest node 3.5x slower: with the step slower by that much it
     is a confirmed regression (exit 1), with the step as before only flagged (exit 0); the page lists it as the text
     does."""
-    source = load_run(trained, stage="train")[-1]
+    source = last_sound(load_run(trained, stage="train"))
     node = slowest(source.nodes)
     stats = next(n for n in source.nodes if n.name == node)
     added = 2.5 * stats.median_ms * stats.calls / len(source.steps)
@@ -419,7 +420,7 @@ RENDERED = """(() => {
 def test_page_renders_offline_in_chromium(trained, page_of_run, tmp_path):
     out, _ = page_of_run
     cycles = load_run(trained, stage="train")
-    last = cycles[-1]
+    last = last_sound(cycles)  # (what the page reads: the last cycle not distorted by other load)
     browser = Browser(tmp_path / "chromium")
     try:
         for domain in ("Page", "Runtime", "Log", "Network"):
@@ -465,7 +466,7 @@ def test_page_renders_offline_in_chromium(trained, page_of_run, tmp_path):
 def test_names_from_the_run_are_escaped(trained, tmp_path):
     """A node, module type and advice holding markup show as text: the page gains no element from them."""
     cycles = load_run(trained, stage="train")
-    last = cycles[-1]
+    last = last_sound(cycles)  # (what the page reads: the last cycle not distorted by other load)
     odd = '<img src="http://example.com/x.png" onerror="alert(1)">&amp;'
     last.nodes = [replace(last.nodes[0], name=odd, module_path=odd, layer=odd), *last.nodes[1:]]
     last.modules = [replace(m, type_name=odd) if m.path == "stem" else m for m in last.modules]
