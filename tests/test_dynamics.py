@@ -575,6 +575,31 @@ def test_user_hooks_and_forward_side_effects_run_exactly_as_often_as_training_ca
     every_call_timed(callback.cycles[-1])
 
 
+class BackwardHooked(Classifier):
+    """The classifier with a full backward hook on its last layer (a gradient check, a layer-wise learning signal)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backward_calls = 0
+        self.model[2].register_full_backward_hook(self.count)
+
+    def count(self, module, grad_input, grad_output):
+        self.backward_calls += 1
+
+
+def test_a_full_backward_hook_leaves_every_layer_its_row(tmp_path):
+    # Dynamo breaks its graph at a module with full backward hooks; inside nn.Sequential's loop that break sends the
+    # whole Sequential to run eagerly, and Dynamo then starts frames only at torch.nn forwards with hooks: the ReLU
+    # between the two Linears ran untimed, its time in "(between the rows...)". Each torch.nn module's forward gets
+    # a frame of ours instead (``_Way.framed``), so every layer has its row.
+    lit, callback = fit_both(tmp_path, BackwardHooked, classifier_loader, 12, module="model", wait=1, warmup=1, active=2)
+    assert lit.backward_calls == 12  # the hook ran once a step, as without the profiler
+    last = callback.cycles[-1]
+    assert last.capture.method == "dynamo", last.capture.describe()
+    assert {n.name for n in last.nodes if n.op == "call_module"} == {"0", "1", "2"}, [n.name for n in last.nodes]
+    every_call_timed(last)
+
+
 class Frozen(dict):
     """A mapping that refuses changes after it is made, as diffusers' ``FrozenDict`` config does."""
 

@@ -56,7 +56,7 @@ from fxprof_lightning.capture.dynamo_rules import (
 from fxprof_lightning.capture.dynamo_timing import DynamoGraphs
 from fxprof_lightning.capture.entry_guards import EntryGuards
 from fxprof_lightning.capture.graph_breaks import _graph_break_counter, _graph_break_reasons, host_reads
-from fxprof_lightning.capture.row_names import _Owners
+from fxprof_lightning.capture.row_names import FRAMED, _Owners
 from fxprof_lightning.nodes import ROW, is_timed
 from fxprof_lightning.timing.flops import float_grouped_mm_meta
 from fxprof_lightning.timing.quiet import quiet_dynamo
@@ -134,6 +134,9 @@ class _Way:
     follow: bool = False
     eager_branches: bool = False  # Dynamo answers ``torch.compiler.is_compiling()`` with False
     eager_hooks: bool = False  # the model's forward hooks and pre-hooks run eagerly, between graphs (``_hooks_eager``)
+    # Every torch.nn submodule gets a forward of ours, a frame Dynamo starts (``_Frames``): a module with full
+    # backward hooks breaks its parent's frame, and its siblings' torch.nn frames would run eagerly, untimed.
+    framed: bool = False
 
 
 @dataclass
@@ -149,6 +152,46 @@ class _Attempt:
     host_reads: dict[str, str] = field(default_factory=dict)  # module path -> a read of a tensor's value there
     timed: int = 0  # how many of its timed ops are placed in a layer (``_placed``)
     untimed: list[str] = field(default_factory=list)  # layers that ran outside its graphs (``_untimed_layers``)
+
+
+class _Frames:
+    """Forwards of ours for torch.nn submodules, frames Dynamo starts where it would skip torch.nn's: with the hooks
+    run eagerly, for each submodule with forward hooks where this torch's Dynamo skips its frame
+    (``torch_api.hooked_forward``); with ``every`` (``_Way.framed``), for each torch.nn submodule. One function per
+    module for the whole run, as the graphs that inline it guard on it."""
+
+    def __init__(self) -> None:
+        self.made: dict[tuple[int, bool], tuple[nn.Module, Callable[..., Any]]] = {}
+        self.now: list[nn.Module] = []
+
+    def frame(self, module: nn.Module, every: bool) -> None:
+        for submodule in module.modules():
+            framed = _own_frame(submodule) if every else torch_api.hooked_forward(submodule)
+            if submodule is not module and framed is not None:
+                if self.made.get((id(submodule), every), (None,))[0] is not submodule:
+                    self.made[id(submodule), every] = (submodule, framed)
+                submodule.forward = self.made[id(submodule), every][1]
+                self.now.append(submodule)
+
+    def restore(self) -> None:
+        """The submodules' own forwards back."""
+        for submodule in self.now:
+            submodule.__dict__.pop("forward", None)
+        self.now.clear()
+
+
+def _own_frame(module: nn.Module) -> Callable[..., Any] | None:
+    """A forward of ours for a torch.nn (or torch.ao) ``module``: a frame Dynamo starts where it skips torch.nn's
+    (``_Way.framed``), its ``self`` the module, as in the frame Dynamo starts at a hooked module's forward (the rows
+    are named from it); None for the others, and for a module with a forward of its own already."""
+    if "forward" in module.__dict__ or not type(module).__module__.startswith(("torch.nn.", "torch.ao.")):
+        return None
+    code = _framed_forward.__code__.replace(co_name=f"{FRAMED}{id(module)}")  # (a graph's stack names its module)
+    return types.MethodType(types.FunctionType(code, _framed_forward.__globals__, code.co_name), module)
+
+
+def _framed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return type(self).forward(self, *args, **kwargs)
 
 
 def _follows(first: _Attempt) -> bool:
@@ -213,9 +256,7 @@ class DynamoTimer(DynamoGraphs):
         self._context = self._new_context()
         self._own_forward: Callable[..., Any] | None = None  # the installed module's own forward
         # torch.nn submodules with hooks, each given a forward of ours while installed with the hooks run eagerly
-        # (``_frame_hooked``): one function per module for the whole run, as the graphs that inline it guard on it
-        self._hooked: dict[int, tuple[nn.Module, Callable[..., Any]]] = {}
-        self._hooked_now: list[nn.Module] = []
+        self._frames = _Frames()  # torch.nn submodules' forwards of ours, frames Dynamo starts
 
     def install(self, module: nn.Module, backward_hooks: bool = False) -> None:
         """Make ``module(...)`` run the captured graphs until ``uninstall``; see the module docstring."""
@@ -255,8 +296,8 @@ class DynamoTimer(DynamoGraphs):
                 return self._timed_call(args, kwargs, state, after_capture=False, entered=entered)
 
         module.forward = forward
-        if self._way.eager_hooks:
-            self._frame_hooked(module)
+        if self._way.eager_hooks or self._way.framed:
+            self._frames.frame(module, every=self._way.framed)
         _TRACEABLE.enter()
         _frames_skipped(self._eager_hooks + ALWAYS_EAGER, True)
         if self._fsdp is not None:
@@ -267,23 +308,11 @@ class DynamoTimer(DynamoGraphs):
             try:
                 _TRACEABLE.exit()
                 _frames_skipped(self._eager_hooks, False)
-                for submodule in self._hooked_now:
-                    submodule.__dict__.pop("forward", None)
-                self._hooked_now.clear()
+                self._frames.restore()
             finally:  # (FSDP2's own methods back, whatever failed)
                 if self._fsdp is not None:
                     self._fsdp.uninstall()
         super().uninstall(module)
-
-    def _frame_hooked(self, module: nn.Module) -> None:
-        """With the hooks run eagerly, each torch.nn submodule with forward hooks gets a forward of ours where this
-        torch's Dynamo would skip its frame (``torch_api.hooked_forward``), until ``uninstall``."""
-        for submodule in module.modules():
-            if submodule is not module and (framed := torch_api.hooked_forward(submodule)) is not None:
-                if self._hooked.get(id(submodule), (None,))[0] is not submodule:
-                    self._hooked[id(submodule)] = (submodule, framed)
-                submodule.forward = self._hooked[id(submodule)][1]
-                self._hooked_now.append(submodule)
 
     def _new_context(self) -> Any:
         """A Dynamo context with a cache of its own (the user's ``torch.compile`` of the same code is untouched)."""
@@ -377,6 +406,9 @@ class DynamoTimer(DynamoGraphs):
         others = [replace(way, opening=())] if way.opening and opens and first.breaks else []
         others += [replace(way, follow=True)] if first.breaks and not way.follow and _follows(first) else []
         others += [replace(way, eager_branches=True)] if first.difference and not way.eager_branches else []
+        backward_hooked = any(m._backward_hooks or m._backward_pre_hooks for m in module.modules())  # (its parent's
+        # frame breaks; a sibling with no parameters, ReLU, is in no ``untimed``)
+        others += [replace(way, framed=True)] if (first.untimed or backward_hooked) and not way.framed else []
         for other in others:
             self._drop(tried[-1])
             tried.append(self._attempt(module, eager, state, args, kwargs, other))
@@ -399,11 +431,13 @@ class DynamoTimer(DynamoGraphs):
             if isinstance(eager, Exception):
                 raise eager
             before, self._inputs_seen = self.calls, set()
+            self._frames.restore()
             if way.eager_hooks:
                 _frames_skipped(self._eager_hooks, False)
                 self._eager_hooks = _hook_functions(module) + self._eager_functions
                 _frames_skipped(self._eager_hooks, True)
-                self._frame_hooked(module)
+            if way.eager_hooks or way.framed:
+                self._frames.frame(module, every=way.framed)
             with (torch_api.following(way.follow, GUARD_SETTINGS), _opened(way.opening),
                   _not_compiling(way.eager_branches), _hooks_eager(self._eager_hooks if way.eager_hooks else ()),
                   float_grouped_mm_meta()):

@@ -16,7 +16,9 @@ from fxprof_lightning.capture import verify
 from fxprof_lightning.capture.graph_breaks import _resumed_from
 from fxprof_lightning.nodes import JOINS, ROW, NodeInfo, describe_target, mark_untimed, module_stack
 
-__all__ = ["annotate_rows"]
+__all__ = ["FRAMED", "annotate_rows"]
+
+FRAMED = "_fxprof_framed_"  # a torch.nn module's forward of ours, a frame Dynamo starts: this, then the module's id
 
 
 def annotate_rows(graph_module: fx.GraphModule, names: dict[int, tuple[str, nn.Module]], frame: str = "") -> None:
@@ -26,6 +28,7 @@ def annotate_rows(graph_module: fx.GraphModule, names: dict[int, tuple[str, nn.M
     ``str(id(module))``, with ``@N`` for its N-th extra call in the graph). ``frame``: the path of the module whose
     forward the graph's frame runs (its own ops have no ``nn_module_stack``), "" for the root.
     """
+    frame = frame or _framed_module(graph_module, names)
     taken: dict[str, int] = {}
     outer = module_stack(frame)  # the frame's module and those around it
     previous_layer: str | None = None
@@ -92,6 +95,18 @@ def _path_of(source: str) -> str:
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path)
     return re.sub(r"\._modules\.", ".", path).strip(".")
+
+
+def _framed_module(graph_module: fx.GraphModule, names: dict[int, tuple[str, nn.Module]]) -> str:
+    """The path of the module whose frame of ours (``dynamo._own_frame``: a torch.nn module with no parameter, such as
+    ReLU, has no input that tells it) a graph runs, where the outermost frame of its nodes' stacks is one; else ""."""
+    for node in graph_module.graph.nodes:
+        outermost = re.search(r'File "[^"]*", line \d+, in (\S+)', node.meta.get("stack_trace") or "")
+        if outermost is not None:
+            name = outermost.group(1)
+            ident = name[len(FRAMED):] if name.startswith(FRAMED) else ""
+            return names[int(ident)][0] if ident.isdigit() and int(ident) in names else ""
+    return ""
 
 
 @dataclass

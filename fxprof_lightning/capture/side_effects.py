@@ -7,8 +7,8 @@ side effects happen exactly as often as training calls the model:
 
 * every module's own attributes that are not tensors or modules (``self.calls += 1`` in a forward);
 * what each hook (forward, pre-forward and backward hooks of every module, hooks on parameters, global module hooks)
-  can reach: its closure cells, its object's attributes (a bound method, a callable object, a ``functools.partial``'s
-  arguments) and the module globals its code names;
+  can reach: its closure cells, its object's attributes (a bound method, a module's too, such as the LightningModule's;
+  a callable object; a ``functools.partial``'s arguments) and the module globals its code names;
 * inside those, lists, dicts, sets and objects' attributes two levels down (``activations[name].append(out)``), and
   tensors that are not parameters or buffers (a running total updated in place).
 
@@ -71,7 +71,9 @@ def _reach(hook: Any, model_tensors: set[int]) -> list[Restore]:
         restores += [_value(v, model_tensors, DEPTH) for v in (*hook.args, *hook.keywords.values())]
         hook = hook.func
     if isinstance(hook, types.MethodType):
-        restores.append(_value(hook.__self__, model_tensors, DEPTH))
+        owner = hook.__self__  # a module's method: the LightningModule's, counting in ``self.calls`` (its own state)
+        restores.append(_attributes(owner.__dict__, model_tensors, skip_tensors=True) if isinstance(owner, nn.Module)
+                        else _value(owner, model_tensors, DEPTH))
         hook = hook.__func__
     if not isinstance(hook, types.FunctionType):
         if isinstance(hook, nn.Module):
