@@ -14,6 +14,7 @@ import bisect
 import contextlib
 import importlib
 import inspect
+import operator
 import threading
 import types
 import warnings
@@ -240,6 +241,8 @@ current_autograd_node = _function("torch._C:_current_autograd_node", "recomputes
 # (they fail at use without it). ``AUTOGRAD`` holds it for the instrumented forward (a local there, one lookup away).
 sequence_nr_now = _function("torch._C._autograd:_get_sequence_nr", "backward timing and FLOP counting fail at use")
 AUTOGRAD = types.SimpleNamespace(sequence_nr=sequence_nr_now)
+# An autograd node's sequence number, the order of the forward op that made it (every torch of the range).
+node_sequence_nr = operator.methodcaller("_sequence_nr")
 # A callback the engine runs at the end of the backward pass (2.6-2.15): where a backward ends; the loop's phases and
 # backward timing by hooks rest on it (they fail at use without it).
 queue_callback = _function("torch.autograd:Variable._execution_engine.queue_callback", "backward ends fail at use")
@@ -263,8 +266,7 @@ _find("torch.autograd.profiler:_is_profiler_enabled", "a session over ours notic
 RecordFunctionFast = _find("torch._C._profiler:_RecordFunctionFast", "record_function's ranges")
 
 
-def missing_for_backward_events() -> str | None:
-    """The first piece of the C++ profiler this torch lacks for backward events (None: nothing)."""
+def missing_for_backward_events() -> str | None:  # the first piece of the C++ profiler this torch lacks for backward events (None: nothing)
     return next((path for path, found in _BACKWARD_EVENTS.items() if found is None), None)
 
 
@@ -277,13 +279,11 @@ def start_backward_events() -> None:
     _BACKWARD_EVENTS["torch._C._autograd:_enable_profiler"](config, {ProfilerActivity.CPU}, {RecordScope.BACKWARD_FUNCTION})
 
 
-def stop_backward_events() -> Any:
-    """The C++ profiler off: its results (``events()``)."""
+def stop_backward_events() -> Any:  # the C++ profiler off: its results (``events()``)
     return _BACKWARD_EVENTS["torch._C._autograd:_disable_profiler"]()
 
 
-def torch_profiler_running() -> bool:
-    """Whether a torch.profiler session runs (read at each call: torch sets it)."""
+def torch_profiler_running() -> bool:  # whether a torch.profiler session runs (read at each call: torch sets it)
     return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", False))
 
 # ---------------------------------------------------------------- dispatch and pytree: FLOPs and the checks
@@ -574,7 +574,7 @@ def saved_tensors(node: Any, notes: list[tuple[int, Any]] | None = None) -> list
         names = _RAW_SAVED[type(node)] = tuple(n for n in dir(type(node)) if n.startswith("_raw_saved_"))
     if HAS_DATA:
         return [(s.data, s.unpack_hook) for s in _flat(getattr(node, n) for n in names)]
-    at = bisect.bisect_right(notes or [], node._sequence_nr(), key=lambda note: note[0]) - 1
+    at = bisect.bisect_right(notes or [], node_sequence_nr(node), key=lambda note: note[0]) - 1
     if notes is None or (at >= 0 and notes[at][1] is not None):  # (not noted, or packed by the hook on top then)
         return [(None, notes[at][1]) for _ in _flat(getattr(node, n) for n in names)] if notes else []
     try:  # no hook on top: unpacking runs none (an op's ``_saved_x``, a Function's ``saved_tensors``)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -113,10 +114,14 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
+AUTOGRAD_NODE_PRIVATE = re.compile(r"_sequence_nr|_raw_saved_\w+")  # an autograd node's private method, attributes
+
+
 def _torch_private_names(source: str) -> list[str]:
     """The private torch names a module's code touches: an attribute of torch (``torch._C``,
     ``torch.autograd._get_sequence_nr``; a name imported from torch, ``nn`` or ``fx``, counts as torch), an import of
-    one (``from torch.utils._pytree import tree_map``, ``from torch.fx._symbolic_trace import _assert_is_none``) or
+    one (``from torch.utils._pytree import tree_map``, ``from torch.fx._symbolic_trace import _assert_is_none``), an
+    autograd node's private method (``grad_fn._sequence_nr()``, whatever holds the node) or
     a string beside a torch object in a call or tuple (``getattr(torch.nn.functional, "_check_key_padding_mask")``,
     ``(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator")``). Comments and docstrings are not code; a
     string naming a module (``nodes.describe_target`` reads a target's ``__module__``) is no lookup."""
@@ -139,7 +144,8 @@ def _torch_private_names(source: str) -> list[str]:
         return isinstance(expression, ast.Name) and expression.id in roots
 
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and _private(node.attr) and of_torch(node.value):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and (
+                of_torch(node.value) or AUTOGRAD_NODE_PRIVATE.fullmatch(node.attr)):  # (a node: whatever holds it)
             found.append(ast.unparse(node))
         elif isinstance(node, (ast.Call, ast.Tuple)):
             items = node.args if isinstance(node, ast.Call) else node.elts
@@ -154,11 +160,12 @@ def test_private_torch_names_are_found():
               "from torch.fx import _symbolic_trace\nfrom torch.utils import _pytree as pytree\n"
               "a = torch._C._current_graph_task_id()\nb = nn.functional._check_key_padding_mask\n"
               "c = getattr(torch.ops.aten, '_grouped_mm', None)\nd = ((torch.utils.checkpoint, '_generator'),)\n"
-              "e = torch.__version__, torch.autograd.grad, nn.Module, 'torch._C._nn', obj._private\n")
+              "e = torch.__version__, torch.autograd.grad, nn.Module, 'torch._C._nn', obj._private\n"
+              "f = loss.grad_fn._sequence_nr()\n")
     assert sorted(_torch_private_names(source)) == sorted([
         "torch._dynamo.utils", "torch.utils._pytree.tree_map", "torch.fx._symbolic_trace", "torch.utils._pytree",
         "torch._C", "torch._C._current_graph_task_id", "nn.functional._check_key_padding_mask", "_grouped_mm",
-        "_generator"])
+        "_generator", "loss.grad_fn._sequence_nr"])
 
 
 def test_no_module_but_torch_api_touches_a_private_torch_name():

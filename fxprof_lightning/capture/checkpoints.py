@@ -196,7 +196,7 @@ def _checkpoint(timed: fx.GraphModule, captured: fx.GraphModule, kwargs: dict[st
                 ns = time.perf_counter_ns() - start
                 asking = torch_api.current_autograd_node()
                 if recomputes is not None and asking is not None:
-                    recomputes.add(asking._sequence_nr(), ns, (first, sequence_nr_now() if opened else first))
+                    recomputes.add(torch_api.node_sequence_nr(asking), ns, (first, sequence_nr_now() if opened else first))
 
         return torch.utils.checkpoint.checkpoint(region, *inputs, **kwargs, **body_kwargs)
 

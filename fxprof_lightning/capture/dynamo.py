@@ -406,9 +406,10 @@ class DynamoTimer(DynamoGraphs):
         others = [replace(way, opening=())] if way.opening and opens and first.breaks else []
         others += [replace(way, follow=True)] if first.breaks and not way.follow and _follows(first) else []
         others += [replace(way, eager_branches=True)] if first.difference and not way.eager_branches else []
-        backward_hooked = any(m._backward_hooks or m._backward_pre_hooks for m in module.modules())  # (its parent's
-        # frame breaks; a sibling with no parameters, ReLU, is in no ``untimed``)
-        others += [replace(way, framed=True)] if (first.untimed or backward_hooked) and not way.framed else []
+        # (a module with backward hooks breaks its parent's frame; its siblings' frames run untimed. Not for other
+        # breaks: a layer whose ``.item()`` breaks each call is better timed by following torch's frames)
+        backward_hooked = any(m._backward_hooks or m._backward_pre_hooks for m in module.modules())
+        others += [replace(way, framed=True)] if backward_hooked and not way.framed else []
         for other in others:
             self._drop(tried[-1])
             tried.append(self._attempt(module, eager, state, args, kwargs, other))

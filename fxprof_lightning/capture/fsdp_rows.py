@@ -246,6 +246,6 @@ def _applying() -> int | None:
     while frame is not None and frame.f_code is not _RUN_BACKWARD:
         if frame.f_code is _APPLY:
             node = torch_api.current_autograd_node()
-            return node._sequence_nr() if node is not None else None
+            return torch_api.node_sequence_nr(node) if node is not None else None
         frame = frame.f_back
     return None

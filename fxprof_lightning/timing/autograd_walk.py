@@ -27,13 +27,13 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
 
 def autograd_nodes(roots: list[Any], first: int, end: int) -> Iterator[Any]:
     """The autograd nodes with sequence numbers in [first, end) that ``roots`` reach (those in the range included)."""
-    pending = list(dict.fromkeys(fn for fn in roots if fn is not None and first <= fn._sequence_nr() < end))
+    pending = list(dict.fromkeys(fn for fn in roots if fn is not None and first <= torch_api.node_sequence_nr(fn) < end))
     seen = set(pending)
     while pending:
         fn = pending.pop()
         yield fn
         for next_fn, _ in fn.next_functions:
-            if next_fn is not None and next_fn not in seen and first <= next_fn._sequence_nr() < end:
+            if next_fn is not None and next_fn not in seen and first <= torch_api.node_sequence_nr(next_fn) < end:
                 seen.add(next_fn)
                 pending.append(next_fn)
 

@@ -396,7 +396,7 @@ class NodeTimer(NodeSamples, SavedReader, Readings):
         newest = None
         for tensor in (output,) if isinstance(output, torch.Tensor) else tensors_in(output):
             fn = tensor.grad_fn
-            if fn is not None and fn._sequence_nr() >= first and (newest is None or fn._sequence_nr() > newest._sequence_nr()):
+            if fn is not None and torch_api.node_sequence_nr(fn) >= first and (newest is None or torch_api.node_sequence_nr(fn) > torch_api.node_sequence_nr(newest)):
                 newest = fn
         if newest is None:
             return
@@ -405,7 +405,7 @@ class NodeTimer(NodeSamples, SavedReader, Readings):
         newest.register_prehook(functools.partial(self._begin, durations))
         if self._first_of_call:  # created first, so run last: the model's backward ends with it
             self._first_of_call = False
-            min(autograd_nodes([newest], first, end), key=lambda fn: fn._sequence_nr()).register_hook(self._end)
+            min(autograd_nodes([newest], first, end), key=lambda fn: torch_api.node_sequence_nr(fn)).register_hook(self._end)
 
     def _begin(self, durations: list[Any], grad_outputs: Any) -> None:
         self._marks.append((durations, self._clock.start()))

@@ -86,9 +86,9 @@ def read_saved_bytes(output: Any, first: int, end: int, firsts: list[int], ends:
     seen: set[tuple[str, int, int]] = set()
     frames: set[int] = set()  # checkpointed regions whose inputs are counted
     roots = [t.grad_fn for t in tensors_in(output)]
-    for node in sorted(autograd_nodes(roots, first, end), key=lambda fn: fn._sequence_nr()):
-        i = bisect.bisect_right(firsts, node._sequence_nr()) - 1
-        if i < start or node._sequence_nr() >= ends[i]:
+    for node in sorted(autograd_nodes(roots, first, end), key=lambda fn: torch_api.node_sequence_nr(fn)):
+        i = bisect.bisect_right(firsts, torch_api.node_sequence_nr(node)) - 1
+        if i < start or torch_api.node_sequence_nr(node) >= ends[i]:
             continue  # made between the rows (no row owns it)
         row = owners[i]
         kept = []
