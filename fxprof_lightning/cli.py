@@ -535,7 +535,12 @@ def _costs(cycles: list[CycleReport]) -> str:
             f"{float(known[-1]['cost_s']):.2f} s) and {setup:.2f} s making the capture ready at the run's start, "
             f"{100 * float(known[-1].get('run_share') or 0.0):.2f}% of the run's wall time by its last cycle "
             "(each cycle's wall time from its first step to its files written, less as many idle steps).")
-    return "".join(f"Step time: {note}. " for note in notes) + cost
+    absent: dict[str, list[str]] = {}  # why -> the cycles the schedule selected that have no report
+    for line in index:
+        if "absent" in line:
+            absent.setdefault(str(line.get("why")), []).append(str(line["absent"]))
+    return "".join(f"Step time: {note}. " for note in notes) + cost + "".join(
+        f" No report for {', '.join(names)}: {why}." for why, names in absent.items())
 
 
 def _note(why: str | None, cycle: CycleReport) -> str:

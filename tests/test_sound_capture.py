@@ -9,6 +9,7 @@ ends bitwise equal; then that the change was seen (a recapture, or a refusal) an
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import re
 import warnings
@@ -716,6 +717,10 @@ def test_buffer_updates_in_the_model_code_happen_at_every_step(tmp_path):
     # ``float(self.num_batches_tracked)`` is a new constant for Dynamo at every call: each call misses the guards or
     # captures again, so no recorded step counts (and the user is told, rather than shown the captures' times).
     assert callback.cycles == []
+    # The run's index of cycles says so too, and ``fxprof report`` would: each selected cycle is there or named absent
+    (index,) = (tmp_path / "profiled").rglob("fxprof_cycles.jsonl")
+    absent = [json.loads(line) for line in index.read_text().splitlines() if "absent" in line]
+    assert absent and all("dropped steps" in line["why"] for line in absent), absent
 
 
 class Checkpointed(nn.Module):

@@ -146,7 +146,7 @@ class Engine(HoldsSettings):
                           compiled, settings.memory)
         taken = sorted(p.name for p in self.dirpath.glob("*cycle_*")) if self.rank == 0 and self.dirpath.is_dir() else []
         self._taken = set(broadcast(taken))
-        self.follow = Follow(self.settings.watch_step_time, self.rank, self.world_size, self.settings.overhead_budget)
+        self.follow = Follow(self.settings.watch_step_time, self.rank, self.world_size, self.settings.overhead_budget, self.warn)
         self.follow.start(self.dirpath)
 
     def prepare(self, stage: str = "train") -> None:

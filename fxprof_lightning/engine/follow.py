@@ -218,7 +218,9 @@ def answer_file(dirpath: Path) -> Path:
 class Follow:
     """What starts cycles out of the schedule (``tick`` at the end of each idle training step; see the module)."""
 
-    def __init__(self, anomalies: bool, rank: int, world_size: int, budget: float | None = None) -> None:
+    def __init__(self, anomalies: bool, rank: int, world_size: int, budget: float | None = None,
+                 warn: Callable[[str], None] = print) -> None:
+        self.warn, self.told_absent = warn, False
         self.watch = StepWatch(fires=anomalies)
         self.rank, self.world_size, self.budget = rank, world_size, budget
         self.started = time.monotonic()
@@ -319,6 +321,15 @@ class Follow:
         if report.directory is not None:
             self._index({"cycle": report.directory.name, "trigger": report.trigger, "steps": report.steps,
                          "cost_s": round(cost, 4), "setup_s": round(self.setup_s, 4), "run_share": round(self.share(), 5)})
+
+    def absent(self, cycles: list[int], why: str, warned: bool = False) -> None:
+        """Training cycles the schedule selected that have no report, and why: a line each in the run's index (rank 0);
+        a warning the first time, unless ``warned`` (a budget that leaves cycles out leaves many)."""
+        for index in cycles:
+            self._index({"absent": f"cycle {index}", "why": why})
+        if cycles and not warned and not self.told_absent:
+            self.told_absent = True
+            self.warn(f"cycle {cycles[0]} has no report: {why} (every such cycle is named in {INDEX_FILE})")
 
     def _index(self, line: dict[str, Any]) -> None:
         """A line of the run's index of cycles and notes (rank 0)."""

@@ -125,10 +125,13 @@ class Stage:
         held = follow.held()
         if not held:
             return True
-        index = schedule.cycle_of(step)
+        index, left = schedule.cycle_of(step), []
         while index is not None and schedule.first_traced_step(index) < step + held:
             self.skipped.add(index)
+            left.append(index)
             index = index + 1 if not schedule.repeat or index + 1 < schedule.repeat else None
+        follow.absent(left, f"left out to keep profiling within overhead_budget={follow.budget:g} (it had cost "
+                            f"{100 * follow.share():.2f}% of the run's wall time)")
         if self.trigger is not None and self.trigger.kind == "anomaly":  # answered by no later cycle
             self.trigger = None
         return False
