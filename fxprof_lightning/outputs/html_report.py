@@ -246,13 +246,15 @@ def _icicle(cycle: CycleReport, depth: int = ICICLE_DEPTH) -> str:
 
 
 def _trend(shown: list[CycleReport], found: dict[int, Verdict], layers: int) -> str:
-    """Two charts over the cycles: the step (wall) and all nodes, ms per step; the last cycle's slowest layers, ms per
-    call (forward + backward medians, as ``fxprof report``'s trend). Distorted cycles are shaded."""
+    """Two charts over the cycles: the step (wall) and all nodes, ms per step; the last sound cycle's slowest layers
+    (``report.last_sound``), ms per call (forward + backward medians, as ``fxprof report``'s trend). Distorted cycles
+    are shaded."""
     labels = [str(c.index) for c in shown]
     distorted = [found[id(c)].skipped == "distorted" for c in shown]
     steps = [("step (wall, median)", [median_step_ms(c) for c in shown]),
              ("node rows summed, forward + backward", [sum(t) if (t := per_step(c)) else None for c in shown])]
-    top = shown[-1].nodes[:layers]
+    now = last_sound(shown)
+    top = now.nodes[:layers]
     calls = []
     for node in top:
         values = []
@@ -269,7 +271,7 @@ def _trend(shown: list[CycleReport], found: dict[int, Verdict], layers: int) -> 
                      numeric=range(len(top) + 1))
     names = "".join(f"<li>[{i + 1}] <code>{_e(n.layer or n.name)}</code></li>" for i, n in enumerate(top))
     return (f"<h3>ms per step, cycles {labels[0]}-{labels[-1]}</h3>\n{_line_chart(labels, steps, distorted, 'ms')}\n"
-            f"{_legend(steps)}\n<h3>ms per call of the {len(top)} slowest layers of cycle {labels[-1]} "
+            f"{_legend(steps)}\n<h3>ms per call of the {len(top)} slowest layers of cycle {now.index} "
             f"(forward + backward medians)</h3>\n{_line_chart(labels, calls, distorted, 'ms')}\n{_legend(calls)}\n"
             f"{key}\n<details><summary>the numbers</summary>\n<ol class=\"note\" style=\"list-style:none\">{names}</ol>\n"
             f"{numbers}\n</details>")
