@@ -8,7 +8,7 @@
 
 A RUN is a cycle directory (it holds ``fx_nodes.csv``) or a directory holding cycle directories,
 up to 4 levels down (``lightning_logs/version_0``, ``.../fxprof``); see ``runs``. ``compare``
-takes every complete training cycle of A as the baseline and B's last complete training cycle
+takes every complete training cycle of A as the baseline and B's last sound training cycle (complete, not distorted)
 (``--cycle N``: B's cycle N; ``--stage val``: validation cycles) and applies
 ``regressions.compare``'s noise model; its totals are per step, and per sample too when A and B recorded
 different batch sizes (``CycleReport.batch_size``).
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "complete cycle, or --cycle N.", 80))
     cmp.add_argument("a", metavar="A", help="baseline run or cycle directory")
     cmp.add_argument("b", metavar="B", help="run or cycle directory to compare with A")
-    cmp.add_argument("--cycle", type=int, metavar="N", help="use B's cycle N (default: its last complete cycle)")
+    cmp.add_argument("--cycle", type=int, metavar="N", help="use B's cycle N (default: its last sound one: complete, not distorted by other load)")
     shown = cmp.add_mutually_exclusive_group()
     shown.add_argument("--top", type=int, default=20, metavar="N", help="show N changes, flagged ones first, then the largest (default 20; every flagged one is shown)")
     shown.add_argument("--all", action="store_true", help="show every node and direction")
@@ -254,7 +254,7 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
                              f"{_index_list([c.index for c in b_cycles])})")
         now = matching[-1]
     else:
-        now = next((c for c in reversed(b_cycles) if not c.partial), b_cycles[-1])
+        now = last_sound(b_cycles)  # (as report and its page read the slowest layers)
     tables = [_rows(c) for c in baseline]  # the node rows and the step's time outside them (``step_rows``)
     step = median_step_ms(now) or 0.0
     steps = max(len(now.steps), 1)

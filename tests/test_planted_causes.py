@@ -155,6 +155,9 @@ def test_load_from_other_processes_is_told_from_work_and_flags_nothing(tmp_path)
                          text=True, timeout=120, check=False)
     assert f"slowest layers of cycle {sound[-1]}, ms per call" in out.stdout, (sound, out.stdout)
     assert f"The whole step in cycle {sound[-1]}:" in out.stdout, out.stdout
+    compared = subprocess.run([sys.executable, "-m", "fxprof_lightning", "compare", str(tmp_path), str(tmp_path)],
+                              capture_output=True, text=True, timeout=120, check=False)  # (so does compare's B)
+    assert f"training cycle {sound[-1]} (steps" in compared.stdout, compared.stdout
 
 
 @notices("counted no step")
