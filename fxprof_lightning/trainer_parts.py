@@ -9,10 +9,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
-
-from fxprof_lightning import FxprofWarning
 
 __all__ = ["batch_size", "module_to_time", "printer"]
 
@@ -20,16 +17,14 @@ __all__ = ["batch_size", "module_to_time", "printer"]
 def module_to_time(pl_module: pl.LightningModule, path: str | None) -> nn.Module:
     """The submodule of ``pl_module`` at ``path`` (the callback's ``module=``), or a ValueError listing the children
     that do exist. Without ``module=``: the LightningModule where it has a ``forward`` of its own, else its one child
-    with parameters (the model its ``training_step`` calls); with several such children, the user is asked to choose."""
+    with parameters (the model its ``training_step`` calls); with several such children (a GAN's generator and
+    discriminator), the LightningModule, whose children ``training_step`` calls are then timed by module hooks, module
+    by module (``capture.timers``: no forward to capture); ``module=`` picks one for the Dynamo capture."""
     module: nn.Module = pl_module
     if path is None and type(module).forward is pl.LightningModule.forward:
         children = [name for name, child in module.named_children() if next(child.parameters(), None) is not None]
         if len(children) == 1:
             return module.get_submodule(children[0])
-        if children:
-            rank_zero_warn(f"FXProfilerCallback: {type(module).__name__} has no forward of its own and several child "
-                           f"modules ({', '.join(children)}), so no layer is timed: pass module='{children[0]}' (or "
-                           "another) to time the one to look at", category=FxprofWarning)
     for depth, part in enumerate(path.split(".") if path else []):
         child = getattr(module, part, None)
         if not isinstance(child, nn.Module):

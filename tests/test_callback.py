@@ -226,18 +226,42 @@ def test_without_module_the_one_child_training_step_calls_is_timed(tmp_path):
 
 
 class TwoModels(NoForward):
+    """Two models, both called in every training step (as a GAN's generator and discriminator are)."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.critic = torch.nn.Linear(4, 1)
+        self.critic = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        self.critic_calls = 0
+        self.critic.register_forward_hook(self.count)
+
+    def count(self, module, args, output):
+        self.critic_calls += 1
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.model(x)
+        return torch.nn.functional.cross_entropy(logits, y) + 0.1 * self.critic(logits).mean()
 
 
-@notices("the Trainer has no logger", "TwoModels.forward did not run")
-def test_without_module_several_children_are_named_for_the_user_to_choose(tmp_path):
-    callback = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=1, repeat=1, pictures=False)
-    with pytest.warns(UserWarning, match=r"TwoModels has no forward of its own and several child modules \(model, critic\)"
-                                         r".*pass module='model'"):
-        make_trainer(tmp_path, [callback], max_steps=3, logger=False).fit(TwoModels(), image_loader())
-    assert callback.cycles[0].nodes == []
+@notices("the Trainer has no logger")
+def test_without_module_each_child_the_training_step_calls_is_timed(tmp_path):
+    """No forward of its own and several children: each child the step calls gets its layers' rows (module hooks:
+    there is no forward for Dynamo to capture), and training is bitwise what it is without the profiler."""
+    runs = []
+    for profiled in (False, True):
+        torch.manual_seed(0)
+        lit = TwoModels()
+        callbacks = [FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=2, repeat=1, pictures=False)] if profiled else []
+        make_trainer(tmp_path / str(profiled), callbacks, max_steps=4, logger=False).fit(lit, image_loader())
+        runs.append((lit, callbacks))
+    (plain, _), (lit, (callback,)) = runs
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), lit.state_dict().values(), strict=True))
+    assert lit.critic_calls == plain.critic_calls == 4  # the user's hook: once a step
+    (cycle,) = callback.cycles
+    assert cycle.capture.method == "module_hooks" and "has no forward of its own" in cycle.capture.describe()
+    called = {n.name: n.calls for n in cycle.nodes if n.calls}
+    assert {"critic.0", "critic.1", "critic.2"} <= set(called) and any(name.startswith("model.") for name in called)
+    assert all(calls == len(cycle.steps) for name, calls in called.items() if name.startswith("critic")), called
 
 
 def test_no_logger_warns_and_still_writes_files(tmp_path):

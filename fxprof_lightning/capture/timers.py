@@ -37,6 +37,12 @@ __all__ = ["CAPTURES", "Timer", "Timers", "check_capture"]
 CAPTURES = ("dynamo",)
 
 
+def _no_forward(module: nn.Module) -> bool:
+    """Whether ``module`` has no forward of its own: torch's, which raises, or the LightningModule's, which calls it."""
+    forward = type(module).forward
+    return forward is nn.Module.forward or getattr(forward, "__qualname__", "") == "LightningModule.forward"
+
+
 def check_capture(capture: str) -> None:
     """Refuse a ``capture`` option other than ``"dynamo"``; ``"fx"`` is told that the torch.fx capture is gone."""
     if capture == "fx":
@@ -145,6 +151,10 @@ class Timers:
         if self.compiled is not None:
             return KernelTimer(self.compiled), Capture("compiled", error=MECHANISM)
         name = type(module).__name__
+        if _no_forward(module):  # (a LightningModule whose training step calls several children: a GAN's two)
+            return self._hook_timer(module), Capture("module_hooks", error=(
+                f"{name} has no forward of its own for Dynamo to capture: the child modules its steps call are timed "
+                "by module hooks, module by module (module= picks one child for the Dynamo capture)"))
         missing = missing_for_dynamo()
         if missing:
             if not self._told_missing:
