@@ -58,10 +58,10 @@ class _ThreadFiles:
         except OSError:
             return False
         if self.pid != os.getpid():  # (a forked child: the files it inherited are its parent's threads')
-            self.pid, threads_before = os.getpid(), set(self.files)
+            self.pid, closing = os.getpid(), set(self.files)
         else:
-            threads_before = set(self.files) - threads
-        for thread in threads_before:
+            closing = set(self.files) - threads  # (threads that ended)
+        for thread in closing:
             os.close(self.files.pop(thread))
         for thread in threads - set(self.files):
             try:

@@ -166,10 +166,11 @@ class _Frames:
 
     def frame(self, module: nn.Module, every: bool) -> None:
         for submodule in module.modules():
-            framed = _own_frame(submodule) if every else torch_api.hooked_forward(submodule)
-            if submodule is not module and framed is not None:
+            # (hooked: the forward of ours itself, cheap; every: whether one is needed, made once below)
+            needed = _framed(submodule) if every else torch_api.hooked_forward(submodule)
+            if submodule is not module and needed:
                 if self.made.get((id(submodule), every), (None,))[0] is not submodule:
-                    self.made[id(submodule), every] = (submodule, framed)
+                    self.made[id(submodule), every] = (submodule, _own_frame(submodule) if every else needed)
                 submodule.forward = self.made[id(submodule), every][1]
                 self.now.append(submodule)
 
@@ -180,12 +181,15 @@ class _Frames:
         self.now.clear()
 
 
-def _own_frame(module: nn.Module) -> Callable[..., Any] | None:
-    """A forward of ours for a torch.nn (or torch.ao) ``module``: a frame Dynamo starts where it skips torch.nn's
-    (``_Way.framed``), its ``self`` the module, as in the frame Dynamo starts at a hooked module's forward (the rows
-    are named from it); None for the others, and for a module with a forward of its own already."""
-    if "forward" in module.__dict__ or not type(module).__module__.startswith(("torch.nn.", "torch.ao.")):
-        return None
+def _framed(module: nn.Module) -> bool:
+    """Whether ``module`` gets a forward of ours under ``_Way.framed``: a torch.nn (or torch.ao) module without a
+    forward of its own already."""
+    return "forward" not in module.__dict__ and type(module).__module__.startswith(("torch.nn.", "torch.ao."))
+
+
+def _own_frame(module: nn.Module) -> Callable[..., Any]:
+    """A forward of ours for a torch.nn ``module`` (``_framed``): a frame Dynamo starts where it skips torch.nn's,
+    its ``self`` the module, as in the frame Dynamo starts at a hooked module's forward (the rows are named from it)."""
     code = _framed_forward.__code__.replace(co_name=f"{FRAMED}{id(module)}")  # (a graph's stack names its module)
     return types.MethodType(types.FunctionType(code, _framed_forward.__globals__, code.co_name), module)
 
