@@ -4,8 +4,9 @@
     .venv/bin/python benchmarks/bench_memory_plan.py --threads 1 --quick  # 1 round, numbers are rough
 
 Workload: the models of ``tests/test_memory_plan.py`` (a ResNet-like stack of basic blocks, batch 16 of 3x32x32; a
-GPT-like stack of 4 pre-norm blocks, batch 8 of 64 tokens), AdamW, CPU, a plain loop with
-``Profiler(wait=1, warmup=1, active=8, torch_profiler=False, pictures=False, sinks=[])``. Each round profiles the
+GPT-like stack of 4 pre-norm blocks, batch 8 of 64 tokens; torchvision's ResNet18, batch 16 of 3x112x112), AdamW,
+CPU, the test's plain loop (``profile``) with ``Profiler(wait=1, warmup=1, active=8, torch_profiler=False,
+pictures=False, sinks=[])``. Each round profiles the
 model as it is, takes its plan (``CycleReport.checkpoint_plan``), wraps the blocks the plan names in non-reentrant
 ``torch.utils.checkpoint`` and profiles that (same seed, same data). Prints per model: the plan, the measured drop of
 the saved bytes per step against the predicted (exact: bytes are deterministic) and, as the median over rounds of the
@@ -26,23 +27,7 @@ import torch
 from run_info import closing_lines, cpu_stall_us, package_state, parse_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_memory_plan import MODELS, apply_plan  # (the test's models, found from here)
-
-from fxprof_lightning import Profiler
-
-
-def profile(model: torch.nn.Module, make_input, directory: str, steps: int = 10):
-    torch.manual_seed(0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with Profiler(model, wait=1, warmup=1, active=8, repeat=1, dirpath=directory, torch_profiler=False,
-                  pictures=False, sinks=[]) as prof:
-        for _ in range(steps):
-            model(make_input()).float().pow(2).mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            prof.step()
-    (cycle,) = prof.cycles
-    return cycle
+from test_memory_plan import MODELS, apply_plan, profile  # (the test's models and loop, found from here)
 
 
 def _saved(cycle) -> float:
@@ -60,13 +45,13 @@ def main() -> None:
             backward, step, bytes_ratio, recompute = [], [], [], []
             for r in range(rounds):
                 torch.manual_seed(0)
-                before = profile(make(), make_input, f"{tmp}/{name}{r}b")
+                before = profile(make(), make_input, f"{tmp}/{name}{r}b", steps=10, active=8)
                 plan = before.checkpoint_plan
                 if plan is None:
                     print(f"{name}: no plan")
                     break
                 torch.manual_seed(0)
-                after = profile(apply_plan(make(), plan), make_input, f"{tmp}/{name}{r}a")
+                after = profile(apply_plan(make(), plan), make_input, f"{tmp}/{name}{r}a", steps=10, active=8)
                 bytes_ratio.append((_saved(before) - _saved(after)) / plan.saved_bytes)
                 backward.append((after.backward_ms_per_step - before.backward_ms_per_step) / plan.cost_ms)
                 rows = [n for n in after.nodes if n.op == "recompute"]

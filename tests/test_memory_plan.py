@@ -103,12 +103,13 @@ def apply_plan(model: nn.Module, plan: CheckpointPlan) -> nn.Module:
     return model
 
 
-def profile(model: nn.Module, make_input, tmp_path, steps: int = 6):
-    """One cycle (a warm-up step, three recorded) of plain training with AdamW; the report."""
+def profile(model: nn.Module, make_input, tmp_path, steps: int = 6, active: int = 3):
+    """One cycle (a warm-up step, ``active`` recorded) of plain training with AdamW; the report
+    (``benchmarks/bench_memory_plan.py`` runs it too)."""
     torch.manual_seed(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with Profiler(model, wait=1, warmup=1, active=3, repeat=1, dirpath=tmp_path, torch_profiler=False, pictures=False,
-                  sinks=[]) as prof:
+    with Profiler(model, wait=1, warmup=1, active=active, repeat=1, dirpath=tmp_path, torch_profiler=False,
+                  pictures=False, sinks=[]) as prof:
         for _ in range(steps):
             model(make_input()).float().pow(2).mean().backward()
             optimizer.step()
