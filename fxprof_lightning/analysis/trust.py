@@ -19,13 +19,13 @@ process CPU time of each recorded step (``CycleReport.step_ms``, ``step_cpu_ms``
 Where Linux keeps scheduler statistics (``/proc/self/task/<id>/schedstat``: the time each thread of this process was
 ready to run and waited for a core), the share of the recorded steps' wall time this process's threads spent so
 (``step_wait_ms``) replaces the jump and the CPU-per-wall drop: above ``WAIT_LIMIT`` (30 %) and twice the earlier
-sound cycles' is load, whatever the nodes did (on a quiet machine it is 0-4 %; with two DataLoader workers busy on two
-cores, 17-35 % in every cycle: the job's own steady load, whose cycles compare with each other). Another process that takes the core an intra-op thread needs makes one
-matmul wait a scheduler slice (8 ms each call, in an identical run of 2026-11-27, where the other rows did not move:
-no "in proportion" would have told it). A process that waits 30 ms for its data leaves its intra-op threads asleep,
-not waiting: every node after the wait runs up to 2x slower, with no thread waiting for a core (the step's data
-phase is then what the watch flags). The machine-wide CPU pressure (``/proc/pressure/cpu``) said load there too,
-when any task of the machine waited; it is not read.
+sound cycles' is load, whatever the nodes did (on a quiet machine it is 0-4 %; with two DataLoader workers busy on
+two cores, 17-35 % in every cycle: the job's own steady load, whose cycles compare with each other). Another process
+that takes the core an intra-op thread needs makes one matmul wait a scheduler slice (8 ms each call, in an
+identical run of 2026-11-27, where the other rows did not move: no "in proportion" would have told it). A process
+that waits 30 ms for its data leaves its intra-op threads asleep, not waiting: every node after the wait runs up to
+2x slower, with no thread waiting for a core (the step's data phase is then what the watch flags). The machine-wide
+CPU pressure (``/proc/pressure/cpu``) said load there too, when any task of the machine waited; it is not read.
 """
 
 from __future__ import annotations
