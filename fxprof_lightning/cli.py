@@ -59,10 +59,10 @@ from fxprof_lightning.layout import HTML_FILE
 from fxprof_lightning.outputs.formats import (
     BASELINE_CYCLES,
     legend_report,
-    median_step_ms,
     ms_text,
     per_step,
     ratio_text,
+    step_wall_ms,
     steps_text,
 )
 from fxprof_lightning.outputs.runs import RunError, find_cycles, load_cycle
@@ -256,7 +256,7 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
     else:
         now = last_sound(b_cycles)  # (as report and its page read the slowest layers)
     tables = [_rows(c) for c in baseline]  # the node rows and the step's time outside them (``step_rows``)
-    step = median_step_ms(now) or 0.0
+    step = statistics.median(now.step_ms) if now.step_ms else 0.0  # (as the watch: the share of the step a row adds)
     steps = max(len(now.steps), 1)
     deltas = [*compare(tables, _rows(now), **options), *new_rows(tables, now.nodes, steps, step),  # (new code: from 0,
               *gone_rows([c.nodes for c in baseline], now.nodes)]  # code no longer run: to 0)
@@ -280,7 +280,7 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
     lines += ["", *totals_table(baseline, now)]
     whole = step_change([c.step_ms for c in baseline], now.step_ms, **options)
     whole_before = step_change([c.step_ms for c in baseline], earlier[0].step_ms, **options) if earlier else None
-    load = distortion(now.step_ms, [m for c in baseline if (m := median_step_ms(c)) is not None], factor,
+    load = distortion(now.step_ms, [statistics.median(c.step_ms) for c in baseline if c.step_ms], factor,
                       wait=waited_share(now.step_ms, now.step_wait_ms),
                       earlier_wait=[w for c in baseline if (w := waited_share(c.step_ms, c.step_wait_ms)) is not None])
     whole_confirmed = whole is not None and whole.slower and load is None and (
@@ -389,8 +389,8 @@ def total_rows(baseline: list[CycleReport], now: CycleReport,
     if a_steps and b_step is not None:
         rows.append(("forward (nodes)", statistics.median(s[0] for s in a_steps), b_step[0] / per(now)))
         rows.append(("backward (nodes)", statistics.median(s[1] for s in a_steps), b_step[1] / per(now)))
-    a_wall = [m / per(c) for c in baseline if (m := median_step_ms(c)) is not None]
-    b_wall = median_step_ms(now)
+    a_wall = [m / per(c) for c in baseline if (m := step_wall_ms(c)) is not None]
+    b_wall = step_wall_ms(now)
     if a_wall and b_wall is not None:
         rows.append(("step (wall)", statistics.median(a_wall), b_wall / per(now)))
     return rows
@@ -507,7 +507,7 @@ def cycle_table(cycles: list[CycleReport], found: dict[int, Verdict]) -> list[st
     for c in cycles:
         totals = per_step(c)
         steps = steps_text(c)
-        step = median_step_ms(c)
+        step = step_wall_ms(c)
         spread = step_spread(c.step_ms) if c.step_ms else None
         why, regressions = found[id(c)].skipped, found[id(c)].regressions
         name = c.directory.name if c.directory is not None else str(c.index)
@@ -517,7 +517,7 @@ def cycle_table(cycles: list[CycleReport], found: dict[int, Verdict]) -> list[st
             f"{index:>7}  {steps:<13}  {forward:>11}  {backward:>11}  {ms_text(step) if step is not None else '':>9}  "
             f"{f'{100 * spread:.0f}%' if spread is not None else '':>6}  "
             f"{len(regressions) if why is None else '-':>11}  {_note(why, c)}".rstrip())
-    return [*lines, "(fwd, bwd ms/step: the node rows summed, mean per step; step ms: the measured step, median)"]
+    return [*lines, "(fwd, bwd ms/step: the node rows summed; step ms: the measured step, from the end of the one before; means per step)"]
 
 
 def _costs(cycles: list[CycleReport]) -> str:
@@ -550,19 +550,20 @@ def _note(why: str | None, cycle: CycleReport) -> str:
 
 
 def trend_table(cycles: list[CycleReport], layers: int) -> list[str]:
-    """ms per call (forward + backward medians) of the slowest nodes of the last sound cycle, in every cycle."""
+    """ms per call (forward + backward means, as the tables') of the slowest nodes of the last sound cycle, in every
+    cycle."""
     now = last_sound(cycles)
     top = now.nodes[:layers]
     if not top:
         return ["(the last cycle timed no node)"]
     column = 10
     lines = [f"Trend of the {len(top)} slowest layers of cycle {now.index}, ms per call "
-             "(forward + backward medians):"]
+             "(forward + backward, means):"]
     lines += [f"  [{i + 1}] {shorten(n.layer or n.name, 60)}  (node {shorten(n.name, 40)})" for i, n in enumerate(top)]
     lines.append(f"{'cycle':>7}" + "".join(f"{f'[{i + 1}]':>{column + 2}}" for i in range(len(top))))
     for c in cycles:
         by_name = {n.name: n for n in c.nodes}
-        cells = [ms_text(by_name[n.name].median_ms + by_name[n.name].bwd_median_ms) if n.name in by_name else "-"
+        cells = [ms_text(by_name[n.name].mean_ms + by_name[n.name].bwd_mean_ms) if n.name in by_name else "-"
                  for n in top]
         lines.append(f"{c.index:>7}" + "".join(f"{cell:>{column + 2}}" for cell in cells))
     return lines

@@ -41,7 +41,7 @@ from torch import nn
 
 from fxprof_lightning import FXProfilerCallback
 from fxprof_lightning.cli import check_cycles, main
-from fxprof_lightning.outputs.formats import median_step_ms, ms_text, per_step
+from fxprof_lightning.outputs.formats import ms_text, per_step, step_wall_ms
 from fxprof_lightning.outputs.html_report import SLOWEST_ROWS, write_page
 from fxprof_lightning.outputs.runs import load_run
 from fxprof_lightning.report import last_sound
@@ -204,7 +204,7 @@ def test_page_shows_every_section_with_the_runs_numbers(trained, page_of_run):
     for row, css, cycle in zip(rows, page.row_classes["cycles"], cycles, strict=True):
         forward, backward = per_step(cycle)
         assert row[1:5] == [f"{cycle.steps[0]}-{cycle.steps[-1]}", ms_text(forward), ms_text(backward),
-                            ms_text(median_step_ms(cycle))]
+                            ms_text(step_wall_ms(cycle))]
         verdict = found[id(cycle)]
         assert (css == "distorted") == (verdict.skipped == "distorted")
         if verdict.distortion:
@@ -283,7 +283,7 @@ def test_trend_follows_the_slowest_layers_and_marks_distorted_cycles(trained, pa
     assert [row[0] for row in numbers] == [str(c.index) for c in cycles]
     for row, cycle in zip(numbers, cycles, strict=True):
         by_name = {n.name: n for n in cycle.nodes}
-        assert row[1:] == [ms_text(by_name[n.name].median_ms + by_name[n.name].bwd_median_ms) for n in top]
+        assert row[1:] == [ms_text(by_name[n.name].mean_ms + by_name[n.name].bwd_mean_ms) for n in top]
     shapes = page.svg["trend"]
     charts = [a for tag, a in shapes if tag == "svg"]
     assert len(charts) == 2 and all(int(a["width"]) > 0 and int(a["height"]) > 0 for a in charts)

@@ -16,7 +16,7 @@ from fxprof_lightning.analysis.regressions import (
 )
 from fxprof_lightning.report import CycleReport
 
-__all__ = ["BASELINE_CYCLES", "legend_report", "median_step_ms", "ms_text", "per_step", "ratio_text", "steps_text"]
+__all__ = ["BASELINE_CYCLES", "legend_report", "ms_text", "per_step", "ratio_text", "step_wall_ms", "steps_text"]
 
 BASELINE_CYCLES = 5  # as the engine: each cycle against the last 5 sound ones before it
 WIDTH = 120
@@ -30,8 +30,13 @@ def per_step(report: CycleReport) -> tuple[float, float] | None:
     return (root.total_fwd_ms, root.total_bwd_ms) if root is not None else None
 
 
-def median_step_ms(report: CycleReport) -> float | None:
-    return statistics.median(report.step_ms) if report.step_ms else None
+def step_wall_ms(report: CycleReport) -> float | None:
+    """The step's wall time, ms per recorded step (mean), in every view: its phases summed (each step from the end of
+    the one before, the wait for its batch included: ``step_phases``), else its timed part (``step_ms``: from the
+    step's start to its end)."""
+    if report.phases:
+        return sum(report.phases.values())
+    return statistics.fmean(report.step_ms) if report.step_ms else None
 
 
 def legend_report(options: dict) -> list[str]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from fxprof_lightning.analysis.regressions import Regression, Verdict
 from fxprof_lightning.analysis.trust import step_spread
 from fxprof_lightning.layout import PHASES
-from fxprof_lightning.outputs.formats import legend_report, median_step_ms, ms_text, per_step, ratio_text, steps_text
+from fxprof_lightning.outputs.formats import legend_report, ms_text, per_step, ratio_text, step_wall_ms, steps_text
 from fxprof_lightning.outputs.plots import _tree
 from fxprof_lightning.report import CycleReport, describe_phases, last_sound, shorten
 
@@ -138,7 +138,7 @@ def _cycles(shown: list[CycleReport], found: dict[int, Verdict], total: int) -> 
     rows, classes = [], []
     for c in shown:
         verdict = found[id(c)]
-        totals, step = per_step(c), median_step_ms(c)
+        totals, step = per_step(c), step_wall_ms(c)
         spread = step_spread(c.step_ms) if c.step_ms else None
         note = verdict.skipped or ""
         if verdict.distortion:
@@ -174,7 +174,7 @@ def _slowest(cycle: CycleReport) -> str:
     more = len(cycle.nodes) - SLOWEST_ROWS
     tail = (f'<p class="note">{more} faster node(s) not shown (fx_nodes.csv in the cycle directory has every one).'
             "</p>" if more > 0 else "")
-    return (f"<p>ms per call are means over the cycle's calls (the trend below: medians); share: of the cycle's summed node time (forward "
+    return (f"<p>ms per call are means over the cycle's calls, as in every view but the regressions' (the median call); share: of the cycle's summed node time (forward "
             f"{ms_text(cycle.forward_ms_per_step)} + backward {ms_text(cycle.backward_ms_per_step)} ms per step).</p>\n"
             + _table(head, rows, "slowest", numeric=(0, 4, 5, 6, 7)) + tail)
 
@@ -247,11 +247,11 @@ def _icicle(cycle: CycleReport, depth: int = ICICLE_DEPTH) -> str:
 
 def _trend(shown: list[CycleReport], found: dict[int, Verdict], layers: int) -> str:
     """Two charts over the cycles: the step (wall) and all nodes, ms per step; the last sound cycle's slowest layers
-    (``report.last_sound``), ms per call (forward + backward medians, as ``fxprof report``'s trend). Distorted cycles
+    (``report.last_sound``), ms per call (forward + backward means, as the tables and ``fxprof report``'s trend). Distorted cycles
     are shaded."""
     labels = [str(c.index) for c in shown]
     distorted = [found[id(c)].skipped == "distorted" for c in shown]
-    steps = [("step (wall, median)", [median_step_ms(c) for c in shown]),
+    steps = [("step (wall)", [step_wall_ms(c) for c in shown]),
              ("node rows summed, forward + backward", [sum(t) if (t := per_step(c)) else None for c in shown])]
     now = last_sound(shown)
     top = now.nodes[:layers]
@@ -260,7 +260,7 @@ def _trend(shown: list[CycleReport], found: dict[int, Verdict], layers: int) -> 
         values = []
         for c in shown:
             n = next((n for n in c.nodes if n.name == node.name), None)
-            values.append(n.median_ms + n.bwd_median_ms if n is not None else None)
+            values.append(n.mean_ms + n.bwd_mean_ms if n is not None else None)
         calls.append((node.layer or node.name, values))
     marked = [f"cycle {c.index}" for c, d in zip(shown, distorted) if d]
     key = (f'<p class="legend"><span><span class="swatch" style="background:{DISTORTED_FILL}"></span>distorted by other '
@@ -272,7 +272,7 @@ def _trend(shown: list[CycleReport], found: dict[int, Verdict], layers: int) -> 
     names = "".join(f"<li>[{i + 1}] <code>{_e(n.layer or n.name)}</code></li>" for i, n in enumerate(top))
     return (f"<h3>ms per step, cycles {labels[0]}-{labels[-1]}</h3>\n{_line_chart(labels, steps, distorted, 'ms')}\n"
             f"{_legend(steps)}\n<h3>ms per call of the {len(top)} slowest layers of cycle {now.index} "
-            f"(forward + backward medians)</h3>\n{_line_chart(labels, calls, distorted, 'ms')}\n{_legend(calls)}\n"
+            f"(forward + backward, means)</h3>\n{_line_chart(labels, calls, distorted, 'ms')}\n{_legend(calls)}\n"
             f"{key}\n<details><summary>the numbers</summary>\n<ol class=\"note\" style=\"list-style:none\">{names}</ol>\n"
             f"{numbers}\n</details>")
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import csv
 import io
-import statistics
 from dataclasses import asdict, fields
 
 from fxprof_lightning.analysis.trust import cpu_per_wall, step_spread, waited_share
+from fxprof_lightning.outputs.formats import step_wall_ms
 from fxprof_lightning.report import CycleReport, ModuleStats, NodeStats, RangeStats
 
 __all__ = ["markdown", "memory_line", "modules_csv", "modules_text", "nodes_csv", "ranges_csv", "step_csv"]
@@ -92,7 +92,7 @@ def markdown(report: CycleReport, top_k: int | None = None) -> str:
                   for phase, ms in sorted(report.phases.items(), key=lambda item: -item[1])]
         lines.append("")
     if report.step_ms:
-        trust = f"Recorded steps took {statistics.median(report.step_ms):.1f} ms (median)"
+        trust = f"Recorded steps took {step_wall_ms(report):.1f} ms (mean)"
         spread, cpu = step_spread(report.step_ms), cpu_per_wall(report.step_ms, report.step_cpu_ms)
         if spread is not None:
             trust += f", spread {100 * spread:.0f}%"
