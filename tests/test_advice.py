@@ -181,3 +181,13 @@ def test_slow_rank_with_nodes_lagging_equally_names_one():
     cycle = [node("a", 1.0, slowest_rank=1, slowest_rank_ms=2.0), node("b", 1.0, slowest_rank=1, slowest_rank_ms=2.0)]
     (found,) = slow_rank([cycle] * 3, ranks=2)
     assert "Rank 1 was the slowest in 3 of 3 cycles, most in `" in found.text
+
+
+def test_memory_bound_matmuls_that_share_the_time_get_one_piece_of_advice_together():
+    """Eight Linear(1024, 1024) at a batch of 2, 12 % of the node time each: together they are the time."""
+    layers = [node(f"fc{i}", 0.3, 1.2, fwd_flops=2 * 2 * 1024 * 1024, intensity=1.0, bound="memory", pct_of_peak=60.0,
+                   fwd_gbytes_per_s=14.0) for i in range(8)]
+    (found,) = memory_bound([*layers, node("relu", 0.05, 0.05)])
+    assert found.text.startswith("8 matmuls or convs (99% of node time; the largest `fc0` (Linear), 12%) are memory-bound")
+    assert "a larger batch" in found.text
+    assert memory_bound(layers[:1] + [node("other", 5.0, 5.0)]) == []  # one at 1.5 %: not the batch's problem

@@ -215,3 +215,23 @@ def test_a_slowdown_shared_by_every_row_is_flagged_as_the_step_too(tmp_path):
     out = subprocess.run([sys.executable, "-m", "fxprof_lightning", "compare", str(tmp_path / "a"), str(tmp_path / "b")],
                          capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 1 and "\nSTEP SLOWER: B's step took " in out.stdout, out.stdout
+
+
+def test_a_weight_bandwidth_bound_mlp_at_a_tiny_batch_is_told_to_take_a_larger_batch():
+    """Eight Linear(1024, 1024) at a batch of 2: 1 FLOP per weight byte read, each layer 12 % of the node time and
+    together nearly all of it. Every cycle says a larger batch, in one piece of advice for the layers together (the
+    rule asked 20 % of one layer: no advice at all, a hidden check of issue 40)."""
+    torch.manual_seed(0)
+    layers = [part for _ in range(8) for part in (nn.Linear(1024, 1024), nn.ReLU())]
+    model = nn.Sequential(*layers, nn.Linear(1024, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(2, 1024), torch.randint(0, 10, (2,))
+    with Profiler(model, wait=1, warmup=1, active=3, repeat=3, pictures=False, sinks=[]) as prof:
+        for _ in range(16):
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            prof.step()
+    assert len(prof.cycles) == 3
+    for cycle in prof.cycles:
+        assert any("a larger batch" in a for a in cycle.advice[:2]), (cycle.index, cycle.advice)
