@@ -190,4 +190,4 @@ def test_memory_bound_matmuls_that_share_the_time_get_one_piece_of_advice_togeth
     (found,) = memory_bound([*layers, node("relu", 0.05, 0.05)])
     assert found.text.startswith("8 matmuls or convs (99% of node time; the largest `fc0` (Linear), 12%) are memory-bound")
     assert "a larger batch" in found.text
-    assert memory_bound(layers[:1] + [node("other", 5.0, 5.0)]) == []  # one at 1.5 %: not the batch's problem
+    assert memory_bound([*layers[:1], node("other", 5.0, 5.0)]) == []  # one at 1.5 %: not the batch's problem

@@ -338,3 +338,17 @@ def test_a_compiled_model_trains_as_without_the_profiler_and_has_no_saved_bytes(
     assert cycle.capture.method == "compiled" and cycle.nodes and all(n.saved_bytes is None for n in cycle.nodes)
     root = next(m for m in cycle.modules if m.path == "")
     assert root.param_bytes == root.optimizer_bytes == sum(p.numel() for p in profiled.parameters()) * F32
+
+
+def test_saved_bytes_are_read_without_backward_timing_too(tmp_path):
+    # The rows' saved bytes need the autograd sequence range of each node call, which the generated code logged only
+    # for backward timing: with backward_timing=False every row's saved bytes were None.
+    def stack() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    timed, untimed = _profile(stack(), tmp_path / "a"), _profile(stack(), tmp_path / "b", backward_timing=False)
+    assert _saved(untimed) == _saved(timed) == {"0 (Linear)": BATCH * 32 * F32, "1 (ReLU)": BATCH * 64 * F32,
+                                                "2 (Linear)": 0.0, "3 (ReLU)": BATCH * 16 * F32, "4 (Linear)": 0.0}
+    assert all(n.bwd_calls == 0 for n in untimed.nodes) and untimed.memory_note is None
+    assert f"Held at the end of the forward: {BATCH * 112 * F32 / 1e6:.3f} MB" in untimed.to_markdown()

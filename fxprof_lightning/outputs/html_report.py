@@ -187,7 +187,7 @@ def _memory(cycle: CycleReport) -> str:
                   key=lambda item: -item[1])
     total = sum(b for _, b in held)
     if not total:
-        why = f" ({cycle.memory_note})" if cycle.memory_note else " (memory=False, validation, or no backward timing)"
+        why = f" ({cycle.memory_note})" if cycle.memory_note else " (memory=False, validation, or CUDA without the trace)"
         return f'<p class="note">No saved bytes in cycle {cycle.index}{_e(why)}.</p>'
     root = next((m for m in cycle.modules if m.path == ""), None)
     state = [(what, value) for what, value in (("parameters", root and root.param_bytes), ("gradients", root and root.grad_bytes),

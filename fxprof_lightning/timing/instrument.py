@@ -29,7 +29,7 @@ def instrument(self: NodeTimer, traced: fx.GraphModule, annotate: bool, hooked: 
     Unhooked (CPU), each timed node becomes, in the generated code::
 
         stamps.append(perf_counter_ns()); out = node(...); stamps.append(perf_counter_ns())
-        sequence_nrs.append(autograd.sequence_nr())   # with backward timing
+        sequence_nrs.append(autograd.sequence_nr())   # with backward timing or saved bytes
 
     (the two lists are those ``_begin_call`` returns at the start of the call), and ``_fold`` makes samples of them.
     A node marked ``joins_previous`` (``JOINS``) is timed together with the timed node before it: one row, one
@@ -69,7 +69,7 @@ def instrument(self: NodeTimer, traced: fx.GraphModule, annotate: bool, hooked: 
             if node.meta.get(NESTS):
                 open_logs.append(resumed := _GraphLog(self))
                 graph.call_function(resumed.resume)  # hooked too: ``calls`` counts the same entries either way
-                if lean and self._backward and index >= 0:  # (before any timed node, the first one logs its own)
+                if lean and self._sequences and index >= 0:  # (before any timed node, the first one logs its own)
                     graph.call_method("append", (sequence_nrs, graph.call_method("sequence_nr", (autograd,))))
                 sequence_nr = None  # hooked: read again after the nested graph's autograd nodes
             continue
@@ -85,14 +85,14 @@ def instrument(self: NodeTimer, traced: fx.GraphModule, annotate: bool, hooked: 
         if annotate and opens:
             annotation = graph.call_function(enter_range, (self.nodes[row].name,))
         if lean:
-            if index == 0 and opens and self._backward:
+            if index == 0 and opens and self._sequences:
                 graph.call_method("append", (sequence_nrs, graph.call_method("sequence_nr", (autograd,))))
             if opens:
                 graph.call_method("append", (stamps, graph.call_function(time.perf_counter_ns)))
             copies[node] = _copy_node(graph, node, copies, callee)
             if node in closes:
                 graph.call_method("append", (stamps, graph.call_function(time.perf_counter_ns)))
-                if self._backward:
+                if self._sequences:
                     graph.call_method("append", (sequence_nrs, graph.call_method("sequence_nr", (autograd,))))
         else:
             if opens:

@@ -226,6 +226,12 @@ class NodeTimer(NodeSamples, SavedReader, Readings):
         return self._trace_ranges
 
     @property
+    def _sequences(self) -> bool:
+        """Whether the generated code logs the autograd sequence range each node call created: for backward timing,
+        and for the bytes saved for backward (``measure_memory``), which ``SavedReader`` gives to the rows by them."""
+        return self._backward or self.measure_memory
+
+    @property
     def uses_backward_events(self) -> bool:
         """Whether backward times come from ``add_backward`` (CPU) rather than hooks (CUDA) or nowhere."""
         return self._backward and not self._cuda

@@ -123,7 +123,7 @@ class SavedReader:
 
     def _reads(self) -> bool:
         return (self.measure_memory and self._saved is None and not self._cuda and not self._hooks_now
-                and self._backward and torch.is_grad_enabled())
+                and self._sequences and torch.is_grad_enabled())
 
     @contextlib.contextmanager
     def _noting_hooks(self) -> Any:
