@@ -22,15 +22,15 @@ from fxprof_lightning.timing.node_timing import NodeTimer
 if TYPE_CHECKING:
     from fxprof_lightning.capture.dynamo import DynamoTimer
 
-__all__ = ["inline_checkpoints", "open_checkpoints"]
+__all__ = ["checkpointed_bodies", "inline_checkpoints", "open_checkpoints", "recompute_log", "separate_copy"]
 
 
-def _separate_copy(graph_module: fx.GraphModule) -> fx.GraphModule:
+def separate_copy(graph_module: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``graph_module`` (and of its checkpointed regions) whose nodes' ``meta`` can be changed apart."""
     copied = fx.GraphModule(graph_module, copy.deepcopy(graph_module.graph), class_name=type(graph_module).__name__)
     for node in copied.graph.nodes:
         if _is_checkpoint(node):
-            setattr(copied, node.args[0].target, _separate_copy(getattr(graph_module, node.args[0].target)))
+            setattr(copied, node.args[0].target, separate_copy(getattr(graph_module, node.args[0].target)))
     return copied
 
 
@@ -59,7 +59,7 @@ class _RecomputeLog:
             self.timer.drop_forward_since(mark)
 
 
-def _recompute_log(timer: DynamoTimer, hooked: bool, body: fx.GraphModule) -> _RecomputeLog:
+def recompute_log(timer: DynamoTimer, hooked: bool, body: fx.GraphModule) -> _RecomputeLog:
     """The ``_RecomputeLog`` of a checkpointed region's graph: its row is named after the modules all its ops are in
     (none where backward is timed by hooks)."""
     if hooked:
@@ -77,10 +77,10 @@ def _is_checkpoint(node: fx.Node) -> bool:
     return op is not None and node.op == "call_function" and node.target is op
 
 
-def _checkpointed_bodies(graph_module: fx.GraphModule) -> list[fx.GraphModule]:
+def checkpointed_bodies(graph_module: fx.GraphModule) -> list[fx.GraphModule]:
     """The graphs of the checkpointed regions in a Dynamo graph, nested ones too."""
     bodies = [getattr(graph_module, node.args[0].target) for node in graph_module.graph.nodes if _is_checkpoint(node)]
-    return [graph for body in bodies for graph in (body, *_checkpointed_bodies(body))]
+    return [graph for body in bodies for graph in (body, *checkpointed_bodies(body))]
 
 
 def open_checkpoints(graph_module: fx.GraphModule, instrumented: Callable[[fx.GraphModule], fx.GraphModule],

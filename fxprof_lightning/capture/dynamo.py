@@ -46,17 +46,17 @@ from torch import fx, nn
 from fxprof_lightning import torch_api
 from fxprof_lightning.capture import verify
 from fxprof_lightning.capture.dynamo_rules import (
-    _TRACEABLE,
-    _frames_skipped,
-    _guarded_functions,
-    _hooks_eager,
-    _not_compiling,
-    _opened,
+    TRACEABLE,
+    frames_skipped,
+    guarded_functions,
+    hooks_eager,
+    not_compiling,
+    opened_frames,
 )
 from fxprof_lightning.capture.dynamo_timing import DynamoGraphs
 from fxprof_lightning.capture.entry_guards import EntryGuards
-from fxprof_lightning.capture.graph_breaks import _graph_break_counter, _graph_break_reasons, host_reads
-from fxprof_lightning.capture.row_names import FRAMED, _Owners
+from fxprof_lightning.capture.graph_breaks import graph_break_counter, graph_break_reasons, host_reads
+from fxprof_lightning.capture.row_names import FRAMED, Owners
 from fxprof_lightning.nodes import ROW, is_timed
 from fxprof_lightning.timing.flops import float_grouped_mm_meta
 from fxprof_lightning.timing.quiet import quiet_dynamo
@@ -133,7 +133,7 @@ class _Way:
     opening: tuple[Callable[..., Any], ...] = ()
     follow: bool = False
     eager_branches: bool = False  # Dynamo answers ``torch.compiler.is_compiling()`` with False
-    eager_hooks: bool = False  # the model's forward hooks and pre-hooks run eagerly, between graphs (``_hooks_eager``)
+    eager_hooks: bool = False  # the model's forward hooks and pre-hooks run eagerly, between graphs (``hooks_eager``)
     # Every torch.nn submodule gets a forward of ours, a frame Dynamo starts (``_Frames``): a module with full
     # backward hooks breaks its parent's frame, and its siblings' torch.nn frames would run eagerly, untimed.
     framed: bool = False
@@ -302,16 +302,16 @@ class DynamoTimer(DynamoGraphs):
         module.forward = forward
         if self._way.eager_hooks or self._way.framed:
             self._frames.frame(module, every=self._way.framed)
-        _TRACEABLE.enter()
-        _frames_skipped(self._eager_hooks + ALWAYS_EAGER, True)
+        TRACEABLE.enter()
+        frames_skipped(self._eager_hooks + ALWAYS_EAGER, True)
         if self._fsdp is not None:
             self._fsdp.install(module, backward_hooks)
 
     def uninstall(self, module: nn.Module) -> None:
         if id(module) in self._saved_forward:
             try:
-                _TRACEABLE.exit()
-                _frames_skipped(self._eager_hooks, False)
+                TRACEABLE.exit()
+                frames_skipped(self._eager_hooks, False)
                 self._frames.restore()
             finally:  # (FSDP2's own methods back, whatever failed)
                 if self._fsdp is not None:
@@ -331,7 +331,7 @@ class DynamoTimer(DynamoGraphs):
         reason, self._pending, self._pending_for = self._pending, None, None
         self.interruptions += 1
         self._names = {id(m): (name, m) for name, m in module.named_modules(remove_duplicate=False)}
-        self._tensor_owners = _Owners(module)
+        self._tensor_owners = Owners(module)
         state = verify.State(module)
         try:
             eager: verify.CallResult | Exception = verify.run_checked(own_forward, module, args, kwargs)
@@ -345,7 +345,7 @@ class DynamoTimer(DynamoGraphs):
             attempt = self._explore(module, eager, state, args, kwargs, attempt)
         hooks = _hook_functions(module) if not self._way.eager_hooks and not self._way.follow else ()
         in_a_row, in_hooks = self._streak >= RECAPTURES_IN_A_ROW, _guarded_in(hooks, self._guard_failures)
-        found = _guarded_functions(module, self._guard_failures) if in_a_row and not in_hooks else ()
+        found = guarded_functions(module, self._guard_failures) if in_a_row and not in_hooks else ()
         # A hook, or a function the forward calls, changes what Dynamo guards on: run eagerly, between graphs.
         if attempt.difference is None and ((hooks and (in_a_row or in_hooks)) or found):
             self._drop(attempt)
@@ -430,21 +430,21 @@ class DynamoTimer(DynamoGraphs):
         timer's logs put back after."""
         attempt = _Attempt(way, len(self.graphs), len(self._uncounted))
         mark = self.mark()
-        breaks = dict(_graph_break_counter())
-        reasons = len(_graph_break_reasons())
+        breaks = dict(graph_break_counter())
+        reasons = len(graph_break_reasons())
         try:
             if isinstance(eager, Exception):
                 raise eager
             before, self._inputs_seen = self.calls, set()
             self._frames.restore()
             if way.eager_hooks:
-                _frames_skipped(self._eager_hooks, False)
+                frames_skipped(self._eager_hooks, False)
                 self._eager_hooks = _hook_functions(module) + self._eager_functions
-                _frames_skipped(self._eager_hooks, True)
+                frames_skipped(self._eager_hooks, True)
             if way.eager_hooks or way.framed:
                 self._frames.frame(module, every=way.framed)
-            with (torch_api.following(way.follow, GUARD_SETTINGS), _opened(way.opening),
-                  _not_compiling(way.eager_branches), _hooks_eager(self._eager_hooks if way.eager_hooks else ()),
+            with (torch_api.following(way.follow, GUARD_SETTINGS), opened_frames(way.opening),
+                  not_compiling(way.eager_branches), hooks_eager(self._eager_hooks if way.eager_hooks else ()),
                   float_grouped_mm_meta()):
                 captured = verify.run_checked(self._compiled, module, args, kwargs)
             attempt.graph_calls = self.calls - before
@@ -458,9 +458,9 @@ class DynamoTimer(DynamoGraphs):
         state.restore()
         self.drop_since(mark)
         self._in_pass = False  # (the checking calls' backward ended without the engine's callback)
-        attempt.breaks = {why: count - breaks.get(why, 0) for why, count in _graph_break_counter().items()
+        attempt.breaks = {why: count - breaks.get(why, 0) for why, count in graph_break_counter().items()
                           if count > breaks.get(why, 0)}
-        attempt.host_reads = host_reads(_graph_break_reasons()[reasons:], module)
+        attempt.host_reads = host_reads(graph_break_reasons()[reasons:], module)
         ours = self.graphs[attempt.graphs:]
         attempt.timed = sum(_placed(node, first=i == 0) for i, graph in enumerate(ours) for node in graph.captured.graph.nodes)
         return attempt
@@ -556,7 +556,7 @@ def _guarded_in(functions: tuple[Callable[..., Any], ...], failures: list[str]) 
 
 
 def _run_eagerly(functions: tuple[Callable[..., Any], ...]) -> str:
-    """What runs eagerly: the functions found (``_guarded_functions``), or the model's hooks."""
+    """What runs eagerly: the functions found (``guarded_functions``), or the model's hooks."""
     if not functions:
         return "the model's forward hooks run eagerly"
     return ", ".join(f"{f.__name__} ({os.path.basename(f.__code__.co_filename)}:{f.__code__.co_firstlineno})"

@@ -1,6 +1,6 @@
 """Dynamo's rules changed while it captures: torch functions it traces into rather than keeps whole, the model's
 hooks it runs eagerly (their frames skipped), ``torch.compiler.is_compiling()`` answered as eager answers it, and
-torch's own checks that Dynamo cannot trace run as traceable twins while a timer is installed (``_TRACEABLE``)."""
+torch's own checks that Dynamo cannot trace run as traceable twins while a timer is installed (``TRACEABLE``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from fxprof_lightning import torch_api
 from fxprof_lightning.timing.quiet import hold_dynamo_filters, release_dynamo_filters
 
-__all__ = ["COMPILING"]
+__all__ = ["COMPILING", "TRACEABLE", "frames_skipped", "guarded_functions", "hooks_eager", "not_compiling", "opened_frames"]
 
 
 @contextlib.contextmanager
@@ -35,18 +35,18 @@ def _traced_as(functions: tuple[Callable[..., Any], ...], rule: type | None) -> 
         rules.update(saved)
 
 
-def _opened(functions: tuple[Callable[..., Any], ...]) -> contextlib.AbstractContextManager[None]:
+def opened_frames(functions: tuple[Callable[..., Any], ...]) -> contextlib.AbstractContextManager[None]:
     """Let Dynamo trace into ``functions`` (rather than keep each call whole) inside the block."""
     return _traced_as(functions, None)
 
 
-def _frames_skipped(functions: tuple[Callable[..., Any], ...], skipped: bool) -> None:
+def frames_skipped(functions: tuple[Callable[..., Any], ...], skipped: bool) -> None:
     """Whether Dynamo leaves the frames of ``functions``, and the frames they call, to run eagerly (an eager hook's
     own frame, run after its graph break, would otherwise be captured as a graph of its own)."""
     torch_api.frames_skipped(functions, skipped)
 
 
-def _hooks_eager(functions: tuple[Callable[..., Any], ...]) -> contextlib.AbstractContextManager[None]:
+def hooks_eager(functions: tuple[Callable[..., Any], ...]) -> contextlib.AbstractContextManager[None]:
     """Inside the block, Dynamo breaks its graph at each call of ``functions`` (the model's hooks) and runs it eagerly,
     as a function of its own rules marks skipped: code that changes what Dynamo would guard on at every call (a hook
     that appends to a list: its length) then runs as eager runs it, and the graphs around it keep their guards."""
@@ -62,7 +62,7 @@ COMPILING = tuple(f for f in (torch.compiler.is_compiling, torch.compiler.is_dyn
 
 
 @contextlib.contextmanager
-def _not_compiling(on: bool) -> Iterator[None]:
+def not_compiling(on: bool) -> Iterator[None]:
     """Inside the block (``on``), Dynamo answers ``torch.compiler.is_compiling()`` and its aliases with False, so the
     traced code takes the branches eager takes (or breaks the graph where those cannot be traced)."""
     if not on:
@@ -118,10 +118,10 @@ class _TraceableChecks:
             torch_api.check_key_padding_mask.__code__, self.original = self.original, None
 
 
-_TRACEABLE = _TraceableChecks()
+TRACEABLE = _TraceableChecks()
 
 
-def _guarded_functions(root: torch.nn.Module, failures: list[str]) -> tuple[Callable[..., Any], ...]:
+def guarded_functions(root: torch.nn.Module, failures: list[str]) -> tuple[Callable[..., Any], ...]:
     """The plain Python functions (not a module's ``forward``) whose reads the failed guards were on (Dynamo ends each
     failure's lines with ``# file:line in function``): a helper that reads a step counter from a global makes Dynamo
     guard on its value, which changes at every call. Run eagerly, between graphs, it is a row of its own, named by

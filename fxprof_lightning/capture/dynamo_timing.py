@@ -17,15 +17,15 @@ from torch import fx, nn
 
 from fxprof_lightning import torch_api
 from fxprof_lightning.capture.checkpoints import (
-    _checkpointed_bodies,
-    _recompute_log,
-    _separate_copy,
+    checkpointed_bodies,
     inline_checkpoints,
     open_checkpoints,
+    recompute_log,
+    separate_copy,
 )
 from fxprof_lightning.capture.fsdp_rows import FsdpRows
 from fxprof_lightning.capture.graph_breaks import break_row
-from fxprof_lightning.capture.row_names import _Anchor, _anchor, _frame_of, _names_moved, _Owners, annotate_rows
+from fxprof_lightning.capture.row_names import Anchor, Owners, annotate_rows, frame_of, graph_anchor, names_moved
 from fxprof_lightning.nodes import JOINS, ROW, is_timed, node_info
 from fxprof_lightning.timing.autograd_walk import sequence_nr_now
 from fxprof_lightning.timing.flops import NodeCosts, count_costs
@@ -42,7 +42,7 @@ class _Graph:
     captured: fx.GraphModule
     lean: fx.GraphModule
     hooked: fx.GraphModule | None = None
-    anchor: _Anchor | None = None
+    anchor: Anchor | None = None
     inputs: list[Any] = field(default_factory=list)  # the capture's inputs for counting FLOPs (``_meta_input``)
     compile_id: Any = None  # the Dynamo compile it came from (``torch_api.forget_compiles``)
     others: dict[str, _Graph] = field(default_factory=dict)
@@ -73,15 +73,15 @@ class DynamoGraphs(NodeTimer):
         self._expected: dict[int | None, int] = {}  # graph calls in one forward call, as verified, per state (entry)
         self._hooks_now = False
         self._names: dict[int, tuple[str, nn.Module]] = {}
-        self._tensor_owners = _Owners(None)  # the module of each parameter and buffer
+        self._tensor_owners = Owners(None)  # the module of each parameter and buffer
         self._streak = 0  # calls in a row that missed the guards
         self._gap: tuple[int, int] | None = None  # the row of the code after the last graph's break, and when it began
         self._inputs_seen: set[int] | None = None  # ids of what the graphs were given, while noted
         self._compiled: Callable[..., Any] | None = None  # the installed module's forward under our Dynamo context
 
     def _backend(self, captured: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        anchor = _anchor(captured, example_inputs, self._tensor_owners.owners, self._names)
-        for graph_module in (captured, *_checkpointed_bodies(captured)):
+        anchor = graph_anchor(captured, example_inputs, self._tensor_owners.owners, self._names)
+        for graph_module in (captured, *checkpointed_bodies(captured)):
             annotate_rows(graph_module, self._names, anchor.frame if anchor else "")
         graph = _Graph(captured, self._instrument(captured, self._annotate, hooked=self._cuda), anchor=anchor,
                        inputs=[_meta_input(t) for t in example_inputs], compile_id=torch_api.current_compile_id())
@@ -112,21 +112,21 @@ class DynamoGraphs(NodeTimer):
         return run
 
     def _run_for(self, graph: _Graph, args: tuple[Any, ...]) -> _Graph:
-        """The copy of ``graph`` whose rows are named for the module it runs for now (``_Anchor``), made at its first
+        """The copy of ``graph`` whose rows are named for the module it runs for now (``Anchor``), made at its first
         call; ``graph`` itself where that module is the capture's, or cannot be told."""
         anchor = graph.anchor
         assert anchor is not None
         owner = self._tensor_owners.of(args[anchor.index])
-        frame = _frame_of(owner, anchor.inner) if owner is not None else None
+        frame = frame_of(owner, anchor.inner) if owner is not None else None
         if frame is None or frame == anchor.frame:
             return graph
         other = graph.others.get(frame)
         if other is None:
-            names = _names_moved(anchor, frame, self._root)
+            names = names_moved(anchor, frame, self._root)
             if names is None:
                 return graph
-            copied = _separate_copy(graph.captured)
-            for graph_module in (copied, *_checkpointed_bodies(copied)):
+            copied = separate_copy(graph.captured)
+            for graph_module in (copied, *checkpointed_bodies(copied)):
                 annotate_rows(graph_module, names, frame)
             other = graph.others[frame] = _Graph(copied, self._instrument(copied, self._annotate, hooked=self._cuda))
             self._uncounted.append((inline_checkpoints(copied), graph.inputs))
@@ -164,7 +164,7 @@ class DynamoGraphs(NodeTimer):
         """``NodeTimer``'s instrumented graph, with each checkpointed region opened: its ops are rows of their own
         (``open_checkpoints``)."""
         opened = open_checkpoints(traced, lambda body: self._instrument(body, annotate, hooked),
-                                  functools.partial(_recompute_log, self, hooked))
+                                  functools.partial(recompute_log, self, hooked))
         return super()._instrument(opened, annotate, hooked)
 
     def reset(self) -> None:

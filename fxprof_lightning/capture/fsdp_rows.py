@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from fxprof_lightning import torch_api
-from fxprof_lightning.capture.verify import _fsdp_states, fsdp2_kept
+from fxprof_lightning.capture.verify import fsdp2_kept, fsdp_states
 from fxprof_lightning.nodes import NodeInfo, module_stack
 
 __all__ = ["FSDP2", "FsdpRows"]
@@ -124,7 +124,7 @@ class FsdpRows:
         self._calls = [module.register_forward_pre_hook(self._enter, prepend=True),
                        module.register_forward_hook(self._leave, always_call=True)]
         paths = {id(m): path for path, m in module.named_modules()}
-        for state in _fsdp_states(module):
+        for state in fsdp_states(module):
             for group in torch_api.fsdp_param_groups(state):
                 path = next((paths[id(m)] for m in getattr(group, "modules", ()) if id(m) in paths), None)
                 if path is None or not all(hasattr(group, name) for name in ("_sharded_state", "_all_gather_result")):

@@ -12,20 +12,20 @@ from torch import nn
 from fxprof_lightning import torch_api
 from fxprof_lightning.nodes import NodeInfo, module_stack
 
-__all__ = ["GRAPH_BREAK", "HOST_READS", "break_row", "host_reads"]
+__all__ = ["GRAPH_BREAK", "HOST_READS", "break_row", "graph_break_counter", "graph_break_reasons", "host_reads", "resumed_from"]
 
 
-def _resumed_from(function: str) -> str:
+def resumed_from(function: str) -> str:
     """The user's function a Dynamo frame runs: a frame resumed after a graph break is named
     ``torch_dynamo_resume_in_<function>_at_<line>``."""
     return re.sub(r"^torch_dynamo_resume_in_(.+)_at_\d+$", r"\1", function)
 
 
-def _graph_break_counter() -> dict[str, int]:
+def graph_break_counter() -> dict[str, int]:
     return torch_api.graph_break_counts()
 
 
-def _graph_break_reasons() -> list[Any]:
+def graph_break_reasons() -> list[Any]:
     """Dynamo's record of its graph breaks (``GraphCompileReason``: the reason and the user's stack), oldest first."""
     return torch_api.graph_break_records()
 
@@ -84,7 +84,7 @@ def break_row(reason: Any, root: nn.Module | None) -> NodeInfo | None:
     frame = reason.user_stack[0]  # the frame whose graph broke
     modules = list(root.named_modules()) if root is not None else []
     runs = [(path, module) for path, module in modules if _runs_in(type(module).forward, frame)]
-    function = _resumed_from(frame.name)
+    function = resumed_from(frame.name)
     function = getattr(type(runs[0][1]).forward, "__qualname__", function) if runs else function
     where = f"{function} ({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})"
     code = linecache.getline(frame.filename, frame.lineno or 0).strip()

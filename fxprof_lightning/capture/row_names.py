@@ -1,5 +1,5 @@
 """The rows of a Dynamo graph: each node named for its layer, or its function and the module that called it, and the
-module a graph of a submodule's forward runs for (``_Anchor``), so that its copy for another module of the same
+module a graph of a submodule's forward runs for (``Anchor``), so that its copy for another module of the same
 code gets that module's names."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from torch import fx, nn
 
 from fxprof_lightning import torch_api
 from fxprof_lightning.capture import verify
-from fxprof_lightning.capture.graph_breaks import _resumed_from
+from fxprof_lightning.capture.graph_breaks import resumed_from
 from fxprof_lightning.nodes import JOINS, ROW, NodeInfo, describe_target, mark_untimed, module_stack
 
-__all__ = ["FRAMED", "annotate_rows"]
+__all__ = ["FRAMED", "Anchor", "Owners", "annotate_rows", "frame_of", "graph_anchor", "names_moved"]
 
 FRAMED = "_fxprof_framed_"  # a torch.nn module's forward of ours, a frame Dynamo starts: this, then the module's id
 
@@ -75,7 +75,7 @@ def _user_line(node: fx.Node) -> tuple[str, str]:
         return "", ""
     file, line, _ = frames[-1]
     named = [f for _, _, f in frames if not f.startswith("<")]  # a comprehension's frame is its function's
-    function = _resumed_from(named[-1] if named else frames[-1][2])
+    function = resumed_from(named[-1] if named else frames[-1][2])
     return f"{function} ({file.rsplit('/', 1)[-1]}:{line})", "" if function in ("forward", "<module>") else function
 
 
@@ -110,7 +110,7 @@ def _framed_module(graph_module: fx.GraphModule, names: dict[int, tuple[str, nn.
 
 
 @dataclass
-class _Anchor:
+class Anchor:
     """Which module a graph of a submodule's forward runs for. Dynamo passes that module's parameters and buffers as
     graph inputs, so one graph serves every module of the same code (wav2vec2's encoder layers, Mask R-CNN's heads,
     where a graph break made each layer's forward a frame of its own); the rows are named for the module of the
@@ -123,8 +123,8 @@ class _Anchor:
     names: dict[int, tuple[str, nn.Module]]  # the timer's module names at the capture
 
 
-def _anchor(captured: fx.GraphModule, example_inputs: list[Any], owners: dict[int, str],
-            names: dict[int, tuple[str, nn.Module]]) -> _Anchor | None:
+def graph_anchor(captured: fx.GraphModule, example_inputs: list[Any], owners: dict[int, str],
+            names: dict[int, tuple[str, nn.Module]]) -> Anchor | None:
     """The first input of ``captured`` that is a parameter or buffer of the module whose forward the graph's frame
     runs, unless that module is the root (``owners``: a tensor's id -> the path of its module)."""
     placeholders = [node for node in captured.graph.nodes if node.op == "placeholder"]
@@ -134,12 +134,12 @@ def _anchor(captured: fx.GraphModule, example_inputs: list[Any], owners: dict[in
         if match is None or owner is None:
             continue
         inner = _path_of(f"L['self']{match.group(1)}")
-        frame = _frame_of(owner, inner)
-        return _Anchor(index, value, inner, frame, names) if frame else None
+        frame = frame_of(owner, inner)
+        return Anchor(index, value, inner, frame, names) if frame else None
     return None
 
 
-def _frame_of(owner: str, inner: str) -> str | None:
+def frame_of(owner: str, inner: str) -> str | None:
     """The path of the module a frame runs for, from the path of a tensor's module (``owner``) and that module's path
     below the frame's (``inner``); None where ``owner`` does not end in ``inner``."""
     if not inner:
@@ -174,7 +174,7 @@ def _tensor_owners(root: nn.Module) -> dict[int, str]:
     return owners
 
 
-class _Owners:
+class Owners:
     """The module path of each parameter and buffer of ``root`` (``_tensor_owners``), looked at again once when a
     tensor no module owned is asked about (a module replaced since the capture, which Dynamo's guards let pass)."""
 
@@ -193,7 +193,7 @@ class _Owners:
         return owner
 
 
-def _names_moved(anchor: _Anchor, frame: str, root: nn.Module) -> dict[int, tuple[str, nn.Module]] | None:
+def names_moved(anchor: Anchor, frame: str, root: nn.Module) -> dict[int, tuple[str, nn.Module]] | None:
     """The capture's module names (``anchor.names``) with the modules at and below ``anchor.frame`` given the names
     and modules at and below ``frame`` (None where the structure there differs)."""
     names = dict(anchor.names)

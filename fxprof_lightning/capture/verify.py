@@ -21,7 +21,7 @@ from fxprof_lightning import torch_api
 from fxprof_lightning.capture import side_effects
 from fxprof_lightning.timing import random_states
 
-__all__ = ["CallResult", "FsdpKept", "State", "first_difference", "fsdp2_kept", "fsdp_unsharded", "is_fsdp", "patched",
+__all__ = ["CallResult", "FsdpKept", "State", "first_difference", "fsdp2_kept", "fsdp_states", "fsdp_unsharded", "is_fsdp", "patched",
            "run_checked"]
 
 _ABSENT = object()
@@ -196,7 +196,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 # ---------------------------------------------------------------- state put back between the checking calls
 
 
-def _fsdp_states(module: nn.Module) -> list[Any]:
+def fsdp_states(module: nn.Module) -> list[Any]:
     """The FSDP2 states (``fully_shard``) of ``module`` and its submodules, each once (none without FSDP2)."""
     if not any(is_fsdp(m) for m in module.modules()):
         return []
@@ -209,7 +209,7 @@ def _fsdp_states(module: nn.Module) -> list[Any]:
 def fsdp_unsharded(module: nn.Module) -> dict[int, torch.Tensor]:
     """id of an FSDP2 sharded parameter -> its unsharded parameter, the tensor the forward computes with (one tensor
     kept for the run, its storage freed at each reshard): the module holds one or the other, by FSDP2's state."""
-    return {id(p.sharded_param): p._unsharded_param for state in _fsdp_states(module)
+    return {id(p.sharded_param): p._unsharded_param for state in fsdp_states(module)
             for group in torch_api.fsdp_param_groups(state) for p in group.fsdp_params if hasattr(p, "_unsharded_param")}
 
 
@@ -231,7 +231,7 @@ class FsdpKept:
     parameters leaves FSDP2's post-backward nothing to reduce-scatter."""
 
     def __init__(self, module: nn.Module) -> None:
-        states = _fsdp_states(module)
+        states = fsdp_states(module)
         self.saved = [(state, state._training_state, set(state._modules_to_run_forward),
                        [(g, g._sharded_state, g._training_state, list(g._post_forward_indices))
                         for g in torch_api.fsdp_param_groups(state)]) for state in states]

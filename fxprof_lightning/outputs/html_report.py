@@ -23,7 +23,7 @@ from fxprof_lightning.analysis.regressions import Regression, Verdict
 from fxprof_lightning.analysis.trust import step_spread
 from fxprof_lightning.layout import PHASES
 from fxprof_lightning.outputs.formats import legend_report, ms_text, per_step, ratio_text, step_wall_ms, steps_text
-from fxprof_lightning.outputs.plots import _tree
+from fxprof_lightning.outputs.plots import tree_of
 from fxprof_lightning.report import CycleReport, describe_phases, last_sound, shorten
 
 __all__ = ["render", "write_page"]
@@ -207,7 +207,7 @@ def _icicle(cycle: CycleReport, depth: int = ICICLE_DEPTH) -> str:
     per step, its submodules under its span (the space they leave is its own nodes' time)."""
     if not cycle.modules:
         return f'<p class="note">Cycle {cycle.index} has no module tree.</p>'
-    width, children, types = _tree(cycle.modules)
+    width, children, types = tree_of(cycle.modules)
     total = width[""] or 1.0
     rows = min(depth, max(m.depth for m in cycle.modules)) + 1
     row_height = 34

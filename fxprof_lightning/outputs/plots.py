@@ -24,7 +24,7 @@ from fxprof_lightning.report import CycleReport, ModuleStats, shorten
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["module_icicle", "png_bytes", "slowest_layers", "trend"]
+__all__ = ["module_icicle", "png_bytes", "slowest_layers", "tree_of", "trend"]
 
 WIDTH_IN, DPI = 7.0, 100  # 700 px: readable when TensorBoard shows it in a narrow card
 FORWARD, BACKWARD, GREY = "#4c72b0", "#dd8452", "#777777"
@@ -86,7 +86,7 @@ def slowest_layers(report: CycleReport, top: int = 15) -> Figure:
     return fig
 
 
-def _tree(modules: list[ModuleStats]) -> tuple[dict[str, float], dict[str, list[str]], dict[str, str]]:
+def tree_of(modules: list[ModuleStats]) -> tuple[dict[str, float], dict[str, list[str]], dict[str, str]]:
     """Width (ms per step), children in tree order and type of every module; a container that never ran its own
     forward (an ``nn.ModuleList``) is added as wide as its children."""
     own = {m.path: m.total_fwd_ms + m.total_bwd_ms for m in modules}
@@ -117,7 +117,7 @@ def module_icicle(report: CycleReport, depth: int | None = 3) -> Figure:
         fig = _figure(2.5)
         fig.suptitle(f"{_cycle_title(report)}: module tree")
         return _empty(fig, "no module tree")
-    width, children, types = _tree(report.modules)
+    width, children, types = tree_of(report.modules)
     max_depth = max(m.depth for m in report.modules)
     rows = max_depth if depth is None else min(depth, max_depth)
     fig = _figure(1.6 + 0.62 * (rows + 1))

@@ -19,7 +19,7 @@ from fxprof_lightning.timing.clocks import cuda_allocated
 if TYPE_CHECKING:
     from fxprof_lightning.timing.node_timing import NodeTimer
 
-__all__ = ["enter_range", "exit_range", "instrument"]
+__all__ = ["GraphLog", "enter_range", "exit_range", "instrument"]
 
 
 def instrument(self: NodeTimer, traced: fx.GraphModule, annotate: bool, hooked: bool) -> fx.GraphModule:
@@ -35,13 +35,13 @@ def instrument(self: NodeTimer, traced: fx.GraphModule, annotate: bool, hooked: 
     A node marked ``joins_previous`` (``JOINS``) is timed together with the timed node before it: one row, one
     pair of clock reads around both (the ops of one ``torch.nn`` layer in a Dynamo graph). A row is shared by
     every graph that has a node of its name. After a node marked ``NESTS`` (it runs an instrumented graph, whose
-    call logs its own entries in between) the call goes on in a log of the rows still to come (``_GraphLog.resume``).
+    call logs its own entries in between) the call goes on in a log of the rows still to come (``GraphLog.resume``).
     """
     graph = fx.Graph()
     copies: dict[fx.Node, fx.Node] = {}
     timed = [n for n in traced.graph.nodes if is_timed(n) and not _own_state_of_root(traced, n)]
     closes = {a for a, b in itertools.pairwise(timed) if not b.meta.get(JOINS)} | set(timed[-1:])
-    log = _GraphLog(self)
+    log = GraphLog(self)
     open_logs = [log]  # the graph's log and those that go on with its call after a nested graph's
     index = -1
     graph.set_codegen(copy.deepcopy(traced.graph._codegen))  # keep how inputs are passed (e.g. pytree codegen)
@@ -67,7 +67,7 @@ def instrument(self: NodeTimer, traced: fx.GraphModule, annotate: bool, hooked: 
         if not is_timed(node):
             copies[node] = graph.node_copy(node, copies.__getitem__)
             if node.meta.get(NESTS):
-                open_logs.append(resumed := _GraphLog(self))
+                open_logs.append(resumed := GraphLog(self))
                 graph.call_function(resumed.resume)  # hooked too: ``calls`` counts the same entries either way
                 if lean and self._sequences and index >= 0:  # (before any timed node, the first one logs its own)
                     graph.call_method("append", (sequence_nrs, graph.call_method("sequence_nr", (autograd,))))
@@ -111,7 +111,7 @@ def instrument(self: NodeTimer, traced: fx.GraphModule, annotate: bool, hooked: 
     return fx.GraphModule(traced, graph, class_name=f"{type(traced).__name__}Timed")
 
 
-class _GraphLog:
+class GraphLog:
     """What the generated code of one instrumented graph logs into: its rows (in the order its timed spans run),
     their sample lists, and the modules it calls."""
 

@@ -50,7 +50,7 @@ from fxprof_lightning.nodes import NodeInfo
 from fxprof_lightning.timing.autograd_walk import autograd_nodes, sequence_nr_now, tensors_in
 from fxprof_lightning.timing.clocks import CudaClock, HostClock, cuda_allocated
 from fxprof_lightning.timing.flops import NodeCosts, count_costs, input_signature
-from fxprof_lightning.timing.instrument import _GraphLog, instrument
+from fxprof_lightning.timing.instrument import GraphLog, instrument
 from fxprof_lightning.timing.quiet import quiet_kineto
 from fxprof_lightning.timing.readings import Readings
 from fxprof_lightning.timing.samples import NodeSamples
@@ -183,7 +183,7 @@ class NodeTimer(NodeSamples, SavedReader, Readings):
         # the sequence number before the first timed node and after each, and where each call's entries begin.
         self._stamps: list[int] = []
         self._sequence_nrs: list[int] = []
-        self._calls: list[tuple[int, int, _GraphLog]] = []
+        self._calls: list[tuple[int, int, GraphLog]] = []
         self._folded_calls = 0
         self.anchors: list[tuple[int, int, int]] = []  # with trace_ranges: (number, ns before, ns after) per anchor range
         self.call_starts: list[int] = []  # with trace_ranges: the perf_counter_ns start of each forward call (``node_ranges``)
@@ -355,7 +355,7 @@ class NodeTimer(NodeSamples, SavedReader, Readings):
         pre-forward hook; the graph module's copies would be the sharded ones)."""
         return getattr(self._root, name)
 
-    def _begin_call(self, log: _GraphLog) -> tuple[list[int], list[int], list[nn.Module], Any]:
+    def _begin_call(self, log: GraphLog) -> tuple[list[int], list[int], list[nn.Module], Any]:
         """At the start of each call of a graph, before its first node: note where its log entries begin; the
         two logs, the modules the graph calls, and ``torch_api.AUTOGRAD`` (a local there: its
         ``sequence_nr`` is then one attribute away)."""
