@@ -15,7 +15,7 @@ import torch
 from torch import fx
 
 from fxprof_lightning import torch_api
-from fxprof_lightning.nodes import NESTS, ROW, NodeInfo, mark_untimed
+from fxprof_lightning.nodes import NESTS, ROW, NodeInfo, is_timed, mark_untimed
 from fxprof_lightning.timing.autograd_walk import sequence_nr_now
 from fxprof_lightning.timing.node_timing import NodeTimer
 
@@ -42,12 +42,19 @@ class _RecomputeLog:
 
     timer: DynamoTimer
     row: int | None
+    first: fx.Node | None = None  # the region's first timed node, whose row keeps a reentrant region's inputs
 
     def add(self, sequence_nr: int, ns: int, autograd: tuple[int, int]) -> None:
         """A recompute for the autograd node ``sequence_nr`` took ``ns``; ``autograd``: the sequence numbers
         ``[first, end)`` of the autograd nodes it created (a reentrant region's own backward; else empty)."""
         if self.row is not None:
             self.timer._recomputes.append((self.row, sequence_nr, ns, *autograd))
+
+    def created(self, first: int, end: int) -> None:
+        """A reentrant region ran in forward and created the autograd nodes ``[first, end)`` (its own): what they
+        keep for backward (the region's inputs) is its first row's, as a non-reentrant region's inputs are."""
+        if self.row is not None and self.first is not None:
+            self.timer.region_created(self.timer._row(self.first), first, end)
 
     def run_timed(self, timed: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run a region's timed graph for a reentrant recompute: the autograd nodes it creates are timed as the
@@ -69,7 +76,7 @@ def recompute_log(timer: DynamoTimer, hooked: bool, body: fx.GraphModule) -> _Re
     path = common[-1].partition("@")[0] if common else ""
     name = f"{path.replace('.', '_')}_recompute" if path else "checkpoint_recompute"
     row = timer._row_of(NodeInfo(name, "recompute", "torch.utils.checkpoint (recompute in backward)", path, tuple(common)))
-    return _RecomputeLog(timer, row)
+    return _RecomputeLog(timer, row, next((node for node in body.graph.nodes if is_timed(node)), None))
 
 
 def _is_checkpoint(node: fx.Node) -> bool:
@@ -198,6 +205,11 @@ def _checkpoint(timed: fx.GraphModule, captured: fx.GraphModule, kwargs: dict[st
                 if recomputes is not None and asking is not None:
                     recomputes.add(torch_api.node_sequence_nr(asking), ns, (first, sequence_nr_now() if opened else first))
 
-        return torch.utils.checkpoint.checkpoint(region, *inputs, **kwargs, **body_kwargs)
+        if not (reentrant and recomputes is not None):
+            return torch.utils.checkpoint.checkpoint(region, *inputs, **kwargs, **body_kwargs)
+        first = sequence_nr_now()
+        out = torch.utils.checkpoint.checkpoint(region, *inputs, **kwargs, **body_kwargs)
+        recomputes.created(first, sequence_nr_now())
+        return out
 
     return checkpoint

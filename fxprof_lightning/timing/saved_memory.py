@@ -6,7 +6,8 @@ Each storage counts once, for the first row (in the order the forward ran) whose
 saved tensor, or a tensor two rows save (a layer's output that the next layer saves as its input), is not counted
 twice. A parameter or buffer that an op saves (a ``Linear`` saves its weight) is counted as a parameter, never as an
 activation. A non-reentrant checkpointed region's ops save placeholders (nothing); its inputs, which it keeps for the
-recompute, count for the first row of the region. Where a ``saved_tensors_hooks`` of the user's packed what a row
+recompute, count for the first row of the region. A reentrant region's rows save nothing (they run without autograd);
+its own autograd node keeps its inputs, which count for its first row too (``SavedReader.region_created``). Where a ``saved_tensors_hooks`` of the user's packed what a row
 saved, that row's bytes are unknown (None), and the report says why (``CycleReport.memory_note``).
 """
 
@@ -120,6 +121,15 @@ class SavedReader:
 
     measure_memory = False  # read what autograd saves for backward, once per cycle (``Timers`` sets it)
     _hook_notes: list[tuple[int, Any]] | None = None
+    _regions: tuple[tuple[int, int, int], ...] = ()  # (first, end, row) of the call to be read's reentrant regions
+
+    def region_created(self, row: int, first: int, end: int) -> None:
+        """A reentrant checkpointed region ran in forward and created the autograd nodes ``[first, end)``: its own
+        (``CheckpointFunctionBackward``, which keeps the region's inputs for the recompute), made outside every row,
+        since the region's rows ran without autograd. Their saved bytes are the region's first row's (``row``), as a
+        non-reentrant region's inputs are, in the call whose saved bytes are read."""
+        if self._reads():
+            self._regions = (*self._regions, (first, end, row))
 
     def _reads(self) -> bool:
         return (self.measure_memory and self._saved is None and not self._cuda and not self._hooks_now
@@ -152,11 +162,16 @@ class SavedReader:
         each row's autograd nodes keep for backward, read at the first such call of each cycle (the warm-up's where
         there is one: no recorded step pays for it)."""
         notes, self._hook_notes = self._hook_notes, None
+        regions, self._regions = self._regions, ()
         if not self._reads():
             return
         self._fold()
-        self._saved = read_saved_bytes(output, first, torch_api.sequence_nr_now(), self._firsts, self._ends,
-                                       self._owners, self._root, len(self.nodes), notes)
+        firsts, ends, owners = self._firsts, self._ends, self._owners
+        if regions:  # (in the order the nodes were made)
+            firsts, ends, owners = (list(column) for column in zip(*sorted([*zip(firsts, ends, owners), *regions]),
+                                                                   strict=True))
+        self._saved = read_saved_bytes(output, first, torch_api.sequence_nr_now(), firsts, ends, owners, self._root,
+                                       len(self.nodes), notes)
 
     def saved_memory(self) -> tuple[list[float | None] | None, str | None]:
         """Per row, the bytes its autograd nodes keep for backward per call (None: unknown), and why some are unknown;
