@@ -93,8 +93,9 @@ def close_cycle(engine: Engine, stage: Stage, gather: bool, tracked: list[str] |
                                  [name for name, _ in target.named_children()] if target is not None else [])
     if nothing is not None:
         engine.warn(nothing)
-        if not cycle.recorded and engine.follow is not None and stage.name == "train":
-            engine.follow.absent([cycle.index], nothing.split(": ", 1)[1], warned=True)
+        why = cycle.no_step()
+        if why is not None and engine.follow is not None and stage.name == "train":
+            engine.follow.absent([cycle.index], why, warned=True)
     if not cycle.recorded:
         cycle.stepped_optimizers()
         stage.drop(cycle)

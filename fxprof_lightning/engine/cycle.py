@@ -112,14 +112,18 @@ class Cycle:
         """Whether the cycle recorded (counted or dropped) fewer than the ``scheduled`` steps."""
         return len(self.recorded) + len(self.dropped) < scheduled
 
+    def no_step(self) -> str | None:
+        """Why the cycle counted no step: it dropped every one (None: it counted one, or dropped none)."""
+        if self.recorded or not self.dropped:
+            return None
+        return (f"it dropped steps {sorted(self.dropped)} ({'; '.join(dict.fromkeys(self.dropped.values()))}) and the "
+                "schedule left no idle step to record in their place")
+
     def nothing_timed(self, stage: str, module: str, nodes: list[NodeStats] | None, children: list[str]) -> str | None:
         """Why the cycle has no node to show, for a warning (None: nothing to say); ``children``: the module's."""
         if not self.recorded:
-            if not self.dropped:
-                return None
-            return (f"{stage} cycle {self.index} counted no step: it dropped steps {sorted(self.dropped)} "
-                    f"({'; '.join(dict.fromkeys(self.dropped.values()))}) and the schedule left no idle step to record "
-                    "in their place; it has no report")
+            why = self.no_step()
+            return None if why is None else f"{stage} cycle {self.index} counted no step: {why}; it has no report"
         if self.timer is None or nodes or not self.timer.progress.usable or self.timer.traits.reads_trace_events:
             return None
         why = self.untimed or ("If the training step calls a submodule instead, profile that submodule (the Lightning "

@@ -257,8 +257,10 @@ class NodeTimer(NodeSamples, SavedReader, Readings):
 
     def collect(self, backward: list[tuple[int, int]], trace_events: list[Any]) -> str | None:
         """Make the cycle's samples readable: backward events in, CUDA events resolved. Returns why nothing was
-        timed, when the timer can tell (else None)."""
-        self.add_backward(backward)
+        timed, when the timer can tell (else None). Without backward timing the events are not read: the sequence
+        ranges logged for the saved bytes would give them to the rows."""
+        if self._backward:
+            self.add_backward(backward)
         self.resolve()
         return None
 
