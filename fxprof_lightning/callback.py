@@ -50,7 +50,7 @@ class FXProfilerCallback(Callback, HoldsSettings):
     Args:
         module: dotted path, inside the LightningModule, of the ``nn.Module`` to time node by
             node (None: the LightningModule where it has a forward of its own, else its one child with parameters,
-            else each child its steps call, by module hooks: ``trainer_parts.module_to_time``).
+            else each child with parameters, captured on its own: ``trainer_parts.module_to_time``).
         dirpath: output directory (None: ``<trainer.log_dir>/fxprof``).
         profile_validation: also profile validation batches, with their own schedule position,
             ``val_cycle_NNNN`` directories, ``fxprof_val/...`` tags and ``val_cycles`` reports.

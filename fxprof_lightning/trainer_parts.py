@@ -18,8 +18,8 @@ def module_to_time(pl_module: pl.LightningModule, path: str | None) -> nn.Module
     """The submodule of ``pl_module`` at ``path`` (the callback's ``module=``), or a ValueError listing the children
     that do exist. Without ``module=``: the LightningModule where it has a ``forward`` of its own, else its one child
     with parameters (the model its ``training_step`` calls); with several such children (a GAN's generator and
-    discriminator), the LightningModule, whose children ``training_step`` calls are then timed by module hooks, module
-    by module (``capture.timers``: no forward to capture); ``module=`` picks one for the Dynamo capture."""
+    discriminator), the LightningModule, whose children are then each captured on their own (``capture.children``);
+    ``module=`` picks one."""
     module: nn.Module = pl_module
     if path is None and type(module).forward is pl.LightningModule.forward:
         children = [name for name, child in module.named_children() if next(child.parameters(), None) is not None]

@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from tensorboard.util import tensor_util
 from torch import nn
 
-from fxprof_lightning import CsvSink, FXProfilerCallback
+from fxprof_lightning import CsvSink, FXProfilerCallback, torch_api
 from fxprof_lightning.outputs.runs import load_cycle
 from fxprof_lightning.report import UNOWNED_ENGINE, UNOWNED_FORWARD, UNOWNED_OUTSIDE
 
@@ -245,8 +245,9 @@ class TwoModels(NoForward):
 
 @notices("the Trainer has no logger")
 def test_without_module_each_child_the_training_step_calls_is_timed(tmp_path):
-    """No forward of its own and several children: each child the step calls gets its layers' rows (module hooks:
-    there is no forward for Dynamo to capture), and training is bitwise what it is without the profiler."""
+    """No forward of its own and several children: each child the step calls is captured by Dynamo on its own, its
+    rows named under it as a capture of the whole would name them (before: module hooks, module by module), and
+    training is bitwise what it is without the profiler, the user's hook run once a step."""
     runs = []
     for profiled in (False, True):
         torch.manual_seed(0)
@@ -258,10 +259,76 @@ def test_without_module_each_child_the_training_step_calls_is_timed(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), lit.state_dict().values(), strict=True))
     assert lit.critic_calls == plain.critic_calls == 4  # the user's hook: once a step
     (cycle,) = callback.cycles
-    assert cycle.capture.method == "module_hooks" and "has no forward of its own" in cycle.capture.describe()
+    assert cycle.capture.method == "dynamo" and "each child its steps call (model, critic)" in cycle.capture.describe()
     called = {n.name: n.calls for n in cycle.nodes if n.calls}
-    assert {"critic.0", "critic.1", "critic.2"} <= set(called) and any(name.startswith("model.") for name in called)
-    assert all(calls == len(cycle.steps) for name, calls in called.items() if name.startswith("critic")), called
+    assert {"critic_0", "critic_1", "critic_2", *(f"model_{name}" for name in SMALLNET_NODES)} == set(called), called
+    assert all(calls == len(cycle.steps) for calls in called.values()), called
+    layers = {n.name: n.layer for n in cycle.nodes}
+    assert layers["critic_0"] == "critic.0 (Linear)" and layers["model_conv"] == "model.conv (Conv2d)", layers
+    assert all(n.bwd_calls == n.calls for n in cycle.nodes if n.name in called)
+    tree = {m.path for m in cycle.modules}
+    assert {"", "model", "model.conv", "critic", "critic.0"} <= tree, tree
+
+class GAN(pl.LightningModule):
+    """Lightning's GAN example, shrunk: a generator with BatchNorm, a discriminator, two Adam optimizers stepped by
+    hand (``toggle_optimizer`` flips the other model's ``requires_grad``), the discriminator called three times a step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.LeakyReLU(0.2), nn.Linear(64, 32), nn.Tanh())
+        self.discriminator = nn.Sequential(nn.Linear(32, 64), nn.LeakyReLU(0.2), nn.Linear(64, 1), nn.Sigmoid())
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        g_opt, d_opt = self.optimizers()
+        z, real, fake = torch.randn(x.shape[0], 16), torch.ones(x.shape[0], 1), torch.zeros(x.shape[0], 1)
+        self.toggle_optimizer(g_opt)
+        g_loss = nn.functional.binary_cross_entropy(self.discriminator(self.generator(z)), real)
+        self.manual_backward(g_loss)
+        g_opt.step()
+        g_opt.zero_grad()
+        self.untoggle_optimizer(g_opt)
+        self.toggle_optimizer(d_opt)
+        d_loss = (nn.functional.binary_cross_entropy(self.discriminator(x), real)
+                  + nn.functional.binary_cross_entropy(self.discriminator(self.generator(z).detach()), fake)) / 2
+        self.manual_backward(d_loss)
+        d_opt.step()
+        d_opt.zero_grad()
+        self.untoggle_optimizer(d_opt)
+
+    def configure_optimizers(self):
+        return (torch.optim.Adam(self.generator.parameters(), lr=2e-4, betas=(0.5, 0.999)),
+                torch.optim.Adam(self.discriminator.parameters(), lr=2e-4, betas=(0.5, 0.999)))
+
+
+@notices("the Trainer has no logger")
+def test_a_gan_optimized_by_hand_has_rows_for_both_models_and_trains_as_without_us(tmp_path):
+    """The callback as a GAN's user adds it (no module=): both models' layers have rows, each call of the
+    discriminator counted, and the weights, BatchNorm statistics and optimizer steps are bitwise those of training
+    without the profiler. On torch 2.14+ each model is captured by Dynamo on its own; below, where Dynamo does not guard
+    on the requires_grad that toggle_optimizer flips, by module hooks (and the capture record says why)."""
+    runs = []
+    for profiled in (False, True):
+        torch.manual_seed(0)
+        gan = GAN()
+        callbacks = [FXProfilerCallback(wait=1, warmup=1, active=3, repeat=1, pictures=False)] if profiled else []
+        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(256, 32)), batch_size=16)
+        make_trainer(tmp_path / str(profiled), callbacks, max_steps=14, logger=False).fit(gan, data)
+        runs.append((gan, callbacks))
+    (plain, _), (gan, (callback,)) = runs
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), gan.state_dict().values(), strict=True))
+    (cycle,) = callback.cycles
+    if torch_api.PARAMETER_FLAGS_GUARDED:
+        assert cycle.capture.method == "dynamo" and "(generator, discriminator)" in cycle.capture.describe()
+        calls = {n.layer: n.calls // len(cycle.steps) for n in cycle.nodes}
+        assert calls["generator.1 (BatchNorm1d)"] == 2 and calls["discriminator.0 (Linear)"] == 3, calls
+    else:
+        assert cycle.capture.method == "module_hooks" and "optimizes by hand" in cycle.capture.describe()
+    layers = {n.layer or n.name for n in cycle.nodes if n.calls}
+    assert any(name.startswith("generator.") for name in layers), layers
+    assert any(name.startswith("discriminator.") for name in layers), layers
+
 
 
 def test_no_logger_warns_and_still_writes_files(tmp_path):

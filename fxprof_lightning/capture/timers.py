@@ -25,6 +25,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from fxprof_lightning import torch_api
+from fxprof_lightning.capture.children import ChildTimers, timed_children
 from fxprof_lightning.capture.compiled import MECHANISM, CompiledKernels, KernelTimer
 from fxprof_lightning.capture.dynamo import DYNAMO, DynamoTimer, missing_for_dynamo
 from fxprof_lightning.capture.module_hooks import ModuleHookTimer
@@ -152,9 +154,7 @@ class Timers:
             return KernelTimer(self.compiled), Capture("compiled", error=MECHANISM)
         name = type(module).__name__
         if _no_forward(module):  # (a LightningModule whose training step calls several children: a GAN's two)
-            return self._hook_timer(module), Capture("module_hooks", error=(
-                f"{name} has no forward of its own for Dynamo to capture: the child modules its steps call are timed "
-                "by module hooks, module by module (module= picks one child for the Dynamo capture)"))
+            return self._each_child(module)
         missing = missing_for_dynamo()
         if missing:
             if not self._told_missing:
@@ -178,6 +178,27 @@ class Timers:
                             on_refused=functools.partial(self._refused, module, module.training), sharded=sharded)
         timer.measure_memory = self.memory
         return timer, Capture("dynamo", error=DYNAMO)
+
+    def _each_child(self, module: nn.Module) -> tuple[Timer, Capture]:
+        """A module with no forward of its own: each child with parameters captured on its own by Dynamo, where every
+        child can be (``ChildTimers``), else the module by module hooks, module by module. Below torch 2.14, Dynamo
+        does not guard on the parameters' ``requires_grad``, which a LightningModule that optimizes by hand flips at
+        every step (``toggle_optimizer``: a GAN's two optimizers); each flip would mean a capture, so module hooks."""
+        name, children = type(module).__name__, timed_children(module)
+        if not torch_api.PARAMETER_FLAGS_GUARDED and getattr(module, "automatic_optimization", True) is False:
+            return self._hook_timer(module), Capture("module_hooks", error=(
+                f"{name} has no forward of its own and optimizes by hand: toggle_optimizer flips its parameters' "
+                f"requires_grad at every step, which torch {torch.__version__}'s Dynamo does not guard on (2.14 does), "
+                "so the child modules its steps call are timed by module hooks, module by module"))
+        timers = {child: self._choose(part)[0] for child, part in children.items()} if not missing_for_dynamo() else {}
+        if timers and all(isinstance(timer, DynamoTimer) for timer in timers.values()):
+            return ChildTimers(children, timers), Capture("dynamo", error=(
+                f"{DYNAMO}; {name} has no forward of its own: each child its steps call ({', '.join(children)}) is "
+                "captured on its own"))
+        return self._hook_timer(module), Capture("module_hooks", error=(
+            f"{name} has no forward of its own for Dynamo to capture, and not every child of it can be captured on its "
+            "own: the child modules its steps call are timed by module hooks, module by module (module= picks one "
+            "child for the Dynamo capture)"))
 
     def _hook_timer(self, module: nn.Module) -> ModuleHookTimer:
         return ModuleHookTimer(module, annotate=self.ranges)
