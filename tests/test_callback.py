@@ -323,6 +323,10 @@ def test_a_gan_optimized_by_hand_has_rows_for_both_models_and_trains_as_without_
         assert cycle.capture.method == "dynamo" and "(generator, discriminator)" in cycle.capture.describe()
         calls = {n.layer: n.calls // len(cycle.steps) for n in cycle.nodes}
         assert calls["generator.1 (BatchNorm1d)"] == 2 and calls["discriminator.0 (Linear)"] == 3, calls
+        # the trace has a range per call of each row, forward and backward (the children's, in the order they ran)
+        events = [e.get("name") for path in cycle.trace_paths for e in json.load(gzip.open(path))["traceEvents"]]
+        for n in cycle.nodes:
+            assert (events.count(n.name), events.count(f"{n.name} backward")) == (n.calls, n.bwd_calls), n.name
     else:
         assert cycle.capture.method == "module_hooks" and "optimizes by hand" in cycle.capture.describe()
     layers = {n.layer or n.name for n in cycle.nodes if n.calls}

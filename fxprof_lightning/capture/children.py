@@ -110,7 +110,8 @@ class ChildTimers:
             calls += [(_name(name, node), first, end) for node, first, end in b]
             starts += c
             stacks |= {_name(name, node): _stack(name, stack) for node, stack in k.items()}
-        return sorted(anchors), spans, calls, sorted(starts), stacks
+        # (in the order they ran, as one timer's are: the trace's events are matched to them in that order)
+        return sorted(anchors), sorted(spans, key=lambda s: s[1]), sorted(calls, key=lambda c: c[1]), sorted(starts), stacks
 
     def describe(self, capture: Capture) -> Capture:
         """How the children were captured, together."""
