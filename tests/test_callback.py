@@ -324,7 +324,10 @@ def test_a_gan_optimized_by_hand_has_rows_for_both_models_and_trains_as_without_
         calls = {n.layer: n.calls // len(cycle.steps) for n in cycle.nodes}
         assert calls["generator.1 (BatchNorm1d)"] == 2 and calls["discriminator.0 (Linear)"] == 3, calls
         # the trace has a range per call of each row, forward and backward (the children's, in the order they ran)
-        events = [e.get("name") for path in cycle.trace_paths for e in json.load(gzip.open(path))["traceEvents"]]
+        events = []
+        for path in cycle.trace_paths:
+            with gzip.open(path) as trace:
+                events += [e.get("name") for e in json.load(trace)["traceEvents"]]
         for n in cycle.nodes:
             assert (events.count(n.name), events.count(f"{n.name} backward")) == (n.calls, n.bwd_calls), n.name
     else:
