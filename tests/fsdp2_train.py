@@ -157,6 +157,8 @@ def worker(rank: int, port: int, out: Path, options: list[str]) -> None:
                 "warnings": [str(w.message) for w in caught if "Profiler" in str(w.message)],
                 "nodes": {n.name: [n.op, n.calls, n.mean_ms, n.bwd_calls] for n in cycle.nodes},
                 "flops": {n.name: [n.fwd_flops, n.bwd_flops] for n in cycle.nodes},
+                "saved": {n.name: n.saved_bytes for n in cycle.nodes},
+                "module_memory": {m.path: [m.saved_bytes_per_step, m.param_bytes] for m in cycle.modules},
                 "ranges": [[r.name, r.module, r.ms_per_step] for r in cycle.ranges],
                 "markdown": cycle.to_markdown(),
                 "files": sorted(p.name for p in cycle.directory.iterdir()),

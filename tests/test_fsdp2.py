@@ -59,6 +59,23 @@ def test_the_layers_of_sharded_blocks_have_the_flops_of_their_whole_weights(fsdp
     assert fsdp2_run["flops"]["fc_in"] == [2 * 8 * 16 * 32, 2 * 8 * 16 * 32]  # no input gradient: weights' only
 
 
+@pytest.mark.parametrize(("run", "size"), [("fsdp2_run", 4), ("kept_run", 2)])  # (kept_run computes in bfloat16)
+def test_the_layers_of_sharded_blocks_save_what_a_hand_count_says(run, size, request):
+    """Issue 42 under FSDP2, known answers: each rank's forward on its batch of 8 saves, per layer, its input (fc1,
+    fc2, head, fc_in) or what it needs (gelu: its input); the unsharded weights the Linears save are parameters, not
+    activations, whether FSDP2 frees them after the forward (``reshard_after_forward``) or keeps them (``keep``).
+    The parameters are counted whole (the model's float32, not a rank's shard)."""
+    result = request.getfixturevalue(run)
+    batch = 8
+    expected = {"fc_in": batch * 16 * size, "head": batch * 32 * size,
+                **{f"blocks_{i}_{op}": batch * width * size for i in (0, 1)
+                   for op, width in (("fc1", 32), ("gelu", 64), ("fc2", 64))},
+                **{f"blocks_{i}_add": 0 for i in (0, 1)}}
+    assert {name: saved for name, saved in result["saved"].items() if name in ROWS} == expected
+    saved, params = result["module_memory"][""]
+    assert saved == sum(expected.values()) and params == (16 * 32 + 32 + 2 * (32 * 64 + 64 + 64 * 32 + 32) + 32 * 4 + 4 + 4) * 4
+
+
 def test_a_guard_failure_under_fsdp2_falls_back_on_every_rank_and_nothing_hangs(tmp_path):
     """A capture's checking calls run FSDP2's collectives: captured again on one rank alone, they would hang the job.
     So an FSDP2 model is captured once; a failed guard (here: a flag a block's forward reads, flipped on every rank
