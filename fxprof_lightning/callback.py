@@ -50,7 +50,8 @@ class FXProfilerCallback(Callback, HoldsSettings):
     Args:
         module: dotted path, inside the LightningModule, of the ``nn.Module`` to time node by
             node (None: the LightningModule where it has a forward of its own, else its one child with parameters,
-            else each child with parameters, captured on its own: ``trainer_parts.module_to_time``).
+            else each child with parameters, captured on its own: ``trainer_parts.module_to_time``; a forward the
+            warm-up step does not run gives way to its children: ``Timers.children_instead``).
         dirpath: output directory (None: ``<trainer.log_dir>/fxprof``).
         profile_validation: also profile validation batches, with their own schedule position,
             ``val_cycle_NNNN`` directories, ``fxprof_val/...`` tags and ``val_cycles`` reports.
@@ -87,6 +88,7 @@ class FXProfilerCallback(Callback, HoldsSettings):
         settings = Settings.of(type(self).__name__, options)  # declared, defaulted and checked once, named as ours
         self.profiler = Profiler(self._resolve_target, sinks=[], settings=settings)
         self.profiler.name = type(self).__name__
+        self.profiler.timers.children_when_unused = module is None  # (its forward unused: the children it calls)
         self.extra_sinks = checked_sinks(sinks or ())  # after the callback's own (CSV, pictures, loggers, console)
         self._pl_module: pl.LightningModule | None = None
         self.profiler.idle.stand_ins(self, {name: getattr(Callback, name).__get__(self) for name in IDLE_HOOKS},

@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from tensorboard.util import tensor_util
 from torch import nn
 
-from fxprof_lightning import CsvSink, FXProfilerCallback, torch_api
+from fxprof_lightning import CsvSink, FXProfilerCallback, Profiler, torch_api
 from fxprof_lightning.outputs.runs import load_cycle
 from fxprof_lightning.report import UNOWNED_ENGINE, UNOWNED_FORWARD, UNOWNED_OUTSIDE
 
@@ -204,12 +204,31 @@ def test_node_ranges_can_be_left_out_of_the_trace(tmp_path):
     assert SMALLNET_NODES <= names[True] and not SMALLNET_NODES & names[False]
 
 
+def test_a_forward_the_training_step_does_not_call_gives_way_to_the_children_it_calls(tmp_path):
+    """LitClassifier has a forward, and its training_step calls ``self.model`` itself (as Lightning's autoencoder
+    example calls its encoder and decoder): without module=, the forward sits the warm-up step out, and the children
+    are timed from the next step (before: a warning, and no row). The first recorded step holds their capture: it is
+    replaced by the next one, and said so."""
+    callback = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=2, repeat=1, pictures=False)
+    _train(tmp_path, [callback], steps=5)
+    (cycle,) = callback.cycles
+    assert {n.name for n in cycle.nodes} == {f"model_{name}" for name in SMALLNET_NODES}
+    assert "LitClassifier.forward did not run in the warm-up step" in cycle.capture.describe()
+    assert cycle.steps == [2, 3] and cycle.dropped_steps.keys() == {1}
+
+
 def test_a_target_forward_that_never_runs_is_reported(tmp_path):
-    callback = FXProfilerCallback(skip_first=0, wait=0, warmup=1, active=1, repeat=1)  # LitClassifier.forward is unused
-    with pytest.warns(UserWarning, match=r"LitClassifier.forward did not run in the recorded steps \[1\].*module='model'; "
-                                         r"its child modules are: model"):
-        _train(tmp_path, [callback], steps=3)
-    assert callback.cycles[0].nodes == []
+    """A plain loop that profiles a module and calls its layers itself: a warning names the children (the callback
+    takes them itself: the test above)."""
+    model = SmallNet()
+    with pytest.warns(UserWarning, match=r"SmallNet.forward did not run in the recorded steps \[1\].*its child modules "
+                                         r"are: conv, bn, drop, head"), \
+            Profiler(model, wait=0, warmup=1, active=1, repeat=1, dirpath=tmp_path, torch_profiler=False, pictures=False,
+                     sinks=[]) as prof:
+        for _ in range(3):
+            model.head(torch.randn(4, 16)).sum().backward()
+            prof.step()
+    assert [c.nodes for c in prof.cycles] == [[]]
 
 
 class NoForward(LitClassifier):

@@ -105,6 +105,9 @@ class Timers:
         self._kernels: CompiledKernels | None = None  # kept for the process: graphs compiled in earlier runs
         self._timers: dict[bool, tuple[Timer, Capture]] = {}
         self._told_missing = False  # the user was told that this torch cannot capture with Dynamo
+        # A LightningModule chosen for its forward (the callback without module=) whose training step calls its
+        # children instead: they are timed from the step after the warm-up step its forward sat out.
+        self.children_when_unused = False
 
     def start(self, capture: str, backward: bool, ranges: bool, compiled: bool, memory: bool = True) -> None:
         """A new run: forget every capture.
@@ -179,26 +182,39 @@ class Timers:
         timer.measure_memory = self.memory
         return timer, Capture("dynamo", error=DYNAMO)
 
-    def _each_child(self, module: nn.Module) -> tuple[Timer, Capture]:
-        """A module with no forward of its own: each child with parameters captured on its own by Dynamo, where every
-        child can be (``ChildTimers``), else the module by module hooks, module by module. Below torch 2.14, Dynamo
-        does not guard on the parameters' ``requires_grad``, which a LightningModule that optimizes by hand flips at
-        every step (``toggle_optimizer``: a GAN's two optimizers); each flip would mean a capture, so module hooks."""
+    def children_instead(self, module: nn.Module) -> tuple[Timer, Capture] | None:
+        """The module's forward did not run in a warm-up step (``children_when_unused``: a LightningModule whose
+        ``training_step`` calls ``self.model`` itself): its children with parameters are timed instead, for its
+        current mode, from now on (``_each_child``); None where that does not apply (once per mode)."""
+        chosen = self._timers.get(module.training)
+        if not self.children_when_unused or chosen is None or chosen[1].method != "dynamo" \
+                or isinstance(chosen[0], ChildTimers) or not timed_children(module):
+            return None  # (the forward's timer was uninstalled at the end of that step)
+        entry = self._timers[module.training] = self._each_child(
+            module, f"{type(module).__name__}.forward did not run in the warm-up step (its training step calls its "
+                    "children)")
+        return entry
+
+    def _each_child(self, module: nn.Module, why: str = "") -> tuple[Timer, Capture]:
+        """A module with no forward of its own (or one its steps do not call: ``why``): each child with parameters
+        captured on its own by Dynamo, where every child can be (``ChildTimers``), else the module by module hooks,
+        module by module. Below torch 2.14, Dynamo does not guard on the parameters' ``requires_grad``, which a
+        LightningModule that optimizes by hand flips at every step (``toggle_optimizer``: a GAN's two optimizers);
+        each flip would mean a capture, so module hooks."""
         name, children = type(module).__name__, timed_children(module)
+        why = why or f"{name} has no forward of its own"
         if not torch_api.PARAMETER_FLAGS_GUARDED and getattr(module, "automatic_optimization", True) is False:
             return self._hook_timer(module), Capture("module_hooks", error=(
-                f"{name} has no forward of its own and optimizes by hand: toggle_optimizer flips its parameters' "
+                f"{why} and {name} optimizes by hand: toggle_optimizer flips its parameters' "
                 f"requires_grad at every step, which torch {torch.__version__}'s Dynamo does not guard on (2.14 does), "
                 "so the child modules its steps call are timed by module hooks, module by module"))
         timers = {child: self._choose(part)[0] for child, part in children.items()} if not missing_for_dynamo() else {}
         if timers and all(isinstance(timer, DynamoTimer) for timer in timers.values()):
             return ChildTimers(children, timers), Capture("dynamo", error=(
-                f"{DYNAMO}; {name} has no forward of its own: each child its steps call ({', '.join(children)}) is "
-                "captured on its own"))
+                f"{DYNAMO}; {why}: each child its steps call ({', '.join(children)}) is captured on its own"))
         return self._hook_timer(module), Capture("module_hooks", error=(
-            f"{name} has no forward of its own for Dynamo to capture, and not every child of it can be captured on its "
-            "own: the child modules its steps call are timed by module hooks, module by module (module= picks one "
-            "child for the Dynamo capture)"))
+            f"{why}, and not every child of {name} can be captured on its own: the child modules its steps call are "
+            "timed by module hooks, module by module (module= picks one child for the Dynamo capture)"))
 
     def _hook_timer(self, module: nn.Module) -> ModuleHookTimer:
         return ModuleHookTimer(module, annotate=self.ranges)

@@ -41,6 +41,9 @@ def start_collecting(engine: Engine, stage: Stage, action: ProfilerAction) -> No
     if cycle.timer is not None and not cycle.timer.progress.usable and not cycle.recorded:  # nothing recorded is lost: switch
         cycle.timer, cycle.capture = engine.timers.for_module(engine.target)
         cycle.captures_before = len(cycle.timer.progress.capture_s)
+    if cycle.unused and not cycle.recorded and (children := engine.timers.children_instead(engine.target)) is not None:
+        cycle.timer, cycle.capture = children  # (the LightningModule's forward sat the warm-up out: its children, then)
+        cycle.captures_before, cycle.unused = len(cycle.timer.progress.capture_s), False
     recording = action in RECORDING
     cycle.begin_step(engine.target, recording, stage is engine._train and recording, engine.warn)
 

@@ -73,6 +73,7 @@ class Cycle:
     captures_before: int = 0  # the timer's captures before the cycle (``capture_s``: those since)
     optimizers: OptimizerWatch | None = None  # notes the optimizers that step while the cycle is open (memory)
     memory_note: str | None = None  # why some nodes have no saved bytes (``measure``)
+    unused: bool = False  # the module's forward did not run in the warm-up step that just ended
     _step_mark: Any = None  # where the recorded step in progress began (``_StepMark``)
     _dropped_sequences: list[tuple[int, int]] = field(default_factory=list)  # their autograd sequence numbers
 
@@ -166,6 +167,7 @@ class Cycle:
                 self.step_wait_ms.append(wait)
             self.step_start = None
         if self.timer is not None:
+            self.unused = not recording and not self.ran_in_step  # (a warm-up step the module's forward sat out)
             self.timer.uninstall(module)
         if recording:
             self.count_step(step)
