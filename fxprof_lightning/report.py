@@ -253,6 +253,8 @@ class CycleReport:
             ``cycle.jsonl``).
         memory_note: why some nodes have no saved bytes (``NodeStats.saved_bytes`` None: a ``saved_tensors_hooks`` of
             the user's packed what they saved), or None.
+        untimed: why the cycle has no node row (the module's forward did not run in its recorded steps, naming the
+            modules it has), or None; the end summary says it (such a cycle writes no files).
         checkpoint_plan: the blocks whose recomputation in backward saves most memory per millisecond, with the
             predicted saving and cost (``memory_plan.CheckpointPlan``), or None where it does not pay (docs/memory.md).
         pictures: PNG images by tag (``fxprof/slowest_layers``...), rendered once for every sink that wants them
@@ -292,6 +294,7 @@ class CycleReport:
     cost_s: float | None = None
     memory_note: str | None = None
     checkpoint_plan: Any = None
+    untimed: str | None = None
 
     @property
     def label(self) -> str:

@@ -217,6 +217,19 @@ def test_a_forward_the_training_step_does_not_call_gives_way_to_the_children_it_
     assert cycle.steps == [2, 3] and cycle.dropped_steps.keys() == {1}
 
 
+def test_cycles_with_no_node_say_so_in_the_end_summary(tmp_path, capsys):
+    """Cycles back to back with no warm-up step: the forward the training step does not call has no step to sit out
+    before the recorded ones, so each cycle warns, and the end summary says which cycles timed nothing and why."""
+    callback = FXProfilerCallback(skip_first=0, wait=0, warmup=0, active=2, repeat=2, pictures=False)
+    with pytest.warns(UserWarning, match=r"LitClassifier.forward did not run in the recorded steps"):
+        _train(tmp_path, [callback], steps=4)
+    assert [c.nodes for c in callback.cycles] == [[], []]
+    summary = capsys.readouterr().out
+    assert ("No node timed in cycle(s) 0, 1: LitClassifier.forward did not run in the recorded steps [2, 3], so no node "
+            "was timed. If the training step calls a submodule instead, profile that submodule (the Lightning callback: "
+            "module='model'; its child modules are: model).") in summary, summary
+
+
 def test_a_target_forward_that_never_runs_is_reported(tmp_path):
     """A plain loop that profiles a module and calls its layers itself: a warning names the children (the callback
     takes them itself: the test above)."""

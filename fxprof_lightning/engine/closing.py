@@ -106,6 +106,7 @@ def close_cycle(engine: Engine, stage: Stage, gather: bool, tracked: list[str] |
     report = cycle.report(stage.name, nodes or [], ranges, max(ranks, 1), partial=cycle.cut_short(recorded + len(extra)),
                           type_name=functools.partial(_type_name, target))
     report.trigger = trigger.text() if trigger is not None else "schedule"
+    report.untimed = nothing if not report.nodes else None
     optimizers = cycle.stepped_optimizers()
     if engine.settings.memory and report.modules and target is not None:
         report.modules = with_state_bytes(report.modules, target, optimizers if stage.name == "train" else None)

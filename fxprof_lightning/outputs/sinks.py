@@ -397,6 +397,9 @@ def summary(cycles: list[CycleReport], name: str, out_dir: Path, logdir: str | o
         for n in last.nodes[:5]:
             lines.append(f"  {shorten(n.layer or n.name, 42):<42} forward {n.mean_ms:9.3f} ({n.pct:4.1f} %)  "
                          f"backward {n.bwd_mean_ms:9.3f} ({n.bwd_pct:4.1f} %)")
+    untimed = [c for c in cycles if not c.nodes and c.untimed]
+    if untimed:
+        lines.append(f"No node timed in cycle(s) {', '.join(str(c.index) for c in untimed)}: {untimed[-1].untimed}")
     regressed = [(c.index, r) for c in cycles for r in c.regressions]
     if regressed:
         lines.append(f"Regressions in {len({i for i, _ in regressed})} cycle(s): "
