@@ -185,10 +185,11 @@ class Timers:
     def children_instead(self, module: nn.Module) -> tuple[Timer, Capture] | None:
         """The module's forward did not run in a warm-up step (``children_when_unused``: a LightningModule whose
         ``training_step`` calls ``self.model`` itself): its children with parameters are timed instead, for its
-        current mode, from now on (``_each_child``); None where that does not apply (once per mode)."""
+        current mode, from now on (``_each_child``); None where that does not apply (once per mode, and never once
+        the forward has run: it was captured then)."""
         chosen = self._timers.get(module.training)
         if not self.children_when_unused or chosen is None or chosen[1].method != "dynamo" \
-                or isinstance(chosen[0], ChildTimers) or not timed_children(module):
+                or isinstance(chosen[0], ChildTimers) or chosen[0].progress.capture_s or not timed_children(module):
             return None  # (the forward's timer was uninstalled at the end of that step)
         entry = self._timers[module.training] = self._each_child(
             module, f"{type(module).__name__}.forward did not run in the warm-up step (its training step calls its "
