@@ -60,7 +60,10 @@ def copy_cycle(source: Path, target: Path, index: int, slower: dict[str, float] 
     their median); forward times of the nodes in ``slower`` scaled."""
     shutil.copytree(source, target)
     summary = json.loads((target / SUMMARY).read_text())
-    summary.update(index=index, steps=[10 * index + i for i in range(3)], step_ms=[step_ms] * 3, regressions=[])
+    # (steady: no thread waited for a core, one CPU second per wall second; the real cycle's own figures may say load:
+    # on torch 2.6 the first cycle's steps waited 2-100 ms, which the copies' 1 ms steps made a 250 % wait)
+    summary.update(index=index, steps=[10 * index + i for i in range(3)], step_ms=[step_ms] * 3, regressions=[],
+                   step_wait_ms=[0.0] * 3, step_cpu_ms=[step_ms] * 3)
     (target / SUMMARY).write_text(json.dumps(summary) + "\n")
     # Steady by construction, whatever the machine did while the real cycle ran: every call within 2 % of the median,
     # and the totals those calls make (a call the load stretched left a total that hid a planted change as too small
