@@ -3,6 +3,7 @@ against ``memory=False``.
 
     .venv/bin/python benchmarks/bench_memory.py --threads 1          # 30 rounds, about 3 minutes on 2 CPU cores
     .venv/bin/python benchmarks/bench_memory.py --threads 1 --quick  # 2 rounds, numbers are rough
+    .venv/bin/python benchmarks/bench_memory.py --threads 1 --no-backward-timing  # backward_timing=False in both
 
 Workload: torchvision ResNet18 (10 classes), batch 8 of 3x64x64, SGD with momentum, CPU, a plain loop with
 ``Profiler(wait=1, warmup=1, active=3, torch_profiler=False, pictures=False, sinks=[])``, 15 steps (three cycles) per
@@ -11,7 +12,8 @@ Prints the median recorded step of each configuration (``CycleReport.step_ms``, 
 rounds of the per-round ratio memory/none with the median's distribution-free ~95% interval and the range, and the one-off read per cycle (the walk of the
 autograd nodes, timed around ``read_saved_bytes``; it runs in each cycle's warm-up step, not in a recorded one), and
 what the cycle's optimizer watch adds to each optimizer step (``hook_cost``).
-Issue 42's goal: a recorded step at most 3% dearer with memory measured.
+Issue 42's goal: a recorded step at most 3% dearer with memory measured. With ``--no-backward-timing`` both
+configurations time no backward: the forward's autograd sequence ranges are then logged for the saved bytes alone.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _timed_read(read):
     return timed
 
 
-def run(memory: bool, steps: int = 15) -> list[float]:
+def run(memory: bool, steps: int = 15, backward: bool = True) -> list[float]:
     """The recorded steps' wall times (ms) of one run."""
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10)
@@ -55,7 +57,7 @@ def run(memory: bool, steps: int = 15) -> list[float]:
     with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with Profiler(model, wait=1, warmup=1, active=3, dirpath=out, torch_profiler=False, pictures=False, sinks=[],
-                      memory=memory) as prof:
+                      memory=memory, backward_timing=backward) as prof:
             for x, y in batches:
                 torch.nn.functional.cross_entropy(model(x), y).backward()
                 optimizer.step()
@@ -87,12 +89,14 @@ def hook_cost(steps: int = 20000, rounds: int = 5) -> float:
 
 
 def main() -> int:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__.splitlines()[0], lambda parser: parser.add_argument(
+        "--no-backward-timing", action="store_true", help="backward_timing=False in both configurations"))
+    backward = not args.no_backward_timing
     rounds = 2 if args.quick else 30
     stall, started = cpu_stall_us(), time.perf_counter()
     print(f"torch {torch.__version__}, {package_state()}")
     saved_memory.read_saved_bytes = _timed_read(saved_memory.read_saved_bytes)
-    run(True)  # warms torch and Dynamo up (its numbers are left out)
+    run(True, backward=backward)  # warms torch and Dynamo up (its numbers are left out)
     READS.clear()
     steps: dict[bool, list[float]] = {True: [], False: []}
     ratios = []
@@ -101,11 +105,12 @@ def main() -> int:
         random.shuffle(order)
         medians = {}
         for memory in order:
-            times = run(memory)
+            times = run(memory, backward=backward)
             steps[memory] += times
             medians[memory] = statistics.median(times)
         ratios.append(medians[True] / medians[False])
-    print(f"ResNet18, batch 8, 3x64x64, CPU, {torch.get_num_threads()} thread(s), {rounds} rounds")
+    print(f"ResNet18, batch 8, 3x64x64, CPU, {torch.get_num_threads()} thread(s), {rounds} rounds, "
+          f"backward_timing={backward}")
     print(f"recorded step, median: memory=False {statistics.median(steps[False]):.2f} ms, "
           f"memory=True {statistics.median(steps[True]):.2f} ms")
     low, high = median_ci(ratios)

@@ -10,17 +10,20 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 import fxprof_lightning
 
 
-def parse_args(description: str) -> argparse.Namespace:
+def parse_args(description: str, more: Callable[[argparse.ArgumentParser], Any] | None = None) -> argparse.Namespace:
     """``--quick``, ``--threads N`` (applied here: ``torch.set_num_threads``) and ``--accelerator`` (for the
-    benchmarks whose Trainer can run on a GPU)."""
+    benchmarks whose Trainer can run on a GPU); ``more`` adds a benchmark's own."""
     parser = argparse.ArgumentParser(description=description)
+    if more is not None:
+        more(parser)
     parser.add_argument("--quick", action="store_true", help="smoke run: few repetitions, numbers are rough")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N) first (default: as it is)")
     parser.add_argument("--accelerator", default="cpu", help="the Trainer's accelerator where it applies (default cpu)")
