@@ -325,7 +325,8 @@ def step_lines(whole: Delta | None, confirmed: bool, deltas: list[Delta], baseli
     named = ", ".join(f"{shorten(d.node, 48)} {d.direction} {ms:+.3f} ms{' (new)' if d.ratio == float('inf') else ''}"
                       for ms, d in top)
     mark = "STEP SLOWER" if confirmed else "Step slower?"
-    return ["", _wrap(f"{mark}: B's step took {ratio_text(whole.ratio)} A's, {whole.delta_ms:+.3f} ms, beyond the noise"
+    return ["", _wrap(f"{mark}: B's step took {ratio_text(whole.ratio)} A's, {whole.delta_ms:+.3f} ms (the median of the "
+                      f"steps from their start to their end, as the regression watch compares them), beyond the noise"
                       f" ({whole.noise_ms:.3f} ms)" + (f"; most added by {named}" if named else "")
                       + f"; all the rows' changes add {sum(ms for ms, _ in added):+.3f} ms per step.")]
 
