@@ -219,15 +219,18 @@ def test_a_forward_the_training_step_does_not_call_gives_way_to_the_children_it_
 
 def test_cycles_with_no_node_say_so_in_the_end_summary(tmp_path, capsys):
     """Cycles back to back with no warm-up step: the forward the training step does not call has no step to sit out
-    before the recorded ones, so each cycle warns, and the end summary says which cycles timed nothing and why."""
+    before the recorded ones, so the first cycle times nothing and says so (a warning, and the end summary); the
+    next one times the children (its first step holds their capture, and is replaced)."""
     callback = FXProfilerCallback(skip_first=0, wait=0, warmup=0, active=2, repeat=2, pictures=False)
-    with pytest.warns(UserWarning, match=r"LitClassifier.forward did not run in the recorded steps"):
-        _train(tmp_path, [callback], steps=4)
-    assert [c.nodes for c in callback.cycles] == [[], []]
+    with pytest.warns(UserWarning, match=r"LitClassifier.forward did not run in the recorded steps \[0, 1\]"):
+        _train(tmp_path, [callback], steps=6)
+    assert [len(c.nodes) for c in callback.cycles] == [0, len(SMALLNET_NODES)]
+    assert callback.cycles[1].steps == [3, 4] and callback.cycles[1].dropped_steps.keys() == {2}
     summary = capsys.readouterr().out
-    assert ("No node timed in cycle(s) 0, 1: LitClassifier.forward did not run in the recorded steps [2, 3], so no node "
+    assert ("No node timed in cycle(s) 0: LitClassifier.forward did not run in the recorded steps [0, 1], so no node "
             "was timed. If the training step calls a submodule instead, profile that submodule (the Lightning callback: "
-            "module='model'; its child modules are: model).") in summary, summary
+            "module='model'; its child modules are: model). From the next cycle on, the children it calls are timed "
+            "instead.") in summary, summary
 
 
 def test_a_target_forward_that_never_runs_is_reported(tmp_path):

@@ -94,6 +94,8 @@ def close_cycle(engine: Engine, stage: Stage, gather: bool, tracked: list[str] |
         return
     nothing = cycle.nothing_timed(stage.name, type(target).__name__, nodes,
                                  [name for name, _ in target.named_children()] if target is not None else [])
+    if nothing is not None and cycle.recorded and not nodes and engine.timers.children_instead(target) is not None:
+        nothing += " From the next cycle on, the children it calls are timed instead."  # (no warm-up step to see it)
     if nothing is not None:
         engine.warn(nothing)
         why = cycle.no_step()
