@@ -48,6 +48,8 @@ from fxprof_lightning.analysis.trust import cpu_per_wall, distortion, step_sprea
 from fxprof_lightning.report import CycleReport, ModuleStats, NodeStats
 
 __all__ = [
+    "CONFIRM_FLOOR_MS",
+    "CONFIRM_RATIO",
     "DEFAULT_K",
     "DEFAULT_MIN_MS",
     "DEFAULT_MIN_RELATIVE",
@@ -424,6 +426,7 @@ def _outside_explained(flagged: list[Regression], by_name: dict[str, NodeStats],
 # Watching a run --------------------------------------------------------------------------------------------------------
 
 CONFIRM_RATIO = 3.0  # a regression confirmed in its first cycle: every call this much slower, ...
+CONFIRM_FLOOR_MS = 0.1  # ... each call at least this much slower (ms), ...
 CONFIRM_SPREAD = 0.25  # ... steps this regular, the step slower by at least half the node's added time, which
 # is at least STEP_SHARE of the step
 SAME_LEVEL = 0.5  # confirmed by the next cycle: its added time at least this x the cycle before's
@@ -473,12 +476,16 @@ def same_level(before: float | None, now: float, share: float = SAME_LEVEL) -> b
 
 def beyond_doubt(stats: NodeStats, change: Regression | Delta, steps: int, step_ms: float) -> bool:
     """Whether every call of a slower node is slower, by more than noise explains, and by enough to matter to the
-    step: its median ``CONFIRM_RATIO`` x the baseline, its fastest call ``CONFIRM_RATIO - 1`` x, and its added time
-    at least ``STEP_SHARE`` of the step (``step_ms``, over ``steps`` steps; ``stats``: the node now). A tiny node's
-    every call 3x slower in one cycle is what load did to ReLU's backward in an identical run, 2026-11-26: 0.02 ->
-    0.06 ms, 2 % of the step."""
+    step: its median ``CONFIRM_RATIO`` x the baseline, its fastest call ``CONFIRM_RATIO - 1`` x, each call at least
+    ``CONFIRM_FLOOR_MS`` slower, and its added time at least ``STEP_SHARE`` of the step (``step_ms``, over ``steps``
+    steps; ``stats``: the node now). A tiny node's every call 3x slower in one cycle is what load did to ReLU's
+    backward in an identical run, 2026-11-26: 0.02 -> 0.06 ms, 2 % of the step; and, with no load, what a node of a
+    few microseconds does when its time moves to another level for a stretch of the run (ReLU's backward 0.006 ->
+    0.026 ms and 0.016 -> 0.105 ms in identical runs, 2026-11-28 CI rehearsals: an allocation that faults its pages
+    again costs tens of microseconds). Such a change waits for the next cycle to confirm it."""
     fastest = _samples(stats, change.direction)[1]
     return (change.ratio >= CONFIRM_RATIO and fastest >= (CONFIRM_RATIO - 1) * change.baseline_ms
+            and change.now_ms - change.baseline_ms >= CONFIRM_FLOOR_MS
             and added_per_step(stats, change, steps) >= STEP_SHARE * step_ms)
 
 

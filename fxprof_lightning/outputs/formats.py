@@ -7,6 +7,7 @@ import statistics
 import textwrap
 
 from fxprof_lightning.analysis.regressions import (
+    CONFIRM_FLOOR_MS,
     CONFIRM_RATIO,
     DEFAULT_K,
     DEFAULT_MIN_MS,
@@ -47,7 +48,8 @@ def legend_report(options: dict) -> list[str]:
         f"{DEFAULT_MIN_MS * 1000:g} us and {100 * DEFAULT_MIN_SHARE:g}% of the cycle's node time, its fastest call "
         "too, beyond the cycle's shared slowdown; checked once "
         f"{MIN_BASELINE} sound cycles came before (with one or two, only a change beyond doubt is flagged), and reported once confirmed: flagged in the next sound cycle "
-        f"too, or every call {CONFIRM_RATIO:g}x slower with regular steps that got slower by it. Partial cycles and "
+        f"too, or every call {CONFIRM_RATIO:g}x and {CONFIRM_FLOOR_MS:g} ms slower with regular steps that got slower by "
+        "it. Partial cycles and "
         "those distorted by other load (step spread > 50%; the process's threads waiting for a core > 30% of the "
         "steps; where Linux does not say, a 2x step jump or a CPU-per-wall drop with the nodes slower in proportion) "
         "are not checked; a step slower because a few nodes are is their regression.", WIDTH)
