@@ -11,6 +11,8 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from fxprof_lightning.capture.children import timed_children
+
 __all__ = ["batch_size", "module_to_time", "printer"]
 
 
@@ -22,9 +24,9 @@ def module_to_time(pl_module: pl.LightningModule, path: str | None) -> nn.Module
     ``module=`` picks one."""
     module: nn.Module = pl_module
     if path is None and type(module).forward is pl.LightningModule.forward:
-        children = [name for name, child in module.named_children() if next(child.parameters(), None) is not None]
+        children = timed_children(module)
         if len(children) == 1:
-            return module.get_submodule(children[0])
+            return next(iter(children.values()))
     for depth, part in enumerate(path.split(".") if path else []):
         child = getattr(module, part, None)
         if not isinstance(child, nn.Module):

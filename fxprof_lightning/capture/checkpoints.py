@@ -205,11 +205,10 @@ def _checkpoint(timed: fx.GraphModule, captured: fx.GraphModule, kwargs: dict[st
                 if recomputes is not None and asking is not None:
                     recomputes.add(torch_api.node_sequence_nr(asking), ns, (first, sequence_nr_now() if opened else first))
 
-        if not (reentrant and recomputes is not None):
-            return torch.utils.checkpoint.checkpoint(region, *inputs, **kwargs, **body_kwargs)
         first = sequence_nr_now()
         out = torch.utils.checkpoint.checkpoint(region, *inputs, **kwargs, **body_kwargs)
-        recomputes.created(first, sequence_nr_now())
+        if reentrant and recomputes is not None:
+            recomputes.created(first, sequence_nr_now())
         return out
 
     return checkpoint
