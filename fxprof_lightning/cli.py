@@ -53,7 +53,7 @@ from fxprof_lightning.analysis.regressions import (
     step_change,
     step_rows,
 )
-from fxprof_lightning.analysis.trust import distortion, step_spread, waited_share
+from fxprof_lightning.analysis.trust import distortion
 from fxprof_lightning.engine.follow import INDEX_FILE, read_lines, request_cycle
 from fxprof_lightning.layout import HTML_FILE
 from fxprof_lightning.outputs.formats import (
@@ -62,7 +62,6 @@ from fxprof_lightning.outputs.formats import (
     ms_text,
     per_step,
     ratio_text,
-    step_wall_ms,
     steps_text,
 )
 from fxprof_lightning.outputs.runs import RunError, find_cycles, load_cycle
@@ -281,8 +280,8 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
     whole = step_change([c.step_ms for c in baseline], now.step_ms, **options)
     whole_before = step_change([c.step_ms for c in baseline], earlier[0].step_ms, **options) if earlier else None
     load = distortion(now.step_ms, [statistics.median(c.step_ms) for c in baseline if c.step_ms], factor,
-                      wait=waited_share(now.step_ms, now.step_wait_ms),
-                      earlier_wait=[w for c in baseline if (w := waited_share(c.step_ms, c.step_wait_ms)) is not None])
+                      wait=now.waited_share,
+                      earlier_wait=[w for c in baseline if (w := c.waited_share) is not None])
     whole_confirmed = whole is not None and whole.slower and load is None and (
         whole.ratio >= CONFIRM_RATIO or same_level(whole_before.delta_ms if whole_before and whole_before.slower
                                                    else None, whole.delta_ms))
@@ -390,8 +389,8 @@ def total_rows(baseline: list[CycleReport], now: CycleReport,
     if a_steps and b_step is not None:
         rows.append(("forward (nodes)", statistics.median(s[0] for s in a_steps), b_step[0] / per(now)))
         rows.append(("backward (nodes)", statistics.median(s[1] for s in a_steps), b_step[1] / per(now)))
-    a_wall = [m / per(c) for c in baseline if (m := step_wall_ms(c)) is not None]
-    b_wall = step_wall_ms(now)
+    a_wall = [m / per(c) for c in baseline if (m := c.step_wall_ms) is not None]
+    b_wall = now.step_wall_ms
     if a_wall and b_wall is not None:
         rows.append(("step (wall)", statistics.median(a_wall), b_wall / per(now)))
     return rows
@@ -508,8 +507,7 @@ def cycle_table(cycles: list[CycleReport], found: dict[int, Verdict]) -> list[st
     for c in cycles:
         totals = per_step(c)
         steps = steps_text(c)
-        step = step_wall_ms(c)
-        spread = step_spread(c.step_ms) if c.step_ms else None
+        step, spread = c.step_wall_ms, c.step_spread
         why, regressions = found[id(c)].skipped, found[id(c)].regressions
         name = c.directory.name if c.directory is not None else str(c.index)
         index = str(c.index) if name.endswith(f"{c.index:04d}") else name.removeprefix("val_").removeprefix("cycle_")

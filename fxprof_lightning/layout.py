@@ -20,10 +20,10 @@ CYCLE_PREFIXES = {"train": "cycle_", "val": "val_cycle_"}  # stage -> cycle dire
 PHASES = ("data", "training_step", "zero_grad", "backward", "optimizer", "callbacks", "fxprof", "other")
 LOOP_PHASES = ("forward", "backward", "fxprof", "other")  # a plain loop's (``loop_phases.LoopClock``)
 
-NODES_FILE = "fx_nodes.csv"  # the node table (outputs.tables.nodes_csv)
-MODULES_FILE = "fx_modules.csv"  # the module tree (outputs.tables.modules_csv)
-RANGES_FILE = "fsdp_ranges.csv"  # FSDP2's ranges (outputs.tables.ranges_csv)
-STEP_FILE = "fx_step.csv"  # the step's phases and the time no row owns (outputs.tables.step_csv)
+NODES_FILE = "fx_nodes.csv"  # the node table (report.nodes_csv)
+MODULES_FILE = "fx_modules.csv"  # the module tree (report.modules_csv)
+RANGES_FILE = "fsdp_ranges.csv"  # FSDP2's ranges (report.ranges_csv)
+STEP_FILE = "fx_step.csv"  # the step's phases and the time no row owns (report.step_csv)
 # The rest of the report as one JSON line (CycleReport.to_summary): not ``.json``, because HolisticTraceAnalysis
 # reads every ``.json`` file of a directory as a trace. ``cycle.json`` is read too (older runs).
 SUMMARY_FILE = "cycle.jsonl"

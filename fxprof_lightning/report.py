@@ -1,15 +1,25 @@
-"""Per-cycle results: the node, module and range statistics of a cycle (``CycleReport``). They are made from the
-timers' samples by ``engine.statistics``; their Markdown and CSV forms are drawn by ``outputs.tables``."""
+"""Per-cycle results: what one cycle recorded (``CycleReport``), with its rows (``rows``: node, module and range
+statistics, made from the timers' samples by ``engine.statistics``), the figures of its recorded steps, and how it
+reads: as Markdown (the text the loggers and the console show), its module tree as text, and its tables as the CSV
+files of the cycle's directory (``layout``: ``fx_nodes.csv``, ``fx_modules.csv``, ``fsdp_ranges.csv``,
+``fx_step.csv``). The record is complete when the engine hands it out; every view only reads it."""
 
 from __future__ import annotations
 
+import csv
+import io
 import re
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CycleReport", "ModuleStats", "NodeStats", "RangeStats", "last_sound", "layer_label"]
+from fxprof_lightning.rows import ModuleStats, NodeStats, RangeStats, layer_label, shorten
+
+__all__ = ["CycleReport", "ModuleStats", "NodeStats", "RangeStats", "cpu_per_wall", "describe_phases", "last_sound",
+           "layer_label", "markdown", "memory_line", "modules_csv", "modules_text", "nodes_csv", "ranges_csv",
+           "shorten", "step_csv", "step_spread", "waited_share"]
 
 NS_PER_MS = 1e6
 # The rows of ``CycleReport.unowned``: time of the measured forward and backward that no row owns.
@@ -28,172 +38,6 @@ def describe_phases(phases: dict[str, float]) -> str:
     parts = [f"{name} {ms:.1f} ms ({100 * ms / total:.0f}%)" for name, ms in sorted(phases.items(), key=lambda p: -p[1])
              if ms >= 0.0005 * total]
     return f"{total:.1f} ms per step (measured, mean): " + ", ".join(parts)
-
-
-def shorten(text: str, width: int, ellipsis: str = "...") -> str:
-    """``text`` cut in the middle to at most ``width`` characters, keeping its start and end.
-
-    >>> shorten("layers.10.attention.self.query", 20)
-    'layers.10...lf.query'
-    >>> shorten("layers.10.attention.self.query", 12, "…")
-    'layers…query'
-    """
-    if len(text) <= width:
-        return text
-    keep = width - len(ellipsis)
-    return text[: (keep + 1) // 2] + ellipsis + text[len(text) - keep // 2:]
-
-
-@dataclass(frozen=True)
-class NodeStats:
-    """Forward and backward time of one node over a cycle's recorded steps, with its costs.
-
-    ``mean_ms``/``median_ms``/``min_ms``/``max_ms`` are per forward call; ``total_ms`` is the
-    sum over the cycle and ``pct`` its share of the summed forward time of all nodes. The
-    ``bwd_*`` fields are the same for the backward of the autograd nodes the node created
-    (``bwd_calls`` counts the calls whose backward ran). ``fwd_flops``/``bwd_flops`` are per
-    call (a multiply-add is 2 FLOPs), ``*_gflops_per_s`` divide them by the mean times,
-    ``out_bytes`` is the size of the node's output tensors. ``mem_delta_bytes`` and
-    ``mem_peak_bytes`` (CUDA only, else None) are the mean change of allocated memory and
-    the mean peak above the starting point (the peak is never measured per node: that would reset the
-    user's peak statistics). On CUDA with the profiler's trace, the times are device times: the summed
-    durations of the kernels, memcpys and memsets each node call launched (``gpu_trace``), and
-    ``device_span_ms``/``device_idle_ms`` the mean span of a forward call's GPU work and the gaps in it. ``source``:
-    for an op outside every submodule, the user's function and line that ran it (``stack_rows (train.py:12)``). ``mad_ms``/``bwd_mad_ms`` are the median absolute
-    deviations of the per-call samples (the robust spread that regression checks use). ``saved_bytes``: the bytes of
-    the activations the node's autograd nodes keep for backward, per call, each storage counted once in the step
-    (parameters not included; None where unknown or not measured; ``timing.saved_memory``).
-    ``fwd_bytes`` estimates the bytes one forward call moves (its input and output tensors and the
-    parameters it reads, each once); ``fwd_gbytes_per_s`` divides it by ``mean_ms``,
-    ``intensity`` is ``fwd_flops / fwd_bytes``, ``bound`` is ``"compute"`` or ``"memory"`` (the
-    roofline's side, from the device's peaks) and ``pct_of_peak`` the achieved share of what the
-    roofline allows at that intensity (see ``roofline``). With several ranks (see ``merge_ranks``) the
-    figures are means over ranks, ``min_ms``/``max_ms`` extremes over ranks, and
-    ``slowest_rank``/``slowest_rank_ms`` name the rank with the highest ``mean_ms``.
-    """
-
-    name: str
-    op: str
-    target: str
-    module_path: str
-    calls: int
-    mean_ms: float
-    median_ms: float
-    min_ms: float
-    max_ms: float
-    total_ms: float
-    pct: float
-    bwd_calls: int = 0
-    bwd_mean_ms: float = 0.0
-    bwd_median_ms: float = 0.0
-    bwd_min_ms: float = 0.0
-    bwd_max_ms: float = 0.0
-    bwd_total_ms: float = 0.0
-    bwd_pct: float = 0.0
-    fwd_flops: int | None = None
-    bwd_flops: int | None = None
-    fwd_gflops_per_s: float | None = None
-    bwd_gflops_per_s: float | None = None
-    out_bytes: int | None = None
-    mem_delta_bytes: float | None = None
-    mem_peak_bytes: float | None = None
-    slowest_rank: int = 0
-    slowest_rank_ms: float = 0.0
-    mad_ms: float = 0.0
-    bwd_mad_ms: float = 0.0
-    fwd_bytes: int | None = None
-    fwd_gbytes_per_s: float | None = None
-    intensity: float | None = None
-    bound: str = ""
-    pct_of_peak: float | None = None
-    device_span_ms: float | None = None
-    device_idle_ms: float | None = None
-    source: str = ""
-    layer: str = ""  # the row as the user's code names it (``layer_label``)
-    saved_bytes: float | None = None  # bytes autograd keeps for the node's backward, per call (docs/memory.md)
-
-
-# Python's operators as the user writes them (the rows of ``x + y`` name ``operator.add``).
-OPERATORS = {"operator.add": "x + y", "operator.iadd": "x += y", "operator.sub": "x - y", "operator.isub": "x -= y",
-             "operator.mul": "x * y", "operator.imul": "x *= y", "operator.truediv": "x / y", "operator.itruediv": "x /= y",
-             "operator.floordiv": "x // y", "operator.matmul": "x @ y", "operator.pow": "x ** y", "operator.neg": "-x",
-             "operator.getitem": "x[i]", "operator.setitem": "x[i] = y", "operator.and_": "x & y",
-             "operator.or_": "x | y", "operator.eq": "x == y", "operator.lt": "x < y", "operator.gt": "x > y"}
-
-
-def layer_label(node: NodeStats, type_name: Callable[[str], str]) -> str:
-    """A row as the user's code names it: a layer by its path and type, an op by its function and where it runs
-    (the layer around it, or the user's function and line outside every submodule).
-
-    >>> types = {"": "Net", "0": "Linear", "block": "Block"}.get
-    >>> row = NodeStats("model_0", "call_module", "0", "0", 1, *[0.0] * 6)
-    >>> layer_label(row, types), layer_label(replace(row, op="call_function", target="torch.nn.functional.relu",
-    ...                                                   module_path="block"), types)
-    ('0 (Linear)', 'F.relu in block (Block)')
-    >>> layer_label(replace(row, op="call_function", target="operator.add", module_path="", source="f (train.py:3)"), types)
-    'x + y in f (train.py:3)'
-    >>> layer_label(replace(row, op="fsdp2", target="all-gather", module_path="block"), types)
-    'FSDP2 all-gather of block (Block)'
-    """
-    kind = type_name(node.module_path) if node.op not in ("step", "unowned") else ""
-    where = f"{node.module_path or '(root)'} ({kind})" if kind else node.module_path
-    if node.op in ("call_module", "module"):
-        return where or node.name
-    if node.op == "fsdp2":  # FSDP2's collectives of a module (``capture.fsdp_rows``)
-        return f"FSDP2 {node.target} of {where or '(root)'}"
-    if node.op == "recompute":
-        return f"{where}: recompute in backward" if where else node.name
-    if node.op not in ("call_function", "call_method"):  # a row between graphs, of the step, of unowned time
-        return node.name
-    function = OPERATORS.get(node.target) or node.target.replace("torch.nn.functional.", "F.")
-    function = f"x.{function}()" if node.op == "call_method" else function
-    if node.source:
-        return f"{function} in {node.source}"
-    return f"{function} in {where}" if node.module_path else function
-
-
-@dataclass(frozen=True)
-class ModuleStats:
-    """A module's times per recorded step: ``self_*`` from its own nodes, ``total_*`` with its submodules. Its memory,
-    with its submodules (None where not measured): ``saved_bytes_per_step`` autograd keeps for backward per step (its nodes'),
-    and the bytes of its parameters, of their gradients (one per trainable parameter, of its size: what they take
-    once backward made them) and of the optimizer's state for them (``optimizer_bytes``: SGD's momentum, Adam's
-    moments).
-
-    What a checkpoint of the module would keep (``analysis.memory_plan``), per call, None where unknown: ``input_bytes``
-    its input (the output of the row that ran just before its first row), ``input_held`` whether that row saved it for
-    its own backward (it is then held whether or not the module is checkpointed); ``output_bytes`` the output of its
-    last row, ``output_held`` whether that row saved it (checkpointed, the row after it that saves it holds it)."""
-
-    path: str
-    type_name: str
-    depth: int
-    calls_per_step: float
-    self_fwd_ms: float
-    total_fwd_ms: float
-    self_bwd_ms: float
-    total_bwd_ms: float
-    saved_bytes_per_step: float | None = None
-    param_bytes: int | None = None
-    grad_bytes: int | None = None
-    optimizer_bytes: int | None = None
-    input_bytes: int | None = None
-    input_held: bool = False
-    output_bytes: int | None = None
-    output_held: bool = False
-
-
-@dataclass(frozen=True)
-class RangeStats:
-    """A range that a library opens in the trace (FSDP2's ``FSDP::all_gather (blocks.0)``...), per recorded step.
-
-    ``module`` is the module the range names ('' for the root), ``ms_per_step`` the mean over ranks.
-    """
-
-    name: str
-    module: str
-    calls_per_step: float
-    ms_per_step: float
 
 
 @dataclass
@@ -317,6 +161,30 @@ class CycleReport:
         return sum(n.bwd_total_ms for n in self.nodes) / max(len(self.steps), 1)
 
     @property
+    def step_wall_ms(self) -> float | None:
+        """The step's wall time, ms per recorded step (mean), in every view: its phases summed (each step from the end
+        of the one before, the wait for its batch included: ``step_phases``), else its timed part (``step_ms``: from
+        the step's start to its end)."""
+        if self.phases:
+            return sum(self.phases.values())
+        return statistics.fmean(self.step_ms) if self.step_ms else None
+
+    @property
+    def step_spread(self) -> float | None:
+        """``step_spread`` of the recorded steps."""
+        return step_spread(self.step_ms)
+
+    @property
+    def cpu_per_wall(self) -> float | None:
+        """``cpu_per_wall`` of the recorded steps."""
+        return cpu_per_wall(self.step_ms, self.step_cpu_ms)
+
+    @property
+    def waited_share(self) -> float | None:
+        """``waited_share`` of the recorded steps."""
+        return waited_share(self.step_ms, self.step_wait_ms)
+
+    @property
     def whole_share(self) -> float:
         """Percent of node time (forward and backward) in rows that time a block whole: a torch function Dynamo's
         capture kept as one call (named in ``capture.leaves`` with why), every module under module hooks."""
@@ -391,39 +259,32 @@ class CycleReport:
             rows[UNOWNED_ENGINE] = (None, max(rest, 0.0))
         return rows
 
-    # The report's views, drawn by ``outputs.tables``: kept here as the public API (docs/outputs.md), each one call,
-    # imported when asked so that the vocabulary imports no room at load time.
+    # The report's views (docs/outputs.md), drawn by the functions below.
 
     def to_markdown(self, top_k: int | None = None) -> str:
         """The cycle as Markdown: header, node table (slowest first, ``top_k`` rows at most), trust line,
-        regressions, advice and FSDP ranges (``outputs.tables.markdown``)."""
-        from fxprof_lightning.outputs import tables
-        return tables.markdown(self, top_k)
+        regressions, advice and FSDP ranges (``markdown``)."""
+        return markdown(self, top_k)
 
     def modules_to_text(self, depth: int | None = None) -> str:
-        """The module tree, indented like torchprof's, as a Markdown code block (``outputs.tables.modules_text``)."""
-        from fxprof_lightning.outputs import tables
-        return tables.modules_text(self, depth)
+        """The module tree, indented like torchprof's, as a Markdown code block (``modules_text``)."""
+        return modules_text(self, depth)
 
     def to_csv(self) -> str:
-        """All node statistics as CSV, one row per node, slowest first (``outputs.tables.nodes_csv``)."""
-        from fxprof_lightning.outputs import tables
-        return tables.nodes_csv(self)
+        """All node statistics as CSV, one row per node, slowest first (``nodes_csv``)."""
+        return nodes_csv(self)
 
     def modules_to_csv(self) -> str:
-        """The module tree as CSV, depth first (``outputs.tables.modules_csv``)."""
-        from fxprof_lightning.outputs import tables
-        return tables.modules_csv(self)
+        """The module tree as CSV, depth first (``modules_csv``)."""
+        return modules_csv(self)
 
     def ranges_to_csv(self) -> str:
-        """The FSDP ranges as CSV, slowest first (``outputs.tables.ranges_csv``)."""
-        from fxprof_lightning.outputs import tables
-        return tables.ranges_csv(self)
+        """The FSDP ranges as CSV, slowest first (``ranges_csv``)."""
+        return ranges_csv(self)
 
     def step_to_csv(self) -> str:
-        """The step's phases and the time no row owns as CSV (``outputs.tables.step_csv``)."""
-        from fxprof_lightning.outputs import tables
-        return tables.step_csv(self)
+        """The step's phases and the time no row owns as CSV (``step_csv``)."""
+        return step_csv(self)
 
 
 def last_sound(cycles: Sequence[CycleReport]) -> CycleReport:
@@ -431,3 +292,237 @@ def last_sound(cycles: Sequence[CycleReport]) -> CycleReport:
     trusted (complete, with node rows, not distorted by other load), else the last one. Under load, a run's last
     cycle may be inflated ~150x; its slowest layer is then load's, not the model's."""
     return next((c for c in reversed(cycles) if c.nodes and not c.partial and not c.distortion), cycles[-1])
+
+# The figures of a cycle's recorded steps, from their wall, CPU and wait times (``analysis.trust`` judges them).
+
+def step_spread(step_ms: list[float]) -> float | None:
+    """``(max - min) / median`` of the recorded steps' wall times (None for fewer than 2 steps).
+
+    >>> step_spread([10.0, 11.0, 12.0])
+    0.18181818181818182
+    """
+    if len(step_ms) < 2:
+        return None
+    middle = statistics.median(step_ms)
+    return (max(step_ms) - min(step_ms)) / middle if middle > 0 else None
+
+
+def waited_share(step_ms: list[float], step_wait_ms: list[float]) -> float | None:
+    """The share of the recorded steps' wall time the process's threads waited for a core (summed over them; None
+    without a reading).
+
+    >>> waited_share([10.0, 10.0], [1.0, 3.0])
+    0.2
+    """
+    wall = sum(step_ms)
+    return sum(step_wait_ms) / wall if wall > 0 and step_wait_ms and len(step_wait_ms) == len(step_ms) else None
+
+
+def cpu_per_wall(step_ms: list[float], step_cpu_ms: list[float]) -> float | None:
+    """The process's CPU time over the wall time of the recorded steps (None without steps)."""
+    wall = sum(step_ms)
+    return sum(step_cpu_ms) / wall if wall > 0 and step_cpu_ms else None
+
+
+# The report's views.
+
+def markdown(report: CycleReport, top_k: int | None = None) -> str:
+    """The cycle as Markdown: header, node table (slowest first, ``top_k`` rows at most), trust line,
+    regressions, advice and FSDP ranges."""
+    shown = report.nodes if top_k is None else report.nodes[:top_k]
+    steps = max(len(report.steps), 1)
+    step_range = f"steps {report.steps[0]}-{report.steps[-1]}" if report.steps else "no recorded step"
+    stage = "Validation cycle" if report.stage == "val" else "Cycle"
+    over_ranks = f", mean over {report.ranks} ranks" if report.ranks > 1 else ""
+    straggler = report.ranks > 1
+    header = f"{stage} {report.label}{' (partial)' if report.partial else ''}, {step_range}"
+    header += f" ({report.trigger})" if report.trigger != "schedule" else ""
+    header += f": node rows summed, forward {report.forward_ms_per_step:.3f} ms"
+    if report.backward_ms_per_step:
+        header += f", backward {report.backward_ms_per_step:.3f} ms"
+        if report.backward_wall_ms:
+            header += f" ({report.backward_account()})"
+    header += f" per step (mean) over {len(report.nodes)} nodes{over_ranks}"
+    if report.capture is not None:
+        header += f"; captured by {report.capture.describe()}"
+        if report.capture.leaves or report.capture.method == "module_hooks":
+            header += f"; {report.whole_share:.0f}% of node time in blocks timed whole"
+    if report.device is not None:
+        d = report.device
+        header += (f". GPU time from the trace's {d['kernels']:.0f} kernels/memcpys/memsets ({d['device_ms']:.3f} ms): "
+                   f"{d['in_nodes_ms']:.3f} ms launched by nodes, {d['outside_ms']:.3f} ms outside them")
+        if d["unlaunched"] or d["orphan_flows"]:
+            header += f", {d['unlaunched']:.0f} with no launch in the trace, {d['orphan_flows']:.0f} flows naming no launch"
+    if report.peaks is not None:
+        header += f". Roofline peaks: {report.peaks}"
+    if report.dropped_steps or report.capture_s:
+        header += f". Left out of the numbers: {report.dropped_text()}"
+    grand = sum(n.total_ms + n.bwd_total_ms for n in report.nodes) or 1.0
+    memory = any(n.saved_bytes is not None for n in report.nodes)
+    lines = [
+        header,
+        "",
+        "| layer | op | fwd ms/call | bwd ms/call | fwd+bwd ms/step | % of fwd+bwd | calls/step "
+        "| fwd GFLOP/s | % of peak | bound | node |" + (" MB saved/step |" if memory else "")
+        + (" slowest rank fwd ms/call | slowest rank |" if straggler else ""),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|" + ("---:|" if memory else "")
+        + ("---:|---:|" if straggler else ""),
+    ]
+    for n in shown:  # (the node's name: the key of its scalar series, and of the CSV's rows)
+        row = (
+            f"| {_md(n.layer or n.name)} | {n.op.removeprefix('call_')} | {n.mean_ms:.3f} | {n.bwd_mean_ms:.3f} "
+            f"| {(n.total_ms + n.bwd_total_ms) / steps:.3f} | {100 * (n.total_ms + n.bwd_total_ms) / grand:.1f} "
+            f"| {n.calls / steps:g} | {_num(n.fwd_gflops_per_s, '.1f')} | {_num(n.pct_of_peak, '.0f')} | {n.bound} "
+            f"| {_md(n.name)} |" + (f" {_mb(n.saved_bytes, n.calls / steps)} |" if memory else "")
+        )
+        if straggler:
+            row += f" {n.slowest_rank_ms:.3f} | {n.slowest_rank} |"
+        lines.append(row)
+    if len(shown) < len(report.nodes):
+        lines.append(f"\n{len(report.nodes) - len(shown)} faster nodes not shown (the CSV has every node, with its target).")
+    lines.append("")
+    held = memory_line(report)
+    if held:
+        lines += [held, ""]
+    if report.checkpoint_plan is not None:
+        lines += [f"Checkpointing plan (predicted from the saved bytes and forward times): {report.checkpoint_plan.text()}.",
+                  ""]
+    unowned = report.unowned()
+    if unowned:
+        measured = [f"{side} {wall:.3f} ms" for side, wall in (("forward", report.forward_wall_ms),
+                                                               ("backward", report.backward_wall_ms)) if wall]
+        lines += [f"Time no row owns, ms per step (with the rows: the measured {' and '.join(measured)}):", "",
+                  "| where | fwd ms/step | bwd ms/step |", "|---|---:|---:|"]
+        lines += [f"| {name} | {_num(fwd, '.3f')} | {_num(bwd, '.3f')} |" for name, (fwd, bwd) in unowned.items()]
+        lines.append("")
+    if report.phases:
+        total = sum(report.phases.values()) or 1.0
+        lines += [f"The whole step: {total:.1f} ms per step (measured; the mean of the recorded steps), by phase:", "",
+                  "| phase | ms/step | % of the step |", "|---|---:|---:|"]
+        lines += [f"| {phase} | {ms:.3f} | {100 * ms / total:.0f} |"
+                  for phase, ms in sorted(report.phases.items(), key=lambda item: -item[1])]
+        lines.append("")
+    if report.step_ms:
+        trust = f"Recorded steps took {report.step_wall_ms:.1f} ms (mean)"
+        spread, cpu = report.step_spread, report.cpu_per_wall
+        if spread is not None:
+            trust += f", spread {100 * spread:.0f}%"
+        if cpu is not None:
+            trust += f", {cpu:.2f} CPU s per wall s"
+        wait = report.waited_share
+        if wait is not None:
+            trust += f", its threads waited for a core {100 * wait:.0f}% of the time"
+        lines += [trust + ".", ""]
+    if report.distortion:
+        lines += [f"**These numbers look distorted by other load:** {report.distortion}.", ""]
+    if report.regressions:
+        lines += ["Regressions, slower than in the earlier cycles beyond the noise (median ms per call):", ""]
+        lines += [f"- {_md(r.node)} {r.direction}: {r.baseline_ms:.3f} -> {r.now_ms:.3f} ms ({r.ratio:.2f}x, "
+                  f"noise {r.noise_ms:.3f} ms)" for r in report.regressions]
+        lines.append("")
+    if report.advice:
+        lines += ["What to try:", "", *(f"- {text}" for text in report.advice), ""]
+    if report.ranges:
+        lines += ["FSDP ranges in the trace (ms per step, inside the nodes above):", "",
+                  "| range | module | ms per step | calls per step |", "|---|---|---:|---:|"]
+        lines += [f"| {_md(r.name)} | {_md(r.module or '(root)')} | {r.ms_per_step:.3f} | {r.calls_per_step:g} |"
+                  for r in report.ranges]
+    return "\n".join(lines).rstrip("\n")
+
+
+def modules_text(report: CycleReport, depth: int | None = None) -> str:
+    """The module tree, indented like torchprof's, as a Markdown code block (ms per step)."""
+    shown = [m for m in report.modules if depth is None or m.depth <= depth]
+    rows = [(("  " * m.depth) + (m.path.rsplit(".", 1)[-1] or "(root)") + f" ({m.type_name})", m) for m in shown]
+    width = max((len(label) for label, _ in rows), default=10)
+    memory = any(m.saved_bytes_per_step is not None or m.param_bytes is not None for m in shown)
+    title = "Module tree, ms per step (self: the module's own nodes; total: with its submodules)"
+    title += "; MB with its submodules: saved for backward per step, parameters, gradients, optimizer state:" if memory else ":"
+    lines = [title, "", "```", f"{'module':<{width}}  self fwd  total fwd   self bwd  total bwd  calls/step"
+             + ("  MB saved  MB params  MB grads  MB optim" if memory else "")]
+    for label, m in rows:
+        lines.append(
+            f"{label:<{width}}  {m.self_fwd_ms:8.3f}  {m.total_fwd_ms:9.3f}  {m.self_bwd_ms:9.3f}  {m.total_bwd_ms:9.3f}  {m.calls_per_step:10g}"
+            + (f"  {_mb(m.saved_bytes_per_step):>8}  {_mb(m.param_bytes):>9}  {_mb(m.grad_bytes):>8}  {_mb(m.optimizer_bytes):>8}"
+               if memory else "")
+        )
+    lines.append("```")
+    return "\n".join(lines)
+
+
+def memory_line(report: CycleReport, top: int = 5) -> str:
+    """What the step holds at the end of its forward, by layer: the bytes autograd keeps for backward (all still held
+    then: the forward's peak of saved activations), the layers that hold most, and the model's parameters, gradients
+    and optimizer state ('' where memory was not measured)."""
+    steps = max(len(report.steps), 1)
+    saved = [(n, n.saved_bytes * n.calls / steps) for n in report.nodes if n.saved_bytes is not None]
+    if not saved:
+        return f"Saved for backward: unknown ({report.memory_note})." if report.memory_note else ""
+    total = sum(b for _, b in saved)
+    unknown = sum(1 for n in report.nodes if n.saved_bytes is None and n.calls)
+    text = f"Held at the end of the forward: {total / 1e6:.3f} MB saved for backward per step"
+    largest = [(n, b) for n, b in sorted(saved, key=lambda item: -item[1])[:top] if b > 0]
+    if largest and total:
+        text += " (" + ", ".join(f"{_md(n.layer or n.name)} {100 * b / total:.0f}%" for n, b in largest) + ")"
+    if unknown:
+        text += f", {unknown} node{'s' * (unknown > 1)} unknown" + (f" ({report.memory_note})" if report.memory_note else "")
+    root = next((m for m in report.modules if m.path == "" and m.param_bytes is not None), None)
+    if root is not None:
+        text += f"; parameters {root.param_bytes / 1e6:.3f} MB, gradients {root.grad_bytes / 1e6:.3f} MB"
+        if root.optimizer_bytes is not None:
+            text += f", optimizer state {root.optimizer_bytes / 1e6:.3f} MB"
+    return text + "."
+
+
+def nodes_csv(report: CycleReport) -> str:
+    """All node statistics as CSV, one row per node, slowest first."""
+    return _csv(NodeStats, report.nodes)
+
+
+def modules_csv(report: CycleReport) -> str:
+    """The module tree as CSV, depth first."""
+    return _csv(ModuleStats, report.modules)
+
+
+def ranges_csv(report: CycleReport) -> str:
+    """The FSDP ranges as CSV, slowest first."""
+    return _csv(RangeStats, report.ranges)
+
+
+def step_csv(report: CycleReport) -> str:
+    """The rest of the step as CSV rows beside the node rows, ms per recorded step: each phase of the whole
+    step (``phases``: ``kind`` phase) and each part of the timed module's forward and backward that no node row
+    owns (``unowned``: ``kind`` unowned, ``side`` forward or backward)."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["kind", "name", "side", "ms_per_step"])
+    for name, ms in report.phases.items():
+        writer.writerow(["phase", name, "", round(ms, 6)])
+    for name, sides in report.unowned().items():
+        for side, ms in zip(("forward", "backward"), sides):
+            if ms is not None:
+                writer.writerow(["unowned", name, side, round(ms, 6)])
+    return buffer.getvalue()
+
+
+def _csv(record_type: type, records: list) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=[f.name for f in fields(record_type)], lineterminator="\n")
+    writer.writeheader()
+    for record in records:
+        writer.writerow({k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(record).items()})
+    return buffer.getvalue()
+
+
+def _mb(value: float | None, times: float = 1.0) -> str:
+    """Bytes (times ``times``) as MB with three decimals; '' for None."""
+    return "" if value is None else f"{value * times / 1e6:.3f}"
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def _md(text: str) -> str:
+    """A code span that is safe inside a Markdown table cell."""
+    return "`" + text.replace("|", "\\|").replace("`", "'") + "`"

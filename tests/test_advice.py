@@ -14,8 +14,8 @@ from fxprof_lightning.analysis.advice import (
     whole_step,
 )
 from fxprof_lightning.analysis.regressions import Regression
-from fxprof_lightning.analysis.trust import cpu_per_wall, distortion, step_spread
-from fxprof_lightning.report import NodeStats
+from fxprof_lightning.analysis.trust import distortion
+from fxprof_lightning.report import NodeStats, cpu_per_wall, step_spread
 
 
 def node(name: str, fwd: float, bwd: float = 0.0, **extra) -> NodeStats:

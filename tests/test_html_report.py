@@ -41,7 +41,7 @@ from torch import nn
 
 from fxprof_lightning import FXProfilerCallback
 from fxprof_lightning.cli import check_cycles, main
-from fxprof_lightning.outputs.formats import ms_text, per_step, step_wall_ms
+from fxprof_lightning.outputs.formats import ms_text, per_step
 from fxprof_lightning.outputs.html_report import SLOWEST_ROWS, write_page
 from fxprof_lightning.outputs.runs import load_run
 from fxprof_lightning.report import last_sound
@@ -204,7 +204,7 @@ def test_page_shows_every_section_with_the_runs_numbers(trained, page_of_run):
     for row, css, cycle in zip(rows, page.row_classes["cycles"], cycles, strict=True):
         forward, backward = per_step(cycle)
         assert row[1:5] == [f"{cycle.steps[0]}-{cycle.steps[-1]}", ms_text(forward), ms_text(backward),
-                            ms_text(step_wall_ms(cycle))]
+                            ms_text(cycle.step_wall_ms)]
         verdict = found[id(cycle)]
         assert (css == "distorted") == (verdict.skipped == "distorted")
         if verdict.distortion:

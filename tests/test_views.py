@@ -17,7 +17,6 @@ from test_html_report import Nested, parse
 
 from fxprof_lightning import FXProfilerCallback
 from fxprof_lightning.cli import main
-from fxprof_lightning.outputs.formats import step_wall_ms
 from fxprof_lightning.outputs.sinks import TAG_UNSAFE
 from fxprof_lightning.report import last_sound
 
@@ -42,7 +41,7 @@ def test_one_cycle_reads_the_same_in_every_view(tmp_path, capsys):
     rows = cycle.nodes[:ROWS]
     per_call = {n.name: (n.mean_ms, n.bwd_mean_ms) for n in rows}
     per_step = {n.name: (n.total_ms + n.bwd_total_ms) / steps for n in rows}
-    step = step_wall_ms(cycle)
+    step = cycle.step_wall_ms
     # The whole step is not the timed part of it (``step_ms``: from the step's start hook to its end hook), nor its
     # median: a view that showed either would fail below.
     assert cycle.phases and abs(step - sum(cycle.step_ms) / steps) > 0.05, (step, cycle.step_ms)

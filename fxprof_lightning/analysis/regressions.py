@@ -44,8 +44,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from fxprof_lightning.analysis.trust import cpu_per_wall, distortion, step_spread, waited_share
-from fxprof_lightning.report import CycleReport, ModuleStats, NodeStats
+from fxprof_lightning.analysis.trust import distortion
+from fxprof_lightning.report import CycleReport, ModuleStats, NodeStats, cpu_per_wall, step_spread, waited_share
 
 __all__ = [
     "CONFIRM_FLOOR_MS",

@@ -2,7 +2,8 @@
 
 Per-node times measured while other processes compete for the cores are inflated, and by
 different amounts for different nodes. Load has a signature, computed from the wall time and the
-process CPU time of each recorded step (``CycleReport.step_ms``, ``step_cpu_ms``) and from the nodes:
+process CPU time of each recorded step (``CycleReport.step_ms``, ``step_cpu_ms``; their figures, ``step_spread``,
+``cpu_per_wall`` and ``waited_share``, are the report's) and from the nodes:
 
 - the **spread** of the recorded steps, ``(slowest - fastest) / median``: steps of one training
   run do the same work, so a spread above ``SPREAD_LIMIT`` (50 %) means something else ran, when the slowest step
@@ -34,8 +35,10 @@ import os
 import statistics
 import threading
 
-__all__ = ["CPU_DROP", "JUMP_LIMIT", "SHARED_LOAD", "SPREAD_FLOOR_MS", "SPREAD_LIMIT", "WAIT_LIMIT", "cpu_per_wall",
-           "distortion", "step_spread", "threads_waited_ns", "waited_ms", "waited_share"]
+from fxprof_lightning.report import step_spread
+
+__all__ = ["CPU_DROP", "JUMP_LIMIT", "SHARED_LOAD", "SPREAD_FLOOR_MS", "SPREAD_LIMIT", "WAIT_LIMIT", "distortion",
+           "threads_waited_ns", "waited_ms"]
 
 SPREAD_LIMIT = 0.5
 SPREAD_FLOOR_MS = 1.0
@@ -118,35 +121,6 @@ def waited_ms(before: dict[str, int] | None) -> float | None:
     """
     now = _THREADS.read() if before is not None else None
     return None if now is None else sum(ns - before[thread] for thread, ns in now.items() if thread in before) / 1e6
-
-
-def step_spread(step_ms: list[float]) -> float | None:
-    """``(max - min) / median`` of the recorded steps' wall times (None for fewer than 2 steps).
-
-    >>> step_spread([10.0, 11.0, 12.0])
-    0.18181818181818182
-    """
-    if len(step_ms) < 2:
-        return None
-    middle = statistics.median(step_ms)
-    return (max(step_ms) - min(step_ms)) / middle if middle > 0 else None
-
-
-def waited_share(step_ms: list[float], step_wait_ms: list[float]) -> float | None:
-    """The share of the recorded steps' wall time the process's threads waited for a core (summed over them; None
-    without a reading).
-
-    >>> waited_share([10.0, 10.0], [1.0, 3.0])
-    0.2
-    """
-    wall = sum(step_ms)
-    return sum(step_wait_ms) / wall if wall > 0 and step_wait_ms and len(step_wait_ms) == len(step_ms) else None
-
-
-def cpu_per_wall(step_ms: list[float], step_cpu_ms: list[float]) -> float | None:
-    """The process's CPU time over the wall time of the recorded steps (None without steps)."""
-    wall = sum(step_ms)
-    return sum(step_cpu_ms) / wall if wall > 0 and step_cpu_ms else None
 
 
 def distortion(step_ms: list[float], earlier_medians: list[float], shared: float = 1.0,

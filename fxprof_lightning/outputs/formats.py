@@ -3,7 +3,6 @@ the legend of the regression check (no torch import)."""
 
 from __future__ import annotations
 
-import statistics
 import textwrap
 
 from fxprof_lightning.analysis.regressions import (
@@ -17,7 +16,7 @@ from fxprof_lightning.analysis.regressions import (
 )
 from fxprof_lightning.report import CycleReport
 
-__all__ = ["BASELINE_CYCLES", "legend_report", "ms_text", "per_step", "ratio_text", "step_wall_ms", "steps_text"]
+__all__ = ["BASELINE_CYCLES", "legend_report", "ms_text", "per_step", "ratio_text", "steps_text"]
 
 BASELINE_CYCLES = 5  # as the engine: each cycle against the last 5 sound ones before it
 WIDTH = 120
@@ -29,15 +28,6 @@ def per_step(report: CycleReport) -> tuple[float, float] | None:
         return report.forward_ms_per_step, report.backward_ms_per_step
     root = next((m for m in report.modules if m.path == ""), None)
     return (root.total_fwd_ms, root.total_bwd_ms) if root is not None else None
-
-
-def step_wall_ms(report: CycleReport) -> float | None:
-    """The step's wall time, ms per recorded step (mean), in every view: its phases summed (each step from the end of
-    the one before, the wait for its batch included: ``step_phases``), else its timed part (``step_ms``: from the
-    step's start to its end)."""
-    if report.phases:
-        return sum(report.phases.values())
-    return statistics.fmean(report.step_ms) if report.step_ms else None
 
 
 def legend_report(options: dict) -> list[str]:

@@ -20,9 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fxprof_lightning.analysis.regressions import Regression, Verdict
-from fxprof_lightning.analysis.trust import step_spread
 from fxprof_lightning.layout import PHASES
-from fxprof_lightning.outputs.formats import legend_report, ms_text, per_step, ratio_text, step_wall_ms, steps_text
+from fxprof_lightning.outputs.formats import legend_report, ms_text, per_step, ratio_text, steps_text
 from fxprof_lightning.outputs.plots import tree_of
 from fxprof_lightning.report import CycleReport, describe_phases, last_sound, shorten
 
@@ -138,8 +137,7 @@ def _cycles(shown: list[CycleReport], found: dict[int, Verdict], total: int) -> 
     rows, classes = [], []
     for c in shown:
         verdict = found[id(c)]
-        totals, step = per_step(c), step_wall_ms(c)
-        spread = step_spread(c.step_ms) if c.step_ms else None
+        totals, step, spread = per_step(c), c.step_wall_ms, c.step_spread
         note = verdict.skipped or ""
         if verdict.distortion:
             note = f"distorted: {verdict.distortion}"
@@ -251,7 +249,7 @@ def _trend(shown: list[CycleReport], found: dict[int, Verdict], layers: int) -> 
     are shaded."""
     labels = [str(c.index) for c in shown]
     distorted = [found[id(c)].skipped == "distorted" for c in shown]
-    steps = [("step (wall)", [step_wall_ms(c) for c in shown]),
+    steps = [("step (wall)", [c.step_wall_ms for c in shown]),
              ("node rows summed, forward + backward", [sum(t) if (t := per_step(c)) else None for c in shown])]
     now = last_sound(shown)
     top = now.nodes[:layers]

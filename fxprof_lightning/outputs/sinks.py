@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fxprof_lightning import FxprofWarning
-from fxprof_lightning.analysis.trust import cpu_per_wall, step_spread
 from fxprof_lightning.layout import (
     HTML_FILE,
     MODULES_FILE,
@@ -43,7 +42,6 @@ from fxprof_lightning.layout import (
     TREND_TAG,
     stage_tag,
 )
-from fxprof_lightning.outputs import tables
 from fxprof_lightning.report import CycleReport, last_sound, shorten
 
 # What TensorBoard's summary writer would replace in a tag (with a warning each time): all but letters, digits, _ - . /
@@ -115,8 +113,7 @@ def cycle_scalars(report: CycleReport) -> dict[str, float]:
                f"{prefix}/regressions": float(len(report.regressions))}
     if report.backward_ms_per_step:
         metrics[f"{prefix}/backward_ms_per_step"] = report.backward_ms_per_step
-    for name, value in (("step_spread", step_spread(report.step_ms)),
-                        ("cpu_per_wall", cpu_per_wall(report.step_ms, report.step_cpu_ms))):
+    for name, value in (("step_spread", report.step_spread), ("cpu_per_wall", report.cpu_per_wall)):
         if value is not None:
             metrics[f"{prefix}/{name}"] = value
     for phase, ms in report.phases.items():  # the whole step (Lightning): one series per phase
@@ -179,9 +176,9 @@ def custom_scalars_layout(validation: bool = False, tracked: list[str] | None = 
 def cycle_texts(report: CycleReport, top_k: int, module_depth: int) -> dict[str, str]:
     """The cycle's text entries: the node table (Markdown) and, when there is one, the module tree."""
     prefix = tag_prefix(report)
-    texts = {f"{prefix}/layers": tables.markdown(report, top_k)}
+    texts = {f"{prefix}/layers": report.to_markdown(top_k)}
     if report.modules:
-        texts[f"{prefix}/modules"] = tables.modules_text(report, module_depth)
+        texts[f"{prefix}/modules"] = report.modules_to_text(module_depth)
     return texts
 
 
@@ -273,13 +270,13 @@ class CsvSink:
     not ``.json``, because HolisticTraceAnalysis reads every ``.json`` file of a directory as a trace."""
 
     def write_cycle(self, report: CycleReport, display: Display) -> None:
-        write_atomically(report.directory / NODES_FILE, tables.nodes_csv(report), display.name)
+        write_atomically(report.directory / NODES_FILE, report.to_csv(), display.name)
         if report.modules:
-            write_atomically(report.directory / MODULES_FILE, tables.modules_csv(report), display.name)
+            write_atomically(report.directory / MODULES_FILE, report.modules_to_csv(), display.name)
         if report.ranges:
-            write_atomically(report.directory / RANGES_FILE, tables.ranges_csv(report), display.name)
+            write_atomically(report.directory / RANGES_FILE, report.ranges_to_csv(), display.name)
         if report.phases or report.unowned():
-            write_atomically(report.directory / STEP_FILE, tables.step_csv(report), display.name)
+            write_atomically(report.directory / STEP_FILE, report.step_to_csv(), display.name)
         summary = json.dumps(report.to_summary(), default=str) + "\n"
         write_atomically(report.directory / SUMMARY_FILE, summary, display.name)
 

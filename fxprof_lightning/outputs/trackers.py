@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 from fxprof_lightning.layout import MODULES_FILE, NODES_FILE, TREND_FILE
-from fxprof_lightning.outputs import tables
 from fxprof_lightning.outputs.sinks import (
     Display,
     RunSummary,
@@ -154,9 +153,9 @@ def _csv_parts(logger: Any, report: CycleReport) -> list[tuple[str, Callable[[],
 
     def csv_tables() -> None:
         target.mkdir(parents=True, exist_ok=True)
-        (target / NODES_FILE).write_text(tables.nodes_csv(report))
+        (target / NODES_FILE).write_text(report.to_csv())
         if report.modules:
-            (target / MODULES_FILE).write_text(tables.modules_csv(report))
+            (target / MODULES_FILE).write_text(report.modules_to_csv())
 
     return [("cycle's files", files), ("node and module tables", csv_tables)]
 
