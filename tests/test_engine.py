@@ -376,7 +376,7 @@ def test_the_settings_are_read_on_settings_and_never_set_on_the_profiler():
 def test_rank_0_that_timed_nothing_still_gets_the_module_tree_of_the_merged_table(tmp_path, monkeypatch):
     """Two ranks, as the engine sees them: rank 0 timed nothing (its graph stopped fitting), rank 1 timed the nodes.
     Rank 0 writes the report: the merged rows, and the module tree from rank 1's rows."""
-    from fxprof_lightning.engine import closing, core
+    from fxprof_lightning.engine import core
 
     def run(directory):
         model = SmallNet()
@@ -388,22 +388,22 @@ def test_rank_0_that_timed_nothing_still_gets_the_module_tree_of_the_merged_tabl
         return prof.cycles[-1]
 
     rank1: dict = {}
-    measure = closing.Cycle.measure
+    measure = core.Cycle.measure
 
     def measured(cycle, module, warn):
         rank1["table"], rank1["rows"] = measure(cycle, module, warn), cycle.nodes
         return rank1["table"]
 
-    monkeypatch.setattr(closing.Cycle, "measure", measured)
+    monkeypatch.setattr(core.Cycle, "measure", measured)
     alone = run("one_rank")
 
     def nothing(cycle, module, warn):  # rank 0 timed nothing (its sessions are stopped all the same)
         measure(cycle, module, warn)
         cycle.nodes = []
 
-    monkeypatch.setattr(closing.Cycle, "measure", nothing)
+    monkeypatch.setattr(core.Cycle, "measure", nothing)
     monkeypatch.setattr(core.Engine, "world_size", property(lambda self: 2))
-    monkeypatch.setattr(closing, "all_gather", lambda value: [value, (rank1["table"], [], rank1["rows"])])
+    monkeypatch.setattr(core, "all_gather", lambda value: [value, (rank1["table"], [], rank1["rows"])])
     report = run("two_ranks")
     assert [n.name for n in report.nodes] == [n.name for n in alone.nodes]
     assert report.modules and [m.path for m in report.modules] == [m.path for m in alone.modules]
