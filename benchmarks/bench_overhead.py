@@ -23,7 +23,7 @@ cross-entropy loss and backward (autograd on, no ``torch.no_grad`` anywhere in t
    (timed - eager) / number of timed nodes. The untimed traced GraphModule and, where it exists,
    ``NodeTimer(backward=False)`` are measured too, which splits the cost into running the traced
    graph's code, the forward clock probes, and backward timing. Where backward times come from
-   profiler events (``node_timing.BackwardEvents``), the recorder runs during the timed steps and
+   profiler events (``backward_events.BackwardEvents``), the recorder runs during the timed steps and
    is started and stopped between them (untimed), as the callback does once per cycle.
    On the MLP, a floor runs in the same rounds: what timing every node forward and backward costs
    at the least without torch.profiler (issue 30 item 8: ours at most floor + 0.5 us per node). It
@@ -108,6 +108,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from fxprof_lightning import FXProfilerCallback
 from fxprof_lightning.nodes import is_timed
 from fxprof_lightning.timing import node_timing
+from fxprof_lightning.timing.backward_events import BackwardEvents
 from fxprof_lightning.timing.node_timing import NodeTimer
 
 logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime" on import
@@ -461,8 +462,8 @@ def timer_variant(name: str, model: nn.Module, timer: NodeTimer) -> Variant:
     the callback reads it once, after the cycle; here it is read after each step, outside the timed part,
     and its time is kept in ``after_ns``.
     """
-    times_backward_from_events = getattr(timer, "uses_backward_events", hasattr(node_timing, "BackwardEvents"))
-    events = node_timing.BackwardEvents() if times_backward_from_events else None
+    times_backward_from_events = getattr(timer, "uses_backward_events", True)
+    events = BackwardEvents() if times_backward_from_events else None
 
     def enter() -> None:
         timer.reset()
@@ -484,7 +485,7 @@ def timer_variant(name: str, model: nn.Module, timer: NodeTimer) -> Variant:
 
 def events_variant(model: nn.Module) -> Variant:
     """Eager steps with the backward recorder running: what timing backward from profiler events costs alone."""
-    events = node_timing.BackwardEvents()
+    events = BackwardEvents()
     return Variant("eager + BackwardEvents", model, events.start, events.stop)
 
 
@@ -633,8 +634,7 @@ def step_variants(work: Workload, floor: Any = None) -> tuple[list[Variant], int
     if has_backward_option():
         forward_only = NodeTimer(trace_module(model), annotate=False, backward=False)
         variants.append(timer_variant("NodeTimer backward=False", model, forward_only))
-    if hasattr(node_timing, "BackwardEvents"):
-        variants.append(events_variant(model))
+    variants.append(events_variant(model))
     if floor is not None:
         variants.append(floor_variant(model, floor))
     return variants, len(timer.nodes)

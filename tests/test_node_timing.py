@@ -9,7 +9,8 @@ from helpers import SmallNet, resnet18, trace_module
 
 from fxprof_lightning.capture.module_hooks import ModuleHookTimer
 from fxprof_lightning.nodes import describe_target
-from fxprof_lightning.timing.node_timing import BackwardEvents, NodeTimer
+from fxprof_lightning.timing.backward_events import BackwardEvents
+from fxprof_lightning.timing.node_timing import NodeTimer
 
 
 def _forward_backward(model, x):

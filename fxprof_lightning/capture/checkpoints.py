@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import fx
@@ -18,9 +18,6 @@ from fxprof_lightning import torch_api
 from fxprof_lightning.nodes import NESTS, ROW, NodeInfo, is_timed, mark_untimed
 from fxprof_lightning.timing.autograd_walk import sequence_nr_now
 from fxprof_lightning.timing.node_timing import NodeTimer
-
-if TYPE_CHECKING:
-    from fxprof_lightning.capture.dynamo import DynamoTimer
 
 __all__ = ["checkpointed_bodies", "inline_checkpoints", "open_checkpoints", "recompute_log", "separate_copy"]
 
@@ -37,10 +34,12 @@ def separate_copy(graph_module: fx.GraphModule) -> fx.GraphModule:
 @dataclass
 class _RecomputeLog:
     """What a checkpointed region's recompute reports to (``open_checkpoints``): the row ``<region>_recompute`` of
-    ``timer``, whose backward time it is, taken out of the backward time of the autograd node that asked for it.
-    ``row`` None: backward timed by hooks, where a recompute is in the time of the node whose hook ran before it."""
+    ``timer``, whose backward time it is, taken out of the backward time of the autograd node that asked for it
+    (``recomputed``: the timer's note of one, folded after the backward events). ``row`` None: backward timed by
+    hooks, where a recompute is in the time of the node whose hook ran before it."""
 
-    timer: DynamoTimer
+    timer: NodeTimer
+    recomputed: Callable[..., None]
     row: int | None
     first: fx.Node | None = None  # the region's first timed node, whose row keeps a reentrant region's inputs
 
@@ -48,7 +47,7 @@ class _RecomputeLog:
         """A recompute for the autograd node ``sequence_nr`` took ``ns``; ``autograd``: the sequence numbers
         ``[first, end)`` of the autograd nodes it created (a reentrant region's own backward; else empty)."""
         if self.row is not None:
-            self.timer._recomputes.append((self.row, sequence_nr, ns, *autograd))
+            self.recomputed(self.row, sequence_nr, ns, *autograd)
 
     def created(self, first: int, end: int) -> None:
         """A reentrant region ran in forward and created the autograd nodes ``[first, end)`` (its own): what they
@@ -66,17 +65,17 @@ class _RecomputeLog:
             self.timer.drop_forward_since(mark)
 
 
-def recompute_log(timer: DynamoTimer, hooked: bool, body: fx.GraphModule) -> _RecomputeLog:
+def recompute_log(timer: NodeTimer, recomputed: Callable[..., None], hooked: bool, body: fx.GraphModule) -> _RecomputeLog:
     """The ``_RecomputeLog`` of a checkpointed region's graph: its row is named after the modules all its ops are in
     (none where backward is timed by hooks)."""
     if hooked:
-        return _RecomputeLog(timer, None)
+        return _RecomputeLog(timer, recomputed, None)
     stacks = [info.module_stack for node in body.graph.nodes if (info := node.meta.get(ROW)) is not None]
     common = [parts[0] for parts in zip(*stacks) if len(set(parts)) == 1] if stacks else []
     path = common[-1].partition("@")[0] if common else ""
     name = f"{path.replace('.', '_')}_recompute" if path else "checkpoint_recompute"
     row = timer._row_of(NodeInfo(name, "recompute", "torch.utils.checkpoint (recompute in backward)", path, tuple(common)))
-    return _RecomputeLog(timer, row, next((node for node in body.graph.nodes if is_timed(node)), None))
+    return _RecomputeLog(timer, recomputed, row, next((node for node in body.graph.nodes if is_timed(node)), None))
 
 
 def _is_checkpoint(node: fx.Node) -> bool:

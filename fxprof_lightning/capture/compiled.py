@@ -50,7 +50,7 @@ from torch import nn
 
 from fxprof_lightning import torch_api
 from fxprof_lightning.nodes import NodeInfo
-from fxprof_lightning.timing.node_timing import Uninterrupted
+from fxprof_lightning.timing.readings import Uninterrupted
 
 if TYPE_CHECKING:
     from fxprof_lightning.nodes import Capture

@@ -164,12 +164,17 @@ class DynamoGraphs(NodeTimer):
         """``NodeTimer``'s instrumented graph, with each checkpointed region opened: its ops are rows of their own
         (``open_checkpoints``)."""
         opened = open_checkpoints(traced, lambda body: self._instrument(body, annotate, hooked),
-                                  functools.partial(recompute_log, self, hooked))
+                                  functools.partial(recompute_log, self, self._recomputed, hooked))
         return super()._instrument(opened, annotate, hooked)
+
+    def _recomputed(self, *entry: int) -> None:
+        """A checkpointed region's recompute in backward (``checkpoints.recompute_log``): its row, the sequence number
+        of the autograd node that asked for it, its ns and the autograd nodes it created."""
+        self._recomputes.append(entry)
 
     def reset(self) -> None:
         super().reset()
-        self._recomputes: list[tuple[int, int, int]] = []  # (row, sequence number of the asking node, ns)
+        self._recomputes: list[tuple[int, ...]] = []  # (row, the asking node's sequence number, ns, its autograd nodes)
         self._misses = 0  # calls since that failed a guard (and ran untimed)
         if self._fsdp is not None:
             self._fsdp.reset()

@@ -6,7 +6,7 @@ module: its *self* time (its inclusive time less that of its child modules), so 
 without double counting. Forward pre/post hooks are registered by ``install`` and removed by
 ``uninstall``: nothing stays on the model between recorded steps. Backward: each module call
 notes the autograd sequence numbers it consumed; ``add_backward`` gives each profiler event
-(see ``node_timing.BackwardEvents``) to the innermost module call whose range holds it, which
+(see ``backward_events.BackwardEvents``) to the innermost module call whose range holds it, which
 is the module's self backward time. A forward run inside a backward pass (the recomputation
 of activation checkpointing) is not counted: its work is part of the backward node that runs it.
 """
@@ -24,8 +24,8 @@ from torch.utils.hooks import RemovableHandle
 from fxprof_lightning import torch_api
 from fxprof_lightning.nodes import NodeInfo, module_stack
 from fxprof_lightning.timing.autograd_walk import sequence_nr_now
-from fxprof_lightning.timing.instrument import enter_range, exit_range
-from fxprof_lightning.timing.node_timing import Uninterrupted
+from fxprof_lightning.timing.node_timing import enter_range, exit_range
+from fxprof_lightning.timing.readings import Uninterrupted
 
 if TYPE_CHECKING:
     from fxprof_lightning.nodes import Capture

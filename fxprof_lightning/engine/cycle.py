@@ -27,9 +27,9 @@ from fxprof_lightning.engine.statistics import summarize_modules, summarize_node
 from fxprof_lightning.nodes import Capture, NodeInfo
 from fxprof_lightning.report import CycleReport, NodeStats, layer_label
 from fxprof_lightning.timing.autograd_walk import sequence_nr_now
+from fxprof_lightning.timing.backward_events import BackwardEvents
 from fxprof_lightning.timing.gpu_trace import node_device_times
 from fxprof_lightning.timing.gpu_trace import summary as device_summary
-from fxprof_lightning.timing.node_timing import BackwardEvents
 from fxprof_lightning.timing.state_memory import OptimizerWatch
 from fxprof_lightning.timing.torch_trace import CycleTrace, ModuleCalls
 

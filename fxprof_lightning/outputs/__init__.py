@@ -1,1 +1,1 @@
-"""Where results go: the cycle report and its tables, runs read back from disk, sinks, trackers, pictures."""
+"""Where results go: the cycle report to files, TensorBoard, the console and the trackers; runs read back from disk; pictures; how the `fxprof` command writes numbers and its HTML page."""

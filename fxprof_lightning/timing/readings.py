@@ -12,7 +12,7 @@ from typing import Any
 from fxprof_lightning.nodes import NodeInfo
 from fxprof_lightning.timing.flops import NodeCosts
 
-__all__ = ["Collected", "Progress", "Readings", "Traits"]
+__all__ = ["Collected", "Progress", "Readings", "Traits", "Uninterrupted"]
 
 
 @dataclass(frozen=True)
@@ -94,3 +94,18 @@ class Readings:
 def _copies(lists: list[list[Any]]) -> list[list[Any]]:
     """Copies of a timer's per-node lists (``reset`` empties the timer's own)."""
     return [list(samples) for samples in lists]
+
+
+class Uninterrupted(Readings):
+    """``timers.Timer``'s interruptions for a timer that captures nothing while it times (module hooks, a compiled
+    module's kernels): never interrupted, so a cycle never drops a step for it and there is nothing to forget."""
+
+    interruptions = 0  # nothing is captured while it times
+    interrupted_by = ""
+    capture_s: tuple[float, ...] = ()
+
+    def mark(self) -> None:
+        """(Never interrupted: nothing to drop.)"""
+
+    def drop_since(self, mark: None) -> None:
+        pass

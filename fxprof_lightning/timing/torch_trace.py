@@ -26,8 +26,9 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerAction
 
+from fxprof_lightning.timing.backward_events import backward_durations
 from fxprof_lightning.timing.gpu_trace import DEVICE_CATEGORIES, Attribution, attribute
-from fxprof_lightning.timing.node_timing import ANCHOR, backward_durations
+from fxprof_lightning.timing.node_timing import ANCHOR
 from fxprof_lightning.timing.quiet import quiet_kineto
 
 __all__ = ["CycleTrace", "ModuleCalls", "add_node_ranges", "check_profiler_kwargs"]
