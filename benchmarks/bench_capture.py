@@ -6,7 +6,11 @@ Per model: the seconds of the first (capturing) call of ``DynamoTimer`` (Dynamo'
 call compared forward and backward, the call itself); then, no_grad
 and with grad, what a timed call adds to the graph it runs (``guard_cost_us``: measured inside each call, at several
 Python stack depths), with the guard check and the stance alone, and ``DynamoTimer``'s own check of the guards before
-each timed call (``entry``, ``entry_check_us``). Models: an MLP of 100 blocks of Linear, LayerNorm
+each timed call (``entry``, ``entry_check_us``). Then, side by side in one process (calls alternated), what
+``DynamoTimer``'s timed call adds around its rows (``timer_call_us``: the call's wall time less its rows' forward
+times) when the capture is one graph of the forward's own frame, with Dynamo's guard check alone (``fail_on_recompile``:
+a call in a new state raises before it runs and is captured) and with ``EntryGuards`` asked before it as well (as every
+call did before, and as a capture with graph breaks still does). Models: an MLP of 100 blocks of Linear, LayerNorm
 and GELU (300 modules) and torchvision's ResNet18.
 """
 
@@ -152,6 +156,37 @@ def entry_check_us(model: nn.Module, x: torch.Tensor, grad: bool, calls: int = 4
     return statistics.median(samples) / 1e3
 
 
+def timer_call_us(model: nn.Module, x: torch.Tensor, grad: bool, calls: int) -> dict[str, float]:
+    """What ``DynamoTimer``'s timed call adds around its rows (its wall time less the rows' forward times), median us
+    per call, with Dynamo's guard check alone (``one``) and with ``EntryGuards`` asked first too (``two``), alternated
+    call by call; ``saved``: the median of the paired differences."""
+    timer = DynamoTimer(model.training, backward=False)
+    timer.install(model)
+    walls: list[tuple[bool, int]] = []
+    try:
+        with torch.set_grad_enabled(grad):
+            model(x)  # captured
+            if not timer._one_frame:
+                raise RuntimeError("the capture is not one graph of the forward's own frame")
+            timer.reset()
+            for i in range(calls):
+                for one in ((True, False) if i % 2 else (False, True)):
+                    timer._one_frame = one
+                    start = time.perf_counter_ns()
+                    out = model(x)
+                    walls.append((one, time.perf_counter_ns() - start))
+                    del out
+        fwd = timer.fwd
+    finally:
+        timer.uninstall(model)
+    rows = [samples for samples in fwd if len(samples) == len(walls)]
+    added = [(one, wall - sum(samples[k] for samples in rows)) for k, (one, wall) in enumerate(walls)]
+    ones = [ns for one, ns in added if one]
+    twos = [ns for one, ns in added if not one]
+    return {"one": statistics.median(ones) / 1e3, "two": statistics.median(twos) / 1e3,
+            "saved": statistics.median(b - a for a, b in zip(ones, twos, strict=True)) / 1e3}
+
+
 def main() -> None:
     args = parse_args(__doc__)
     rounds = 5 if args.quick else 50
@@ -175,6 +210,15 @@ def main() -> None:
             entry = entry_check_us(model, x, grad)
             print(f"{name:<12} {'enabled' if grad else 'no_grad':>7} {cost['added']:>8.1f} {cost['worst']:>8.1f} "
                   f"{cost['guard']:>8.1f} {cost['stance']:>7.1f} {cost['graph']:>9.1f} {entry:>7.1f}")
+    print("\nDynamoTimer's timed call around its rows, median us per call (calls alternated): one = Dynamo's guard "
+          "check alone, two = EntryGuards asked first too; saved = the median paired difference")
+    print(f"{'model':<12} {'grad':>7} {'one':>8} {'two':>8} {'saved':>8}")
+    for name, model, x in models:
+        for grad in (False, True):
+            torch._dynamo.reset()
+            call = timer_call_us(model, x, grad, 50 if args.quick else 400)
+            print(f"{name:<12} {'enabled' if grad else 'no_grad':>7} {call['one']:>8.1f} {call['two']:>8.1f} "
+                  f"{call['saved']:>8.1f}")
 
 
 if __name__ == "__main__":

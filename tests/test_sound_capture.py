@@ -897,6 +897,55 @@ def test_the_dynamo_wrapper_is_made_once_per_forward_and_again_when_forward_chan
     assert torch.equal(out, 2 * nn.Sequential.forward(model, x))
 
 
+def test_a_one_graph_capture_asks_the_guards_once_per_call_and_captures_a_new_state_on_its_call(monkeypatch):
+    """A capture that is one graph of the forward's frame asks only Dynamo's own guard check before a timed call
+    (``fail_on_recompile``), not ``EntryGuards`` too; a call in a state not captured yet (no grad, a new batch size)
+    still runs nothing untimed: it is captured on that call, and gives what eager gives. A capture with a graph break
+    asks ``EntryGuards`` first, as before."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    asked = []
+    check = dynamo_capture.EntryGuards.check
+    monkeypatch.setattr(dynamo_capture.EntryGuards, "check", lambda self, *a: asked.append(1) or check(self, *a))
+    timer = dynamo_capture.DynamoTimer(True)
+    timer.install(model)
+    model(x).sum().backward()  # captured
+    asked.clear()
+    for _ in range(3):
+        model(x).sum().backward()
+    assert asked == [] and timer._one_frame
+    with torch.no_grad():
+        out = model(x)  # a new state: Dynamo's check refuses it before it runs, and it is captured on this call
+    assert len(timer.recaptures) == 1 and "grad_mode" in timer.recaptures[0]
+    short = model(x[:2])
+    timer.uninstall(model)
+    assert timer._misses == 0 and not timer.untimed  # no call ran untimed
+    assert len(timer.recaptures) == 2 and {len(samples) for samples in timer.fwd} == {6}  # every call timed
+    with torch.no_grad():
+        assert torch.equal(out, model(x))
+    assert torch.equal(short, model(x[:2]))
+
+    class Broken(nn.Module):  # a graph break: two graphs and the frame Dynamo resumes after it
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+        def forward(self, x):
+            x = self.a(x)
+            torch._dynamo.graph_break()
+            return self.b(x)
+
+    broken = Broken()
+    timer = dynamo_capture.DynamoTimer(True)
+    timer.install(broken)
+    broken(x).sum().backward()
+    asked.clear()
+    broken(x).sum().backward()
+    timer.uninstall(broken)
+    assert asked == [1] and timer._one_frame is False
+
+
 class Recurrent(nn.Module):
     """An LSTM over token embeddings (torch.nn's RNNs: Dynamo skips their frames unless ``allow_rnn``)."""
 

@@ -53,7 +53,7 @@ from fxprof_lightning.capture.dynamo_rules import (
     not_compiling,
     opened_frames,
 )
-from fxprof_lightning.capture.dynamo_timing import DynamoGraphs
+from fxprof_lightning.capture.dynamo_timing import MISSED, DynamoGraphs
 from fxprof_lightning.capture.entry_guards import EntryGuards
 from fxprof_lightning.capture.graph_breaks import graph_break_counter, graph_break_reasons, host_reads
 from fxprof_lightning.capture.row_names import FRAMED, Owners
@@ -105,6 +105,13 @@ GUARD_SETTINGS = {"skip_nnmodule_hook_guards": False,
 # ``TorchInGraphFunctionVariable``): while we capture, Dynamo traces into them, so their ops are rows.
 OPENED = (torch.nn.functional.multi_head_attention_forward,)
 OPENED_BY = (nn.MultiheadAttention,)  # the modules that call them
+
+
+def _in_one_frame(attempt: _Attempt, way: _Way, sharded: bool) -> bool:
+    """Whether a capture is one graph of the forward's own frame (no graph break, no layer outside the graphs, no frame
+    of ours): a call then runs no other frame Dynamo guards, and its guard check tells a miss before anything runs."""
+    return attempt.graph_calls == 1 and not attempt.breaks and not attempt.untimed and not (
+        way.eager_hooks or way.framed or way.follow or sharded)
 
 
 def _hook_functions(root: nn.Module) -> tuple[Callable[..., Any], ...]:
@@ -286,6 +293,11 @@ class DynamoTimer(DynamoGraphs):
             if self._pending is None and self._flags and (flipped := self._flags.flipped()):  # (< 2.14: Dynamo misses it)
                 self._pending = flipped
                 self._fresh_cache()
+            if self._one_frame and self._pending is None and self._entry is not None:  # Dynamo's check alone
+                with quiet_dynamo(self.dynamo_messages, look=False):
+                    out = self._timed_call(args, kwargs, None, after_capture=False, entered=entered, fail_on_miss=True)
+                if out is not MISSED:
+                    return out
             state, missed = self._entry.check(args, kwargs) if self._entry is not None else (None, "")
             if missed and self._pending is None:
                 self._pending, self._streak = "a guard failed", self._streak + 1  # captured on this call, its state
@@ -382,6 +394,7 @@ class DynamoTimer(DynamoGraphs):
             return own_forward(*args, **kwargs)
         self._global_hooks = _global_hooks()
         self._flags = None if torch_api.PARAMETER_FLAGS_GUARDED else _ParameterFlags(module)
+        self._one_frame = _in_one_frame(attempt, self._way, self._sharded) and self._one_frame is not False
         state, missed = self._entry.check(args, kwargs) if self._entry is not None else (None, "")
         if missed:
             self._entry, state = None, None  # the guards cannot be asked before a call here (the call just captured would miss)
@@ -475,6 +488,7 @@ class DynamoTimer(DynamoGraphs):
         the graphs stay in ``graphs``, as those of a guard failure): the next capture compiles anew."""
         torch_api.forget_compiles({graph.compile_id for graph in (self.graphs if graphs is None else graphs)})
         self._expected.clear()
+        self._one_frame = None
         self._context = self._new_context()
         self._compiled = self._context(torch_api.own_code(self._own_forward))
         self._entry = EntryGuards.of(self._compiled, self._context)

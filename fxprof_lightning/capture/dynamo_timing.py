@@ -31,7 +31,12 @@ from fxprof_lightning.timing.autograd_walk import sequence_nr_now
 from fxprof_lightning.timing.flops import NodeCosts, count_costs
 from fxprof_lightning.timing.node_timing import NodeTimer
 
-__all__ = ["DynamoGraphs"]
+__all__ = ["MISSED", "DynamoGraphs"]
+
+# What ``_timed_call`` gives for a call whose guards failed before anything ran (``fail_on_miss``), and how torch's
+# ``fail_on_recompile`` stance says it (torch 2.6-2.15: a RuntimeError that begins so).
+MISSED = object()
+RECOMPILE_REFUSED = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
 
 
 @dataclass
@@ -71,6 +76,9 @@ class DynamoGraphs(NodeTimer):
         self._pending: str | None = "first call"  # capture (and verify) at the next call, for this reason
         self._pending_for: int | None = None  # at the next call of this state only (a miss after a graph break)
         self._expected: dict[int | None, int] = {}  # graph calls in one forward call, as verified, per state (entry)
+        # Every capture in the cache is one graph of the forward's own frame (no graph break, no frame of ours): then
+        # Dynamo's own guard check, before the frame runs, tells a call in a new state (None: nothing captured yet).
+        self._one_frame: bool | None = None
         self._hooks_now = False
         self._names: dict[int, tuple[str, nn.Module]] = {}
         self._tensor_owners = Owners(None)  # the module of each parameter and buffer
@@ -133,18 +141,26 @@ class DynamoGraphs(NodeTimer):
         return other
 
     def _timed_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], state: int | None,
-                    after_capture: bool = True, entered: int | None = None) -> Any:
+                    after_capture: bool = True, entered: int | None = None, fail_on_miss: bool = False) -> Any:
         """A call through the captured graphs of ``state`` (``EntryGuards.check``); where a guard fails, that code runs
         eagerly (untimed: fewer graph calls than that state's) and the next call captures again. A call that fits
-        every guard, and was not just captured, ends a streak of misses. Wall time from ``entered`` (guards asked)."""
+        every guard, and was not just captured, ends a streak of misses. Wall time from ``entered`` (guards asked).
+        ``fail_on_miss`` (one frame, ``_one_frame``): a call whose guards fail runs nothing and gives ``MISSED``."""
         before, start, self._gap, first = self.calls, time.perf_counter_ns(), None, sequence_nr_now()
         if self._trace_ranges:
             self.call_starts.append(start)
         if self._fsdp is not None:
             self._fsdp.in_call = True
         try:
-            with torch.compiler.set_stance("eager_on_recompile"), self._noting_hooks():
+            with torch.compiler.set_stance("fail_on_recompile" if fail_on_miss else "eager_on_recompile"), \
+                    self._noting_hooks():
                 out = self._compiled(*args, **kwargs)
+        except RuntimeError as error:
+            if not (fail_on_miss and str(error).startswith(RECOMPILE_REFUSED)):
+                raise
+            if self._trace_ranges:
+                self.call_starts.pop()
+            return MISSED
         finally:
             if self._fsdp is not None:
                 self._fsdp.in_call = False
