@@ -4,7 +4,9 @@ Lightning's PyTorchProfiler, and against no profiler.
     .venv/bin/python benchmarks/bench_recorded.py --threads 1          # full run, about 4-6 minutes on 2 CPU cores
     .venv/bin/python benchmarks/bench_recorded.py --threads 1 --quick  # smoke run (2 rounds, numbers are rough)
 
-Workload: torchvision ResNet18 (10 classes), batch 8 of 3x64x64, SGD, CPU, real ``lightning.pytorch.Trainer`` fits
+Workload (``--model``): torchvision ResNet18 (10 classes), batch 8 of 3x64x64 (``resnet18``, the default), or a
+6-layer MLP (6 x [Linear(256, 256), ReLU] and a head, batch 32: ``mlp6``, a tiny model's ~1 ms step), SGD, CPU, real
+``lightning.pytorch.Trainer`` fits
 (logger=False, no checkpointing, no progress bar, no model summary). Configurations, each a fresh Trainer and model
 (same seed, same data):
 
@@ -63,7 +65,7 @@ import torchvision
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_idle import LitResNet
+from bench_idle import Lit, LitResNet
 from run_info import contention, cpu_stall_us, median_ci, package_state, parse_args, quiet_stderr
 
 from fxprof_lightning import FXProfilerCallback
@@ -71,7 +73,20 @@ from fxprof_lightning.engine.step_phases import PHASES, PhaseClock
 
 ACTIVE = 12  # recorded steps per cycle (interior: 2..ACTIVE)
 STEPS = ACTIVE + 4  # 0 idle, 1 warm-up, 2..A+1 recorded, then idle steps
-BATCH = 8
+
+
+def mlp6() -> torch.nn.Module:
+    layers: list[torch.nn.Module] = []
+    for _ in range(6):
+        layers += [torch.nn.Linear(256, 256), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(256, 10))
+
+
+# --model: the LightningModule, one sample's shape, the batch size
+MODELS: dict[str, tuple[Callable[[], pl.LightningModule], tuple[int, ...], int]] = {
+    "resnet18": (LitResNet, (3, 64, 64), 8),
+    "mlp6": (lambda: Lit(mlp6), (256,), 32),
+}
 
 
 @dataclass(frozen=True)
@@ -150,19 +165,20 @@ class FitResult:
     weights: list[torch.Tensor] = field(default_factory=list)
 
 
-def data() -> DataLoader:
+def data(model: str) -> DataLoader:
+    _, shape, batch = MODELS[model]
     generator = torch.Generator().manual_seed(1)
-    x = torch.randn(STEPS * BATCH, 3, 64, 64, generator=generator)
-    y = torch.randint(0, 10, (STEPS * BATCH,), generator=generator)
-    return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
+    x = torch.randn(STEPS * batch, *shape, generator=generator)
+    y = torch.randint(0, 10, (STEPS * batch,), generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False)
 
 
-def fit(name: str, loader: DataLoader, keep_weights: bool, accelerator: str = "cpu") -> FitResult:
+def fit(name: str, loader: DataLoader, keep_weights: bool, accelerator: str = "cpu", model: str = "resnet18") -> FitResult:
     with tempfile.TemporaryDirectory() as root:
         callbacks, profiler = CONFIGS[name](root)
         clock = StepClock()
         torch.manual_seed(0)
-        lit = LitResNet()
+        lit = MODELS[model][0]()
         trainer = pl.Trainer(accelerator=accelerator, devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                              limit_val_batches=0, callbacks=[clock, *callbacks], profiler=profiler, default_root_dir=root)
@@ -211,7 +227,7 @@ def device(accelerator: str) -> str:
     return torch.cuda.get_device_name(0) if accelerator in ("cuda", "gpu") else accelerator.upper()
 
 
-def header(quick: bool, accelerator: str) -> str:
+def header(quick: bool, accelerator: str, model: str) -> str:
     load = " ".join(f"{v:.2f}" for v in os.getloadavg())
     return "\n".join([
         f"fxprof_lightning recorded-step benchmark ({'quick' if quick else 'full'} run)",
@@ -219,22 +235,24 @@ def header(quick: bool, accelerator: str) -> str:
         f"machine   {platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, load avg {load}",
         f"versions  python {platform.python_version()}, torch {torch.__version__}, torchvision {torchvision.__version__}, lightning {lightning.__version__}",
         f"package   {package_state()}",
-        f"workload  ResNet18, batch {BATCH} of 3x64x64, SGD, {device(accelerator)}; {STEPS} steps per fit, recorded 2..{ACTIVE + 1}, "
+        f"workload  {model}, batch {MODELS[model][2]} of {'x'.join(map(str, MODELS[model][1]))}, SGD, {device(accelerator)}; "
+        f"{STEPS} steps per fit, recorded 2..{ACTIVE + 1}, "
         f"interior recorded steps 2..{ACTIVE}",
     ])
 
 
 def main() -> int:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__.splitlines()[0], lambda parser: parser.add_argument(
+        "--model", choices=sorted(MODELS), default="resnet18", help="the model trained (default resnet18)"))
     budget = QUICK if args.quick else FULL
     quiet_lightning()
     began, stall = time.perf_counter(), cpu_stall_us()
-    print(header(args.quick, args.accelerator), flush=True)
-    loader = data()
+    print(header(args.quick, args.accelerator, args.model), flush=True)
+    loader = data(args.model)
     names = list(CONFIGS)
     results: dict[str, list[FitResult]] = {name: [] for name in names}
     for name in names:  # warm-up fits, thrown away (imports, first Dynamo use, allocator)
-        fit(name, loader, keep_weights=False, accelerator=args.accelerator)
+        fit(name, loader, keep_weights=False, accelerator=args.accelerator, model=args.model)
     deadline = time.perf_counter() + budget.seconds
     for r in range(budget.most):
         if r >= budget.least and time.perf_counter() > deadline:
@@ -242,7 +260,7 @@ def main() -> int:
         order = names[:]
         random.Random(r).shuffle(order)
         for name in order:
-            results[name].append(fit(name, loader, keep_weights=r == 0, accelerator=args.accelerator))
+            results[name].append(fit(name, loader, keep_weights=r == 0, accelerator=args.accelerator, model=args.model))
         print(f"round {r + 1}: " + ", ".join(f"{n} {results[n][-1].step_ms:.1f}" for n in names) + " ms", flush=True)
 
     rounds = len(results["none"])

@@ -689,7 +689,8 @@ def test_a_slowdown_outside_every_node_row_is_flagged_as_the_step_phase_it_is_in
     assert all(added["step: data"] > 5 * ms for name, ms in added.items() if name != "step: data"), added
 
 
-def test_a_python_thread_of_the_job_that_waits_for_a_core_is_not_load_on_the_step():
+def test_a_python_thread_of_the_job_that_waits_for_a_core_is_not_load_on_the_step(monkeypatch):
+    monkeypatch.setattr(trust, "REFRESH_S", 0.0)  # (the threads listed at every reading, so the busy ones are seen)
     # A logger's writer thread that wakes while the step keeps every core busy waits for a core without slowing the
     # step: in a quiet Lightning fit on 2 cores, TensorBoard's writer thread waited 2 ms in one 3 ms recorded step, and
     # the first cycle was called distorted by other load. The threads read are the caller's and the native ones.
@@ -717,6 +718,25 @@ def test_a_python_thread_of_the_job_that_waits_for_a_core_is_not_load_on_the_ste
     assert theirs > 100, theirs  # (more threads than cores, 0.5 s: they did wait)
     assert waited < 0.05 * theirs, (waited, theirs)
     assert not any(str(w.native_id) in before for w in workers), before
+
+
+def test_the_threads_are_listed_at_most_once_a_second_and_read_at_every_step(monkeypatch):
+    """A recorded step reads its threads' wait twice; listing ``/proc/self/task`` costs more than reading them, so
+    it is done at most once every ``REFRESH_S`` seconds (a thread started since is read from the next listing on)."""
+    if trust.threads_waited_ns() is None:
+        pytest.skip("this machine does not say how long a thread waited for a core (/proc/self/task/*/schedstat)")
+    listed = []
+    listdir = os.listdir
+    monkeypatch.setattr(trust.os, "listdir", lambda path: listed.append(path) or listdir(path))
+    monkeypatch.setattr(trust, "REFRESH_S", 3600.0)
+    for _ in range(5):
+        before = trust.threads_waited_ns()
+        assert before and trust.waited_ms(before) >= 0
+    assert len(listed) <= 1
+    monkeypatch.setattr(trust, "REFRESH_S", 0.0)
+    trust.threads_waited_ns()
+    trust.threads_waited_ns()
+    assert len(listed) >= 2
 
 
 def _waited_ns(threads: list[threading.Thread]) -> int:

@@ -61,6 +61,7 @@ class PhaseClock:
         self._start_call, self._stop_call = profiler.start, profiler.stop
         self._saved = {name: profiler.__dict__[name] for name in ("start", "stop") if name in profiler.__dict__}
         # (action, phase), innermost last; ``inside``: the action open now (the hook that creates the clock)
+        self._phases: dict[str, str] = {}  # action -> its phase (``phase_of``; Lightning names ~30 actions a step)
         self._open: list[tuple[str, str]] = [(inside, phase_of(inside, own))] if inside else []
         self._totals = dict.fromkeys(PHASES, 0)
         self._last = time.perf_counter_ns()
@@ -73,7 +74,10 @@ class PhaseClock:
 
     def _start(self, action: str) -> None:
         self._tick()
-        self._open.append((action, phase_of(action, self._own)))
+        phase = self._phases.get(action)
+        if phase is None:
+            phase = self._phases[action] = phase_of(action, self._own)
+        self._open.append((action, phase))
         self._start_call(action)
 
     def _stop(self, action: str) -> None:
