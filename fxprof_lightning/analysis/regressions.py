@@ -54,6 +54,7 @@ __all__ = [
     "DEFAULT_MIN_MS",
     "DEFAULT_MIN_RELATIVE",
     "DEFAULT_MIN_SHARE",
+    "MIN_ADDED_MS",
     "MIN_BASELINE",
     "SAME_LEVEL",
     "Delta",
@@ -430,6 +431,9 @@ CONFIRM_FLOOR_MS = 0.1  # ... each call at least this much slower (ms), ...
 CONFIRM_SPREAD = 0.25  # ... steps this regular, the step slower by at least half the node's added time, which
 # is at least STEP_SHARE of the step
 SAME_LEVEL = 0.5  # confirmed by the next cycle: its added time at least this x the cycle before's
+# A watched row adding less per step is not flagged: the allocator's doing (pages faulted in again) in identical runs,
+# for two cycles each: ReLU's backward 0.006 -> 0.027 ms and an input layer's 0.022 -> 0.036 ms (CI, 2026-11-28).
+MIN_ADDED_MS = 0.05
 
 
 @dataclass
@@ -439,13 +443,10 @@ class Verdict:
     ``skipped`` says why the cycle was not checked (partial, distorted, baseline still short), None if it was;
     ``distortion`` the load signature when distorted. ``regressions`` are confirmed: flagged in this cycle and
     in the sound cycle before it, still adding at least ``same_level`` (``SAME_LEVEL`` by default) x what it added
-    there (a change in the code stays or grows, load from other processes comes and goes; in an identical run,
-    2026-11-26, the plain loop's "other" phase rose 4x in one cycle and 1.6x in the next, by load), or so large
-    in this one that noise cannot explain it (the median call
-    ``CONFIRM_RATIO`` x the baseline and the fastest call ``CONFIRM_RATIO - 1`` x, so every call is slower; the
-    steps regular; and the step slower by at least half the node's added time, which is ``STEP_SHARE`` of the step
-    or more).
-    ``unconfirmed`` are flagged for the first time: the next cycle confirms them or not.
+    there (a change in the code stays or grows, load comes and goes: the plain loop's "other" phase rose 4x, then
+    1.6x, in an identical run), or so large in this one that noise cannot explain it (``beyond_doubt``, the steps
+    regular, the step slower by at least half the node's added time). Rows adding under ``MIN_ADDED_MS`` per step
+    are not flagged. ``unconfirmed`` are flagged for the first time: the next cycle confirms them or not.
     """
 
     skipped: str | None = None
@@ -479,10 +480,8 @@ def beyond_doubt(stats: NodeStats, change: Regression | Delta, steps: int, step_
     step: its median ``CONFIRM_RATIO`` x the baseline, its fastest call ``CONFIRM_RATIO - 1`` x, each call at least
     ``CONFIRM_FLOOR_MS`` slower, and its added time at least ``STEP_SHARE`` of the step (``step_ms``, over ``steps``
     steps; ``stats``: the node now). A tiny node's every call 3x slower in one cycle is what load did to ReLU's
-    backward in an identical run, 2026-11-26: 0.02 -> 0.06 ms, 2 % of the step; and, with no load, what a node of a
-    few microseconds does when its time moves to another level for a stretch of the run (ReLU's backward 0.006 ->
-    0.026 ms and 0.016 -> 0.105 ms in identical runs, 2026-11-28 CI rehearsals: an allocation that faults its pages
-    again costs tens of microseconds). Such a change waits for the next cycle to confirm it."""
+    backward in an identical run (0.02 -> 0.06 ms), and the allocator with no load (0.006 -> 0.026 and 0.016 -> 0.105
+    ms: pages faulted in again). Such a change waits for the next cycle to confirm it."""
     fastest = _samples(stats, change.direction)[1]
     return (change.ratio >= CONFIRM_RATIO and fastest >= (CONFIRM_RATIO - 1) * change.baseline_ms
             and change.now_ms - change.baseline_ms >= CONFIRM_FLOOR_MS
@@ -567,6 +566,7 @@ class RegressionWatch:
                         if not any(by_name[d.node].module_path == m or by_name[d.node].module_path.startswith(m + ".")
                                    for m in modules)]  # of a module flagged as one: the module says it)
             flagged = _outside_explained(flagged, by_name, steps, median_step)
+            flagged = [r for r in flagged if added_per_step(by_name[r.node], r, steps) >= MIN_ADDED_MS]
             step_rise = median_step - statistics.median(self.medians) if step_ms and self.medians else 0.0
             regular = (step_spread(step_ms) or 0.0) <= CONFIRM_SPREAD
             for r in flagged:

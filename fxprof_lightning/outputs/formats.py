@@ -12,6 +12,7 @@ from fxprof_lightning.analysis.regressions import (
     DEFAULT_MIN_MS,
     DEFAULT_MIN_RELATIVE,
     DEFAULT_MIN_SHARE,
+    MIN_ADDED_MS,
     MIN_BASELINE,
 )
 from fxprof_lightning.report import CycleReport
@@ -35,7 +36,8 @@ def legend_report(options: dict) -> list[str]:
     return textwrap.wrap(
         f"A regression: a node whose median ms per call rose by more than {k:g} x the noise (robust spread of the "
         f"last {BASELINE_CYCLES} sound cycles' medians and within each cycle), more than {100 * floor:g}%, "
-        f"{DEFAULT_MIN_MS * 1000:g} us and {100 * DEFAULT_MIN_SHARE:g}% of the cycle's node time, its fastest call "
+        f"{DEFAULT_MIN_MS * 1000:g} us and {100 * DEFAULT_MIN_SHARE:g}% of the cycle's node time (and by at least "
+        f"{MIN_ADDED_MS:g} ms a step), its fastest call "
         "too, beyond the cycle's shared slowdown; checked once "
         f"{MIN_BASELINE} sound cycles came before (with one or two, only a change beyond doubt is flagged), and reported once confirmed: flagged in the next sound cycle "
         f"too, or every call {CONFIRM_RATIO:g}x and {CONFIRM_FLOOR_MS:g} ms slower with regular steps that got slower by "
