@@ -155,8 +155,8 @@ class DynamoGraphs(NodeTimer):
             with torch.compiler.set_stance("fail_on_recompile" if fail_on_miss else "eager_on_recompile"), \
                     self._noting_hooks():
                 out = self._compiled(*args, **kwargs)
-        except RuntimeError as error:
-            if not (fail_on_miss and str(error).startswith(RECOMPILE_REFUSED)):
+        except RuntimeError as error:  # (refused with no graph run: at the frame's entry, before anything ran)
+            if not (fail_on_miss and self.calls == before and str(error).startswith(RECOMPILE_REFUSED)):
                 raise
             if self._trace_ranges:
                 self.call_starts.pop()
