@@ -898,10 +898,11 @@ def test_the_dynamo_wrapper_is_made_once_per_forward_and_again_when_forward_chan
 
 
 def test_a_one_graph_capture_asks_the_guards_once_per_call_and_captures_a_new_state_on_its_call(monkeypatch):
-    """A capture that is one graph of the forward's frame asks only Dynamo's own guard check before a timed call
-    (``fail_on_recompile``), not ``EntryGuards`` too; a call in a state not captured yet (no grad, a new batch size)
-    still runs nothing untimed: it is captured on that call, and gives what eager gives. A capture with a graph break
-    asks ``EntryGuards`` first, as before."""
+    """A capture that is one graph of the forward's frame asks the guards once before a timed call
+    (``EntryGuards.fitting``) and runs the code Dynamo made for that state directly, without Dynamo's frame evaluation
+    (which would ask them again); a call in a state not captured yet (no grad, a new batch size) still runs nothing
+    untimed: it is captured on that call, and gives what eager gives. A capture with a graph break asks
+    ``EntryGuards`` first, then Dynamo, as before."""
     class Small(nn.Module):  # (a forward of its own: Dynamo's shape history of nn.Sequential's is the suite's)
         def __init__(self) -> None:
             super().__init__()
@@ -913,16 +914,19 @@ def test_a_one_graph_capture_asks_the_guards_once_per_call_and_captures_a_new_st
     torch.manual_seed(0)
     model = Small()
     x = torch.randn(4, 8)
-    asked = []
-    check = dynamo_capture.EntryGuards.check
+    asked, fitted = [], []
+    check, fitting = dynamo_capture.EntryGuards.check, dynamo_capture.EntryGuards.fitting
     monkeypatch.setattr(dynamo_capture.EntryGuards, "check", lambda self, *a: asked.append(1) or check(self, *a))
+    monkeypatch.setattr(dynamo_capture.EntryGuards, "fitting", lambda self, *a: fitted.append(1) or fitting(self, *a))
     timer = dynamo_capture.DynamoTimer(True)
     timer.install(model)
     model(x).sum().backward()  # captured
+    through_dynamo, compiled = [], timer._compiled
+    timer._compiled = lambda *a, **k: through_dynamo.append(1) or compiled(*a, **k)
     asked.clear()
     for _ in range(3):
         model(x).sum().backward()
-    assert asked == [] and timer._one_frame
+    assert asked == [] and fitted == [1, 1, 1] and through_dynamo == [] and timer._one_frame
     with torch.no_grad():
         out = model(x)  # a new state: Dynamo's check refuses it before it runs, and it is captured on this call
     assert len(timer.recaptures) == 1 and "grad_mode" in timer.recaptures[0]

@@ -53,7 +53,7 @@ from fxprof_lightning.capture.dynamo_rules import (
     not_compiling,
     opened_frames,
 )
-from fxprof_lightning.capture.dynamo_timing import MISSED, DynamoGraphs
+from fxprof_lightning.capture.dynamo_timing import DynamoGraphs
 from fxprof_lightning.capture.entry_guards import EntryGuards
 from fxprof_lightning.capture.graph_breaks import graph_break_counter, graph_break_reasons, host_reads
 from fxprof_lightning.capture.row_names import FRAMED, Owners
@@ -109,7 +109,8 @@ OPENED_BY = (nn.MultiheadAttention,)  # the modules that call them
 
 def _in_one_frame(attempt: _Attempt, way: _Way, sharded: bool) -> bool:
     """Whether a capture is one graph of the forward's own frame (no graph break, no layer outside the graphs, no frame
-    of ours): a call then runs no other frame Dynamo guards, and its guard check tells a miss before anything runs."""
+    of ours): a call then runs no other frame Dynamo guards, so the code Dynamo made for the frame can run directly
+    once the guards are asked (``EntryGuards.fitting``)."""
     return attempt.graph_calls == 1 and not attempt.breaks and not attempt.untimed and not (
         way.eager_hooks or way.framed or way.follow or sharded)
 
@@ -293,11 +294,10 @@ class DynamoTimer(DynamoGraphs):
             if self._pending is None and self._flags and (flipped := self._flags.flipped()):  # (< 2.14: Dynamo misses it)
                 self._pending = flipped
                 self._fresh_cache()
-            if self._one_frame and self._pending is None and self._entry is not None:  # Dynamo's check alone
-                with quiet_dynamo(self.dynamo_messages, look=False):
-                    out = self._timed_call(args, kwargs, None, after_capture=False, entered=entered, fail_on_miss=True)
-                if out is not MISSED:
-                    return out
+            if self._one_frame and self._pending is None and self._entry is not None:  # the guards asked once
+                state, run = self._entry.fitting(args, kwargs)
+                if run is not None:  # (no Dynamo code runs: nothing for ``quiet_dynamo`` to keep)
+                    return self._timed_call(args, kwargs, state, after_capture=False, entered=entered, run=run)
             state, missed = self._entry.check(args, kwargs) if self._entry is not None else (None, "")
             if missed and self._pending is None:
                 self._pending, self._streak = "a guard failed", self._streak + 1  # captured on this call, its state

@@ -31,12 +31,7 @@ from fxprof_lightning.timing.autograd_walk import sequence_nr_now
 from fxprof_lightning.timing.flops import NodeCosts, count_costs
 from fxprof_lightning.timing.node_timing import NodeTimer
 
-__all__ = ["MISSED", "DynamoGraphs"]
-
-# What ``_timed_call`` gives for a call whose guards failed before anything ran (``fail_on_miss``), and how torch's
-# ``fail_on_recompile`` stance says it (torch 2.6-2.15: a RuntimeError that begins so).
-MISSED = object()
-RECOMPILE_REFUSED = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
+__all__ = ["DynamoGraphs"]
 
 
 @dataclass
@@ -76,8 +71,8 @@ class DynamoGraphs(NodeTimer):
         self._pending: str | None = "first call"  # capture (and verify) at the next call, for this reason
         self._pending_for: int | None = None  # at the next call of this state only (a miss after a graph break)
         self._expected: dict[int | None, int] = {}  # graph calls in one forward call, as verified, per state (entry)
-        # Every capture in the cache is one graph of the forward's own frame (no graph break, no frame of ours): then
-        # Dynamo's own guard check, before the frame runs, tells a call in a new state (None: nothing captured yet).
+        # Every capture in the cache is one graph of the forward's own frame (no graph break, no frame of ours): then a
+        # call whose guards one capture passes runs that capture's code directly (None: nothing captured yet).
         self._one_frame: bool | None = None
         self._hooks_now = False
         self._names: dict[int, tuple[str, nn.Module]] = {}
@@ -141,26 +136,24 @@ class DynamoGraphs(NodeTimer):
         return other
 
     def _timed_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], state: int | None,
-                    after_capture: bool = True, entered: int | None = None, fail_on_miss: bool = False) -> Any:
+                    after_capture: bool = True, entered: int | None = None, run: Callable[..., Any] | None = None) -> Any:
         """A call through the captured graphs of ``state`` (``EntryGuards.check``); where a guard fails, that code runs
         eagerly (untimed: fewer graph calls than that state's) and the next call captures again. A call that fits
         every guard, and was not just captured, ends a streak of misses. Wall time from ``entered`` (guards asked).
-        ``fail_on_miss`` (one frame, ``_one_frame``): a call whose guards fail runs nothing and gives ``MISSED``."""
+        ``run`` (one frame, ``_one_frame``): the code Dynamo made for ``state`` (``EntryGuards.fitting``), called
+        directly, without Dynamo's frame evaluation and its second guard check."""
         before, start, self._gap, first = self.calls, time.perf_counter_ns(), None, sequence_nr_now()
         if self._trace_ranges:
             self.call_starts.append(start)
         if self._fsdp is not None:
             self._fsdp.in_call = True
         try:
-            with torch.compiler.set_stance("fail_on_recompile" if fail_on_miss else "eager_on_recompile"), \
-                    self._noting_hooks():
-                out = self._compiled(*args, **kwargs)
-        except RuntimeError as error:  # (refused with no graph run: at the frame's entry, before anything ran)
-            if not (fail_on_miss and self.calls == before and str(error).startswith(RECOMPILE_REFUSED)):
-                raise
-            if self._trace_ranges:
-                self.call_starts.pop()
-            return MISSED
+            with self._noting_hooks():
+                if run is not None:
+                    out = run(*args, **kwargs)
+                else:
+                    with torch.compiler.set_stance("eager_on_recompile"):
+                        out = self._compiled(*args, **kwargs)
         finally:
             if self._fsdp is not None:
                 self._fsdp.in_call = False

@@ -20,15 +20,17 @@ class EntryGuards:
     graph was captured for (a module called with and without grad, a new input shape) is then captured on that
     call, rather than run untimed with the next call captured in its place. ``code`` is the frame's code (Dynamo's
     ``wrap_inline`` frame around a forward of torch's own), ``bound`` the object of a bound method, ``free`` the
-    values of its closure."""
+    values of its closure, ``function`` the function itself."""
 
     code: types.CodeType
     signature: inspect.Signature
     bound: tuple[Any, ...]
     free: dict[str, Any]
     region: int | None  # the context's own cache (``torch_api.region_of``; None: the code object's own)
+    function: types.FunctionType
 
     def __post_init__(self) -> None:
+        self._runs: dict[types.CodeType, Callable[..., Any] | None] = {}  # Dynamo's code for a capture, as a function
         plain = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in self.signature.parameters.values())
         self._positional = tuple(self.signature.parameters) if plain else None  # (None: ``bind`` pairs them)
         self._defaults = {n: p.default for n, p in self.signature.parameters.items() if p.default is not p.empty}
@@ -47,7 +49,7 @@ class EntryGuards:
         except ValueError:  # an empty cell
             return None
         return cls(function.__code__, inspect.signature(function, follow_wrapped=False), bound, free,
-                   torch_api.region_of(context))
+                   torch_api.region_of(context), function)
 
     def _locals(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
         """The frame's arguments and closure by name (None: the call does not fit the signature). Positional arguments
@@ -78,3 +80,28 @@ class EntryGuards:
             return id(fits.guard_manager), ""
         failed = entries[0].guard_manager.check_verbose(frame_locals).verbose_code_parts
         return None, re.sub(r"L\['([^']+)'\]", r"\1", str(failed[0]).strip()) if failed else "a guard failed"  # as Dynamo says it
+
+    def fitting(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int | None, Callable[..., Any] | None]:
+        """The state of a call whose guards one capture passes (as ``check`` tells it), and that capture's frame code
+        (the bytecode Dynamo made, which calls its graph) as the forward's own function, bound as it is: run directly,
+        the call does what Dynamo's frame evaluation would do after asking the same guards again. (None, None) where
+        no capture fits or that cannot be told (``check`` then says why)."""
+        entries = torch_api.cache_entries(self.code, self.region)
+        frame_locals = self._locals(args, kwargs) if entries else None
+        fits = next((e for e in entries if e.guard_manager.check(frame_locals)), None) if frame_locals is not None else None
+        if fits is None:
+            return None, None
+        if fits.code not in self._runs:
+            self._runs[fits.code] = self._as_function(fits.code)
+        return id(fits.guard_manager), self._runs[fits.code]
+
+    def _as_function(self, code: types.CodeType) -> Callable[..., Any] | None:
+        """``code`` with the function's globals (where Dynamo put the graphs it calls), defaults and closure, bound to
+        the same object; None where the code does not fit them (its free variables are not the function's)."""
+        function = self.function
+        if code.co_freevars != function.__code__.co_freevars:
+            return None
+        run = types.FunctionType(code, function.__globals__, function.__name__, function.__defaults__,
+                                 function.__closure__)
+        run.__kwdefaults__ = function.__kwdefaults__
+        return types.MethodType(run, self.bound[0]) if self.bound else run

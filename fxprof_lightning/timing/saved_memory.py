@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ from fxprof_lightning.timing.autograd_walk import autograd_nodes, tensors_in
 
 __all__ = ["SavedBytes", "SavedReader", "read_saved_bytes", "storage_key"]
 
+_NOTHING = contextlib.nullcontext()  # (no hooks to note: one object for every call)
 HOOKED = "a saved_tensors_hooks of yours packs what the layers save (CPU offload, compression...): what it keeps is its own"
 
 
@@ -135,14 +136,16 @@ class SavedReader:
         return (self.measure_memory and self._saved is None and not self._cuda and not self._hooks_now
                 and self._sequences and torch.is_grad_enabled())
 
-    @contextlib.contextmanager
-    def _noting_hooks(self) -> Any:
+    def _noting_hooks(self) -> contextlib.AbstractContextManager[None]:
         """Around a timed forward call to be read, where torch has no ``SavedTensor.data``: the changes of the
         saved_tensors_hooks on top (``torch_api.note_saved_hooks``), or one unknown hook for all where one was pushed
-        before (the public ``disable_saved_tensors_hooks`` raises then)."""
+        before (the public ``disable_saved_tensors_hooks`` raises then). Nothing at the other calls."""
         if torch_api.HAS_DATA or not torch_api.READS_SAVED_TENSORS or not self._reads():
-            yield
-            return
+            return _NOTHING
+        return self._hooks_noted()
+
+    @contextlib.contextmanager
+    def _hooks_noted(self) -> Iterator[None]:
         try:
             with torch.autograd.graph.disable_saved_tensors_hooks("fxprof_lightning: are hooks on the stack?"):
                 pass
