@@ -8,9 +8,9 @@ and with grad, what a timed call adds to the graph it runs (``guard_cost_us``: m
 Python stack depths), with the guard check and the stance alone, and ``DynamoTimer``'s own check of the guards before
 each timed call (``entry``, ``entry_check_us``). Then, side by side in one process (calls alternated), what
 ``DynamoTimer``'s timed call adds around its rows (``timer_call_us``: the call's wall time less its rows' forward
-times) when the capture is one graph of the forward's own frame, with Dynamo's guard check alone (``fail_on_recompile``:
-a call in a new state raises before it runs and is captured) and with ``EntryGuards`` asked before it as well (as every
-call did before, and as a capture with graph breaks still does). Models: an MLP of 100 blocks of Linear, LayerNorm
+times) when the capture is one graph of the forward's own frame: ``one``, the guards asked once (``EntryGuards.fitting``)
+and the code Dynamo made for that state run directly; ``two``, ``EntryGuards`` asked and then the call through Dynamo,
+which asks them again (as every call did before, and as a capture with graph breaks still does). Models: an MLP of 100 blocks of Linear, LayerNorm
 and GELU (300 modules) and torchvision's ResNet18.
 """
 
@@ -158,8 +158,8 @@ def entry_check_us(model: nn.Module, x: torch.Tensor, grad: bool, calls: int = 4
 
 def timer_call_us(model: nn.Module, x: torch.Tensor, grad: bool, calls: int) -> dict[str, float]:
     """What ``DynamoTimer``'s timed call adds around its rows (its wall time less the rows' forward times), median us
-    per call, with Dynamo's guard check alone (``one``) and with ``EntryGuards`` asked first too (``two``), alternated
-    call by call; ``saved``: the median of the paired differences."""
+    per call, the guards asked once and Dynamo's code run directly (``one``) and ``EntryGuards`` then Dynamo
+    (``two``), alternated call by call; ``saved``: the median of the paired differences."""
     timer = DynamoTimer(model.training, backward=False)
     timer.install(model)
     walls: list[tuple[bool, int]] = []
@@ -210,8 +210,8 @@ def main() -> None:
             entry = entry_check_us(model, x, grad)
             print(f"{name:<12} {'enabled' if grad else 'no_grad':>7} {cost['added']:>8.1f} {cost['worst']:>8.1f} "
                   f"{cost['guard']:>8.1f} {cost['stance']:>7.1f} {cost['graph']:>9.1f} {entry:>7.1f}")
-    print("\nDynamoTimer's timed call around its rows, median us per call (calls alternated): one = Dynamo's guard "
-          "check alone, two = EntryGuards asked first too; saved = the median paired difference")
+    print("\nDynamoTimer's timed call around its rows, median us per call (calls alternated): one = the guards asked "
+          "once, Dynamo's code run directly; two = EntryGuards, then through Dynamo; saved = the median paired difference")
     print(f"{'model':<12} {'grad':>7} {'one':>8} {'two':>8} {'saved':>8}")
     for name, model, x in models:
         for grad in (False, True):
