@@ -38,6 +38,7 @@ from fxprof_lightning.analysis.regressions import (
     DEFAULT_MIN_MS,
     DEFAULT_MIN_RELATIVE,
     DEFAULT_MIN_SHARE,
+    MIN_ADDED_MS,
     STEP_SHARE,
     Delta,
     Regression,
@@ -267,7 +268,9 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
     confirmed = {(d.node, d.direction) for d in deltas  # (a row outside the nodes: by the cycle before only, and
                  if d.slower and (same_level(before.get((d.node, d.direction)), d.delta_ms)  # at least STEP_SHARE of
                                   or (d.node not in outside and beyond_doubt(by_name[d.node], d, steps, step)))  # the step)
-                 and (d.node not in outside or d.delta_ms >= STEP_SHARE * step)}
+                 and (d.node not in outside or d.delta_ms >= STEP_SHARE * step)
+                 and added_per_step(by_name[d.node], d, steps) >= MIN_ADDED_MS}  # (as the watch: tens of us a step are
+    # what a fresh buffer's pages faulted in again make of a tiny node in an identical run)
     lines = [f"A: {a}",
              "   " + (describe(baseline[0]) if len(baseline) == 1 else
                       f"{len(baseline)} {_stage_name(baseline[0].stage)} cycles "
@@ -411,7 +414,8 @@ def legend(options: dict, factor: float, baseline_cycles: int) -> list[str]:
               else "the spread within each cycle (A has fewer than 3 cycles: no cycle-to-cycle spread)")
     text = (f"SLOWER / faster: beyond the noise, i.e. the median ms per call changed by more than {k:g} x the noise "
             f"({spread}, robust: 1.4826 x MAD), more than {100 * floor:g}%, {DEFAULT_MIN_MS * 1000:g} us and "
-            f"{100 * DEFAULT_MIN_SHARE:g}% of B's node time, and the fastest call moved too. B's nodes ran "
+            f"{100 * DEFAULT_MIN_SHARE:g}% of B's node time, and the fastest call moved too; counted (exit 1) when it "
+            f"adds at least {MIN_ADDED_MS:g} ms a step. B's nodes ran "
             f"{factor:.2f}x A's as a whole (median ratio)"
             + ("; that shared change is discounted: it shows in the totals, not as a layer's."
                if abs(factor - 1) > 0.005 else "."))
