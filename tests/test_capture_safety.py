@@ -137,3 +137,57 @@ def test_eager_habits_train_as_in_eager_mode_under_the_dynamo_capture(tmp_path, 
     _, callback = train_both(tmp_path, make_lit, steps=6)
     (cycle,) = callback.cycles
     assert cycle.capture.method == "dynamo" and cycle.nodes, cycle.capture.describe()
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x))
+
+
+class DroppingEncoder(nn.Module):
+    """Six blocks, each skipped at random in training (LayerDrop, as in Wav2Vec2's and HuBERT's encoders, whose
+    default configs have ``layerdrop=0.1``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(6))
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training and torch.rand([]) < 0.3:
+                continue
+            x = layer(x)
+        return x
+
+
+class LayerDropStack(nn.Module):
+    """The number of graph calls changes from call to call with no guard failing (the draw breaks the graph inside
+    the encoder's loop: Dynamo runs that frame eagerly and captures each block's forward, one graph for all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.encoder = DroppingEncoder()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.encoder(F.relu(self.conv(x)).mean(dim=(2, 3))))
+
+
+def test_a_random_layer_drop_is_timed_step_after_step(tmp_path):
+    """A call that skips another number of layers than the captured one makes another number of graph calls. The first
+    time, that is read as a miss (the step is dropped) and the module is captured again; that capture finds no guard
+    failing, so the count is no longer read as a miss: later cycles count every recorded step, with Dynamo's rows
+    (before, the module fell back to module hooks or lost most of its steps)."""
+    from fxprof_lightning.capture.dynamo import VARYING_CALLS
+
+    _, callback = train_both(tmp_path, lambda: LitClassifier(LayerDropStack()), steps=18,
+                             **{"wait": 1, "warmup": 1, "active": 3, "repeat": 0})
+    cycles = callback.cycles
+    assert len(cycles) == 3 and all(c.capture.method == "dynamo" and c.nodes for c in cycles), cycles[-1].capture
+    assert [len(c.steps) for c in cycles[-2:]] == [3, 3]
+    assert cycles[-1].capture.recaptures.count(VARYING_CALLS) <= 1

@@ -81,6 +81,9 @@ ONCE = "under FSDP2, which is captured once: capturing again would run collectiv
 
 # Timed calls that miss the guards this many times in a row, each right after a capture: the graphs are refused.
 RECAPTURES_IN_A_ROW = 3
+# A call made another number of graph calls than its state's, and the capture after it found no guard failing.
+VARYING_CALLS = ("the forward's graph calls changed in number with no guard failing (its own control flow: a random "
+                 "layer drop): a different count is no longer read as a miss")
 
 # Dynamo's defaults leave out guards on module hooks (a hook added after the capture would be bypassed): ours keep them.
 GUARD_SETTINGS = {"skip_nnmodule_hook_guards": False,
@@ -356,7 +359,16 @@ class DynamoTimer(DynamoGraphs):
         if (attempt.breaks or attempt.difference) and not self._explored and not self._sharded:
             attempt = self._explore(module, eager, state, args, kwargs, attempt)
         hooks = _hook_functions(module) if not self._way.eager_hooks and not self._way.follow else ()
-        in_a_row, in_hooks = self._streak >= RECAPTURES_IN_A_ROW, _guarded_in(hooks, self._guard_failures)
+        # A state of the forward's own making (a random layer drop) comes back, it does not run away: not in a row,
+        # and not a hook's doing (a hook's place can be any dataclass's ``__init__``, as the failure's is).
+        of_the_call = bool(self._guard_failures) and all(map(_on_a_value_of_the_call, self._guard_failures))
+        counted, self._count_missed = self._count_missed, False
+        if counted and not self._guard_failures and attempt.difference is None:  # no guard failed: nothing was missed
+            self._counts_vary, self._misses = True, max(self._misses - 1, 0)
+            reason = VARYING_CALLS
+        self._streak = 0 if of_the_call or self._counts_vary else self._streak
+        in_a_row = self._streak >= RECAPTURES_IN_A_ROW
+        in_hooks = not of_the_call and _guarded_in(hooks, self._guard_failures)
         found = guarded_functions(module, self._guard_failures) if in_a_row and not in_hooks else ()
         # A hook, or a function the forward calls, changes what Dynamo guards on: run eagerly, between graphs.
         if attempt.difference is None and ((hooks and (in_a_row or in_hooks)) or found):
@@ -524,6 +536,14 @@ class DynamoTimer(DynamoGraphs):
         self.mismatch = reason
         if self._on_refused is not None:
             self._on_refused(reason)
+
+
+def _on_a_value_of_the_call(failure: str) -> bool:
+    """Whether the guard of a Dynamo guard failure is on a value made inside the forward's call (``___stack0...``: what
+    a frame resumed after a graph break was handed, such as the tuple of hidden states a random layer drop shortened),
+    not on the module, the inputs or a global (``L[...]``, ``G[...]``): such states recur from call to call."""
+    guard = re.sub(r"^\d+/\d+: ", "", failure.strip().splitlines()[0] if failure.strip() else "").split("#")[0]
+    return "___stack" in guard and not re.search(r"\b[LG]\[", guard)  # (the first line: the guard, then its stack)
 
 
 def _global_hooks() -> tuple[tuple[int, ...], ...]:

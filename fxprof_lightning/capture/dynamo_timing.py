@@ -71,6 +71,9 @@ class DynamoGraphs(NodeTimer):
         self._pending: str | None = "first call"  # capture (and verify) at the next call, for this reason
         self._pending_for: int | None = None  # at the next call of this state only (a miss after a graph break)
         self._expected: dict[int | None, int] = {}  # graph calls in one forward call, as verified, per state (entry)
+        # The forward's own control flow varies its graph calls (a random layer drop: a recapture after a call with
+        # another count found no guard failing): a count no longer tells a miss. ``_count_missed``: the last miss was one.
+        self._counts_vary, self._count_missed = False, False
         # Every capture in the cache is one graph of the forward's own frame (no graph break, no frame of ours): then a
         # call whose guards one capture passes runs that capture's code directly (None: nothing captured yet).
         self._one_frame: bool | None = None
@@ -158,8 +161,9 @@ class DynamoGraphs(NodeTimer):
             if self._fsdp is not None:
                 self._fsdp.in_call = False
         self._gap = None
-        if self.calls - before != self._expected.get(state):
+        if self.calls - before != self._expected.get(state) and not self._counts_vary:
             self._pending, self._pending_for = "a guard failed", state  # captured again at that state's next call
+            self._count_missed = True
             self._misses, self._streak, self.interruptions = self._misses + 1, self._streak + 1, self.interruptions + 1
             self.interrupted_by = "a call missed Dynamo's guards inside the forward and ran untimed"
         else:
