@@ -109,7 +109,7 @@ from fxprof_lightning import FXProfilerCallback
 from fxprof_lightning.nodes import is_timed
 from fxprof_lightning.timing import node_timing
 from fxprof_lightning.timing.backward_events import BackwardEvents
-from fxprof_lightning.timing.node_timing import NodeTimer
+from fxprof_lightning.timing.fx_timer import FxNodeTimer as NodeTimer  # (the node timer over a traced graph alone)
 
 logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime" on import
 from torch.utils import benchmark  # noqa: E402  (after the logger is quietened)

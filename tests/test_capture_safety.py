@@ -183,7 +183,7 @@ def test_a_random_layer_drop_is_timed_step_after_step(tmp_path):
     time, that is read as a miss (the step is dropped) and the module is captured again; that capture finds no guard
     failing, so the count is no longer read as a miss: later cycles count every recorded step, with Dynamo's rows
     (before, the module fell back to module hooks or lost most of its steps)."""
-    from fxprof_lightning.capture.dynamo import VARYING_CALLS
+    from fxprof_lightning.capture.recaptures import VARYING_CALLS
 
     _, callback = train_both(tmp_path, lambda: LitClassifier(LayerDropStack()), steps=18,
                              **{"wait": 1, "warmup": 1, "active": 3, "repeat": 0})

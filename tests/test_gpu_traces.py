@@ -26,8 +26,8 @@ import torch
 from torch import fx, nn
 
 from fxprof_lightning.analysis.roofline import spec_sheet_peaks
+from fxprof_lightning.timing.fx_timer import FxNodeTimer
 from fxprof_lightning.timing.gpu_trace import DEVICE_CATEGORIES, LAUNCH_CATEGORIES, attribute, node_device_times
-from fxprof_lightning.timing.node_timing import NodeTimer
 
 DATA = Path(__file__).parent / "data" / "gpu"
 TRACES = ["alexnet_a100.json.gz", "triton_example.json.gz", "sampled_rank0.json.gz"]
@@ -240,12 +240,12 @@ def test_node_ranges_of_a_real_trace_give_each_node_its_own_kernels(tmp_path):
 
 def test_on_cuda_with_trace_ranges_the_graph_adds_no_event_sync_or_peak_reset():
     traced = fx.symbolic_trace(MLP())
-    lean = NodeTimer(traced, device="cuda", trace_ranges=True)
+    lean = FxNodeTimer(traced, device="cuda", trace_ranges=True)
     code = lean.graph_module.code
     assert "perf_counter_ns" in code
     assert not any(word in code for word in ("Event", "synchronize", "memory", "reset_peak"))
     assert lean.trace_ranges and lean.uses_backward_events
-    fallback = NodeTimer(traced, device="cuda")  # no profiler: CUDA events, the allocator's bytes, no reset
+    fallback = FxNodeTimer(traced, device="cuda")  # no profiler: CUDA events, the allocator's bytes, no reset
     assert "cuda_allocated" in fallback.graph_module.code and "reset_peak" not in fallback.graph_module.code
     package = Path(__file__).parents[1] / "fxprof_lightning"
     assert not [p.name for p in package.rglob("*.py") if "reset_peak_memory_stats" in p.read_text()]

@@ -20,7 +20,7 @@ from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxprof_lightning import FXProfilerCallback, Profiler
-from fxprof_lightning.timing.node_timing import NodeTimer
+from fxprof_lightning.timing.fx_timer import FxNodeTimer
 
 ONE_CYCLE = {"skip_first": 1, "wait": 0, "warmup": 1, "active": 2, "repeat": 1}
 
@@ -328,7 +328,7 @@ def test_cuda_device_time_and_memory_leave_results_unchanged():
     expected.sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    timer = NodeTimer(trace_module(model), device="cuda")
+    timer = FxNodeTimer(trace_module(model), device="cuda")
     timer.install(model)
     torch.manual_seed(1)
     out = model(x)

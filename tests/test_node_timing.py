@@ -10,7 +10,7 @@ from helpers import SmallNet, resnet18, trace_module
 from fxprof_lightning.capture.module_hooks import ModuleHookTimer
 from fxprof_lightning.nodes import describe_target
 from fxprof_lightning.timing.backward_events import BackwardEvents
-from fxprof_lightning.timing.node_timing import NodeTimer
+from fxprof_lightning.timing.fx_timer import FxNodeTimer
 
 
 def _forward_backward(model, x):
@@ -25,7 +25,7 @@ def test_outputs_and_gradients_equal_eager(make, annotate):
     eager = make().train()
     timed = copy.deepcopy(eager)
     x = torch.randn(2, 3, 32, 32)
-    timer = NodeTimer(trace_module(timed), annotate=annotate)
+    timer = FxNodeTimer(trace_module(timed), annotate=annotate)
 
     torch.manual_seed(1)  # dropout draws the same numbers only if timing uses none
     out_ref, grads_ref = _forward_backward(eager, x)
@@ -45,7 +45,7 @@ def test_outputs_and_gradients_equal_eager(make, annotate):
 
 def test_every_node_is_timed_once_per_call():
     model = SmallNet()
-    timer = NodeTimer(trace_module(model))
+    timer = FxNodeTimer(trace_module(model))
     assert [(n.name, n.op) for n in timer.nodes] == [
         ("conv", "call_module"),
         ("bn", "call_module"),
@@ -67,7 +67,7 @@ def test_every_node_is_timed_once_per_call():
 
 def test_uninstall_restores_the_modules_own_forward():
     model = SmallNet()
-    timer = NodeTimer(trace_module(model))
+    timer = FxNodeTimer(trace_module(model))
     timer.install(model)
     assert "forward" in model.__dict__
     timer.uninstall(model)
@@ -79,7 +79,7 @@ def test_uninstall_restores_the_modules_own_forward():
 
 
 def test_module_path_comes_from_the_module_stack():
-    timer = NodeTimer(trace_module(resnet18()))
+    timer = FxNodeTimer(trace_module(resnet18()))
     paths = {n.name: n.module_path for n in timer.nodes}
     assert paths["layer1_0_conv1"] == "layer1.0.conv1"
     assert paths["add"] == "layer1.0"  # the residual add inside BasicBlock layer1.0
@@ -99,7 +99,7 @@ def test_graphs_with_inputs_after_other_nodes_are_instrumented():
     model = Optional()
     traced = torch.fx.symbolic_trace(model, concrete_args={"flag": None})
     assert [n.op for n in traced.graph.nodes][:4] == ["placeholder", "placeholder", "call_function", "placeholder"]
-    timer = NodeTimer(traced)
+    timer = FxNodeTimer(traced)
     timer.install(model)
     x = torch.randn(2, 4)
     out = model(x, None, None)
@@ -110,7 +110,7 @@ def test_graphs_with_inputs_after_other_nodes_are_instrumented():
 
 def test_backward_events_go_to_the_node_call_that_created_them():
     model = SmallNet()
-    timer = NodeTimer(trace_module(model))
+    timer = FxNodeTimer(trace_module(model))
     events = BackwardEvents()
     assert events.start()
     assert not BackwardEvents().start()  # one profiler at a time: a second one declines
@@ -151,7 +151,7 @@ def test_module_hooks_give_each_backward_event_to_the_innermost_module_once():
 def test_backward_marks_by_hooks_cover_the_backward_pass_as_events_do(two_threads):
     """The hook path (CUDA's, and CPU's when another profiler is running), run here on the host clock."""
     model = resnet18(num_classes=5)  # in-place ReLUs, residual branches
-    timer = NodeTimer(trace_module(model))
+    timer = FxNodeTimer(trace_module(model))
     x = torch.randn(2, 3, 32, 32)
     for hooks in (False, True):
         coverage = []
@@ -202,7 +202,7 @@ def test_module_hooks_count_a_checkpointed_block_once(reentrant):
     assert 0 < sum(sum(timer.bwd_ns(i)) for i in range(len(timer.nodes))) <= wall
 
 
-@pytest.mark.parametrize("make_timer", [lambda m: NodeTimer(trace_module(m)), ModuleHookTimer], ids=["nodes", "modules"])
+@pytest.mark.parametrize("make_timer", [lambda m: FxNodeTimer(trace_module(m)), ModuleHookTimer], ids=["nodes", "modules"])
 def test_backward_events_given_in_parts_add_up_as_given_at_once(make_timer):
     model = SmallNet()
     timer = make_timer(model)
@@ -236,7 +236,7 @@ def test_a_call_cut_short_keeps_the_nodes_that_finished():
             return self.second(torch.relu(self.first(x)))
 
     model = Failing()
-    timer = NodeTimer(trace_module(model))
+    timer = FxNodeTimer(trace_module(model))
     timer.install(model)
     x = torch.randn(2, 4)
     model(x)

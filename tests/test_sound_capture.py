@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 from fxprof_lightning import FXProfilerCallback, Profiler, torch_api
 from fxprof_lightning.capture import dynamo as dynamo_capture
 from fxprof_lightning.capture import dynamo_rules
+from fxprof_lightning.capture.recaptures import hook_functions
 
 # Cycles over steps 1-3, 5-7, 9-11: warm-up 1, recorded 2 (a change at step 6 lands in a recorded step).
 CYCLES = {"skip_first": 0, "wait": 1, "warmup": 1, "active": 2, "repeat": 0}
@@ -292,7 +293,7 @@ def test_the_hooks_run_eagerly_are_the_models_own_functions():
 
     net.head.register_forward_hook(keep)
     net.stem.register_forward_hook(Counter())
-    assert dynamo_capture._hook_functions(net) == (keep,)
+    assert hook_functions(net) == (keep,)
 
 
 def test_the_float_grouped_mm_meta_kernel_is_put_back():

@@ -31,9 +31,6 @@ function Dynamo saw and the module that called it (``layer1_0_iadd``, ``self_att
 
 from __future__ import annotations
 
-import functools
-import os
-import re
 import time
 import types
 from collections.abc import Callable
@@ -56,6 +53,20 @@ from fxprof_lightning.capture.dynamo_rules import (
 from fxprof_lightning.capture.dynamo_timing import DynamoGraphs
 from fxprof_lightning.capture.entry_guards import EntryGuards
 from fxprof_lightning.capture.graph_breaks import graph_break_counter, graph_break_reasons, host_reads
+from fxprof_lightning.capture.recaptures import (
+    RECAPTURES_IN_A_ROW,
+    VARYING_CALLS,
+    ParameterFlags,
+    global_hooks,
+    guarded_in,
+    hook_functions,
+    hooks_refusal,
+    in_a_row_refusal,
+    on_a_value_of_the_call,
+    recapture_reason,
+    run_eagerly,
+    untimed_text,
+)
 from fxprof_lightning.capture.row_names import FRAMED, Owners
 from fxprof_lightning.nodes import ROW, is_timed
 from fxprof_lightning.timing.flops import float_grouped_mm_meta
@@ -78,12 +89,6 @@ DYNAMO = ("torch._dynamo's graphs, run eagerly by a backend that times each op (
 ALWAYS_EAGER = tuple(f for f in (torch_api.as_tensor_fullprec,) if f is not None)
 # Why an FSDP2 model is not captured again (a guard failed): its checking calls' collectives would hang the job.
 ONCE = "under FSDP2, which is captured once: capturing again would run collectives on this rank alone"
-
-# Timed calls that miss the guards this many times in a row, each right after a capture: the graphs are refused.
-RECAPTURES_IN_A_ROW = 3
-# A call made another number of graph calls than its state's, and the capture after it found no guard failing.
-VARYING_CALLS = ("the forward's graph calls changed in number with no guard failing (its own control flow: a random "
-                 "layer drop): a different count is no longer read as a miss")
 
 # Dynamo's defaults leave out guards on module hooks (a hook added after the capture would be bypassed): ours keep them.
 GUARD_SETTINGS = {"skip_nnmodule_hook_guards": False,
@@ -116,24 +121,6 @@ def _in_one_frame(attempt: _Attempt, way: _Way, sharded: bool) -> bool:
     once the guards are asked (``EntryGuards.fitting``)."""
     return attempt.graph_calls == 1 and not attempt.breaks and not attempt.untimed and not (
         way.eager_hooks or way.framed or way.follow or sharded)
-
-
-def _hook_functions(root: nn.Module) -> tuple[Callable[..., Any], ...]:
-    """The Python functions of the forward hooks and pre-hooks on ``root`` and its submodules, as Dynamo inlines them
-    (a bound method's function, a partial's, a callable object's ``__call__``)."""
-    found = []
-    for module in root.modules():
-        for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()):
-            while isinstance(hook, functools.partial):
-                hook = hook.func
-            hook = getattr(hook, "__func__", hook)
-            if isinstance(hook, nn.Module):  # its __call__ is every module's: left to Dynamo
-                continue
-            if not isinstance(hook, types.FunctionType):
-                hook = getattr(type(hook).__call__, "__func__", type(hook).__call__)
-            if isinstance(hook, types.FunctionType) and not getattr(hook, "_torchdynamo_disable", False):
-                found.append(hook)
-    return tuple(dict.fromkeys(found))
 
 
 @dataclass(frozen=True)
@@ -262,7 +249,7 @@ class DynamoTimer(DynamoGraphs):
         self.outside_graphs: list[str] = []  # layers that ran outside the graphs of the last capture (``Capture.untimed``)
         self.host_reads: dict[str, str] = {}  # module path -> where its forward reads a tensor's value (``host_reads``)
         self._global_hooks: tuple[tuple[int, ...], ...] = ()  # the global module hooks at the last capture
-        self._flags: _ParameterFlags | None = None  # parameters' requires_grad at the last capture (where Dynamo misses it)
+        self._flags: ParameterFlags | None = None  # parameters' requires_grad at the last capture (where Dynamo misses it)
         self._eager_hooks: tuple[Callable[..., Any], ...] = ()  # hook functions run eagerly (``_Way.eager_hooks``)
         self._eager_functions: tuple[Callable[..., Any], ...] = ()  # and the functions whose reads failed guards
         # How Dynamo captures (``_explore`` may change it); FSDP2: following torch's frames (a hook's break in a loop)
@@ -292,7 +279,7 @@ class DynamoTimer(DynamoGraphs):
             if module.training is not self.training or self.mismatch is not None:
                 return own_forward(*args, **kwargs)
             entered = time.perf_counter_ns()  # (the guards asked below are in the call's wall time)
-            if self._pending is None and _global_hooks() != self._global_hooks:  # Dynamo does not guard on these
+            if self._pending is None and global_hooks() != self._global_hooks:  # Dynamo does not guard on these
                 self._pending = "a global module hook (torch.nn.modules.module.register_module_*_hook) added or removed"
             if self._pending is None and self._flags and (flipped := self._flags.flipped()):  # (< 2.14: Dynamo misses it)
                 self._pending = flipped
@@ -358,17 +345,17 @@ class DynamoTimer(DynamoGraphs):
         # (not under FSDP2: the ways tried hang on bitwise results that may differ by rank, and each runs collectives)
         if (attempt.breaks or attempt.difference) and not self._explored and not self._sharded:
             attempt = self._explore(module, eager, state, args, kwargs, attempt)
-        hooks = _hook_functions(module) if not self._way.eager_hooks and not self._way.follow else ()
+        hooks = hook_functions(module) if not self._way.eager_hooks and not self._way.follow else ()
         # A state of the forward's own making (a random layer drop) comes back, it does not run away: not in a row,
         # and not a hook's doing (a hook's place can be any dataclass's ``__init__``, as the failure's is).
-        of_the_call = bool(self._guard_failures) and all(map(_on_a_value_of_the_call, self._guard_failures))
+        of_the_call = bool(self._guard_failures) and all(map(on_a_value_of_the_call, self._guard_failures))
         counted, self._count_missed = self._count_missed, False
         if counted and not self._guard_failures and attempt.difference is None:  # no guard failed: nothing was missed
             self._counts_vary, self._misses = True, max(self._misses - 1, 0)
             reason = VARYING_CALLS
         self._streak = 0 if of_the_call or self._counts_vary else self._streak
         in_a_row = self._streak >= RECAPTURES_IN_A_ROW
-        in_hooks = not of_the_call and _guarded_in(hooks, self._guard_failures)
+        in_hooks = not of_the_call and guarded_in(hooks, self._guard_failures)
         found = guarded_functions(module, self._guard_failures) if in_a_row and not in_hooks else ()
         # A hook, or a function the forward calls, changes what Dynamo guards on: run eagerly, between graphs.
         if attempt.difference is None and ((hooks and (in_a_row or in_hooks)) or found):
@@ -378,34 +365,29 @@ class DynamoTimer(DynamoGraphs):
             self._streak = 0
             attempt = self._attempt(module, eager, state, args, kwargs, self._way)
             if attempt.difference is None and attempt.untimed and not found:  # (a function: its time is its row)
-                attempt.difference = _hooks_refusal(attempt.untimed)
+                attempt.difference = hooks_refusal(attempt.untimed)
             hooks_now_eager = True
         for why, count in attempt.breaks.items():
             self._graph_breaks[why] = self._graph_breaks.get(why, 0) + count
         self.host_reads.update(attempt.host_reads)
         self.outside_graphs = attempt.untimed
-        if self._guard_failures and reason != "first call":  # Dynamo's first line says what changed (since the last capture)
-            firsts = (re.sub(r"\s+", " ", re.sub(r"^\d+/\d+: ", "", f.splitlines()[0])).strip() for f in self._guard_failures)
-            reason = f"{reason}: {'; '.join(dict.fromkeys(firsts))}"
+        reason = recapture_reason(reason, self._guard_failures)  # (Dynamo's first line says what changed)
         self._guard_failures.clear()
         if hooks_now_eager:
             why = (f"{RECAPTURES_IN_A_ROW} calls in a row, each right after a capture" if in_a_row else
                    "a guard on what a hook's code read")
-            reason += f" ({why}): from now on {_run_eagerly(found)}, between graphs"
+            reason += f" ({why}): from now on {run_eagerly(found)}, between graphs"
         if reason != "first call":
             self.recaptures.append(reason)
         self.interrupted_by = f"captured ({reason})"
         if attempt.difference is None and self._streak >= RECAPTURES_IN_A_ROW:
-            attempt.difference = (f"the graphs missed Dynamo's guards at {RECAPTURES_IN_A_ROW} calls in a row, each "
-                                  f"right after a capture ({reason}): the code changes what Dynamo guards on at every "
-                                  "call (a forward that appends to a list makes it guard on the list's length; the "
-                                  "model's forward hooks already ran eagerly), so no graph would ever be used")
+            attempt.difference = in_a_row_refusal(reason)
         if attempt.difference is not None:
             self.capture_s.append(time.perf_counter() - started)
             self._refuse(attempt.difference)
             return own_forward(*args, **kwargs)
-        self._global_hooks = _global_hooks()
-        self._flags = None if torch_api.PARAMETER_FLAGS_GUARDED else _ParameterFlags(module)
+        self._global_hooks = global_hooks()
+        self._flags = None if torch_api.PARAMETER_FLAGS_GUARDED else ParameterFlags(module)
         self._one_frame = _in_one_frame(attempt, self._way, self._sharded) and self._one_frame is not False
         state, missed = self._entry.check(args, kwargs) if self._entry is not None else (None, "")
         if missed:
@@ -464,7 +446,7 @@ class DynamoTimer(DynamoGraphs):
             self._frames.restore()
             if way.eager_hooks:
                 frames_skipped(self._eager_hooks, False)
-                self._eager_hooks = _hook_functions(module) + self._eager_functions
+                self._eager_hooks = hook_functions(module) + self._eager_functions
                 frames_skipped(self._eager_hooks, True)
             if way.eager_hooks or way.framed:
                 self._frames.frame(module, every=way.framed)
@@ -507,13 +489,7 @@ class DynamoTimer(DynamoGraphs):
 
     @property
     def untimed(self) -> str | None:
-        if not self._misses:
-            return None
-        why = self.recaptures[-1] if self.recaptures else "a guard failed"
-        return (f"{self._misses} call(s) failed Dynamo's guards and ran the module's own code, untimed; each next call "
-                f"captured it again. The last reason: {why}. When the calls right after {RECAPTURES_IN_A_ROW} "
-                "captures in a row all fail (a hook that appends to a list makes Dynamo guard on the list's length), "
-                "the model's forward hooks run eagerly, between graphs; if that does not help, the graphs are refused.")
+        return untimed_text(self._misses, self.recaptures[-1] if self.recaptures else "a guard failed") if self._misses else None
 
     def refusal(self, capture: Capture) -> str:
         return f"the graph Dynamo captured was refused: {self.mismatch}"
@@ -538,70 +514,11 @@ class DynamoTimer(DynamoGraphs):
             self._on_refused(reason)
 
 
-def _on_a_value_of_the_call(failure: str) -> bool:
-    """Whether the guard of a Dynamo guard failure is on a value made inside the forward's call (``___stack0...``: what
-    a frame resumed after a graph break was handed, such as the tuple of hidden states a random layer drop shortened),
-    not on the module, the inputs or a global (``L[...]``, ``G[...]``): such states recur from call to call."""
-    guard = re.sub(r"^\d+/\d+: ", "", failure.strip().splitlines()[0] if failure.strip() else "").split("#")[0]
-    return "___stack" in guard and not re.search(r"\b[LG]\[", guard)  # (the first line: the guard, then its stack)
-
-
-def _global_hooks() -> tuple[tuple[int, ...], ...]:
-    """The handles of the hooks every module runs (``register_module_forward_hook`` and its kin), which Dynamo inlines
-    at capture and does not guard on: a change means capturing again."""
-    return tuple(tuple(hooks) for hooks in torch_api.GLOBAL_MODULE_HOOKS)
-
-
-class _ParameterFlags:
-    """The ``requires_grad`` of the module's parameters at a capture, where Dynamo's guards miss a flip of it
-    (``torch_api.PARAMETER_FLAGS_GUARDED``): compared before each call (~30 ns a parameter)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.named = list(module.named_parameters())
-        self.flags = [p.requires_grad for _, p in self.named]
-
-    def flipped(self) -> str | None:
-        """Why the module must be captured again (a parameter's flag changed), or None."""
-        if [p.requires_grad for _, p in self.named] == self.flags:
-            return None
-        changed = [name for (name, p), flag in zip(self.named, self.flags, strict=True) if p.requires_grad != flag]
-        shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
-        return (f"requires_grad of {shown} changed (torch {torch_api.TORCH}'s Dynamo does not guard on a module "
-                "parameter's requires_grad; checked by fxprof_lightning)")
-
-
 # ---------------------------------------------------------------- verification
 
 
 OUTSIDE_GRAPHS = ("their parameters were given to no graph: a graph break inside a loop made Dynamo run the frame "
                   "that calls them eagerly")
-
-
-def _guarded_in(functions: tuple[Callable[..., Any], ...], failures: list[str]) -> bool:
-    """Whether a guard that failed was on a value read in one of ``functions`` (the model's hooks): Dynamo ends each
-    failure's lines with ``# file:line in function``."""
-    places = {(os.path.basename(f.__code__.co_filename), f.__code__.co_name) for f in functions}
-    if any((os.path.basename(path), name) in places
-           for failure in failures for path, name in re.findall(r"# (\S+):\d+ in (\w+)", failure)):
-        return True
-    # Dynamo 2.6 gives no place; its guard on what a hook read names the hook's closure variable: ``L['counts']``
-    free = {name for f in functions for name in f.__code__.co_freevars}
-    return any(name in free for failure in failures for name in re.findall(r"L\['(\w+)'\]", failure))
-
-
-def _run_eagerly(functions: tuple[Callable[..., Any], ...]) -> str:
-    """What runs eagerly: the functions found (``guarded_functions``), or the model's hooks."""
-    if not functions:
-        return "the model's forward hooks run eagerly"
-    return ", ".join(f"{f.__name__} ({os.path.basename(f.__code__.co_filename)}:{f.__code__.co_firstlineno})"
-                     for f in functions) + (" run" if len(functions) > 1 else " runs") + " eagerly"
-
-
-def _hooks_refusal(untimed: list[str]) -> str:
-    shown = untimed[:5] + [f"{len(untimed) - 5} more"] * (len(untimed) > 5)
-    return (f"with the model's forward hooks run eagerly, between graphs, {', '.join(shown)} ran outside Dynamo's "
-            "graphs, untimed (a graph break inside a loop, here at a hook's call, makes Dynamo run that loop's whole "
-            "frame eagerly)")
 
 
 def _untimed_layers(module: nn.Module, eager: verify.CallResult | Exception, seen: set[int]) -> list[str]:

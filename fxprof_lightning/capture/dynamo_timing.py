@@ -61,7 +61,7 @@ class DynamoGraphs(NodeTimer):
     def __init__(self, training: bool, *, backward: bool = True, device: str = "cpu", annotate: bool = False,
                  trace_ranges: bool = False, sharded: bool = False) -> None:
         self._fsdp: FsdpRows | None = None  # (``reset`` runs in the base's __init__)
-        super().__init__(None, annotate=annotate, backward=backward, device=device, trace_ranges=trace_ranges)
+        super().__init__(annotate=annotate, backward=backward, device=device, trace_ranges=trace_ranges)
         self._fsdp = FsdpRows() if sharded and not self.on_cuda and FsdpRows.usable() else None
         self.training = training
         self.graphs: list[_Graph] = []

@@ -41,7 +41,6 @@ import functools
 import itertools
 import operator
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,7 +50,6 @@ from fxprof_lightning import torch_api
 from fxprof_lightning.nodes import JOINS, NESTS, NodeInfo, is_timed
 from fxprof_lightning.timing.autograd_walk import autograd_nodes, sequence_nr_now, tensors_in
 from fxprof_lightning.timing.clocks import CudaClock, HostClock, cuda_allocated
-from fxprof_lightning.timing.flops import NodeCosts, count_costs, input_signature
 from fxprof_lightning.timing.readings import Readings
 from fxprof_lightning.timing.samples import NodeSamples
 from fxprof_lightning.timing.saved_memory import SavedBytes, SavedReader
@@ -68,7 +66,8 @@ _anchor_numbers = itertools.count(step=3)
 
 
 class NodeTimer(NodeSamples, SavedReader, Readings):
-    """An instrumented copy of a traced module that records each node's forward and backward time.
+    """Records each node's forward and backward time in the graphs it instruments (``instrument``): Dynamo's
+    (``capture.dynamo_timing.DynamoGraphs``), or one graph traced by torch.fx (``fx_timer.FxNodeTimer``).
 
     After ``reset()``: ``fwd[i]`` holds one forward duration in nanoseconds per execution of
     ``nodes[i]`` (a forward called twice in a step adds two); ``bwd_ns(i)`` one backward
@@ -77,7 +76,6 @@ class NodeTimer(NodeSamples, SavedReader, Readings):
     Call ``resolve()`` before reading them (on CUDA it waits for the device once).
 
     Args:
-        traced: the ``GraphModule`` from ``symbolic_trace`` (or one of Dynamo's graphs).
         annotate: wrap each node in a ``record_function`` range named after it (10-15 us per node and
             call under torch.profiler, measured on a 2-core VM).
         trace_ranges: keep each node call's start (``range_spans``) and put three anchor ranges at
@@ -93,17 +91,9 @@ class NodeTimer(NodeSamples, SavedReader, Readings):
     Backward times come from profiler events given to ``add_backward`` on CPU (and on CUDA with
     ``trace_ranges``), and from hooks (``_hooked_record``) on CUDA without them or when installed with
     ``backward_hooks=True``.
-
-    Example:
-        >>> timer = NodeTimer(fx.symbolic_trace(model))
-        >>> events = BackwardEvents(); events.start()
-        >>> timer.install(model); model(x).sum().backward(); timer.uninstall(model)
-        >>> timer.add_backward(events.stop())
-        >>> timer.nodes[0].name, timer.fwd[0], timer.bwd_ns(0)
     """
 
-    def __init__(self, traced: fx.GraphModule | None, annotate: bool = False, backward: bool = True, device: str = "cpu",
-                 trace_ranges: bool = False) -> None:
+    def __init__(self, annotate: bool = False, backward: bool = True, device: str = "cpu", trace_ranges: bool = False) -> None:
         self.nodes: list[NodeInfo] = []
         self._rows: dict[str, int] = {}  # node name -> index in ``nodes`` (graphs added later share rows by name)
         self._fwd: list[list[Any]] = []  # per node, one duration per call (``fwd``)
@@ -136,18 +126,14 @@ class NodeTimer(NodeSamples, SavedReader, Readings):
         self._marks: list[tuple[list[Any] | None, Any]] = []
         self._in_pass = False  # an engine callback will mark the end of the running backward pass
         self._first_of_call = False  # no node of the running forward call has created autograd nodes yet
-        self._traced, self._annotate = traced, annotate
+        self._annotate = annotate
         self._hooks_now = False  # the installed forward times backward with hooks (no sequence ranges are logged)
         self._saved: SavedBytes | None = None  # what the cycle's first measured forward call keeps for backward
         self._trace_ranges = trace_ranges and not self._cuda
         self._saved_forward: dict[int, Any] = {}
         self._root: nn.Module | None = None  # the module installed on (for its own parameters and buffers)
-        self._costs: dict[tuple, NodeCosts | None] = {}  # per input signature (``costs``)
         self.costs_error: str | None = None
         self.reset()
-        if traced is not None:
-            self.graph_module = self._instrument(traced, annotate, hooked=self._cuda)
-            self._hooked_graph_module = self.graph_module if self._cuda else None  # built when first needed
 
     @property
     def trace_ranges(self) -> bool:
@@ -201,72 +187,6 @@ class NodeTimer(NodeSamples, SavedReader, Readings):
             return None
         return (list(self.anchors), self.range_spans(), self.backward_calls() if self.uses_backward_events else [],
                 list(self.call_starts), {info.name: info.module_stack for info in self.nodes})
-
-    def costs(self, training: bool) -> NodeCosts | None:
-        """FLOPs and output sizes per node for the first call's inputs since ``reset``, counted once per input
-        signature in an untimed meta-device pass (None when nothing can be counted; ``costs_error`` says why
-        counting failed)."""
-        inputs = self.forward_inputs
-        if self._traced is None or inputs is None:
-            return None
-        key = input_signature(inputs, training)
-        if key not in self._costs:
-            try:
-                self._costs[key] = count_costs(self._traced, inputs, training)
-                if self._costs[key].failed:
-                    self.costs_error = f"for {self._costs[key].failed}"
-            except Exception as error:  # the graph cannot go to the meta device: no FLOPs, timing goes on
-                self.costs_error = f"for the whole graph ({type(error).__name__}: {error})"
-                self._costs[key] = None
-        return self._costs[key]
-
-    def describe(self, capture: Capture) -> Capture:
-        """A cycle report's own copy of how the module was captured, with what the timer learnt meanwhile: the
-        module calls of the graph that time a module with children whole are named in ``leaves`` (torch.fx keeps
-        ``torch.nn`` modules such as ``nn.MultiheadAttention`` or ``nn.Transformer`` as one call)."""
-        leaves = dict(capture.leaves)
-        if self._traced is not None:
-            for node in self._traced.graph.nodes:
-                if node.op != "call_module" or node.target in leaves:
-                    continue
-                module = self._traced.get_submodule(node.target)
-                if next(module.children(), None) is not None:
-                    leaves[node.target] = (f"{type(module).__name__} has submodules: torch.fx calls a torch.nn module "
-                                           "as one node (a leaf by default); capture='dynamo' opens it")
-        return replace(capture, leaves=leaves)
-
-    def install(self, module: nn.Module, backward_hooks: bool = False) -> None:
-        """Make ``module(...)`` run the instrumented graph until ``uninstall`` (calls in the other
-        train/eval mode than the graph's run the module's own forward).
-
-        ``backward_hooks``: time backward with hooks (as on CUDA) rather than from profiler events.
-        """
-        if id(module) in self._saved_forward:
-            return
-        if backward_hooks and self._hooked_graph_module is None:
-            self._hooked_graph_module = self._instrument(self._traced, self._annotate, hooked=True)
-        self._saved_forward[id(module)] = module.__dict__.get("forward")
-        self._root, self._hooks_now = module, backward_hooks
-        own_forward, graph_forward = module.forward, (self._hooked_graph_module if backward_hooks else self.graph_module).forward
-        training = self._traced.training
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            # The graph holds the mode it was traced in (dropout, batch norm): a call in the other mode
-            # (an evaluation inside a training step of a plain loop) runs the module's own forward.
-            if module.training is not training:
-                return own_forward(*args, **kwargs)
-            if self._cuda:
-                return graph_forward(*args, **kwargs)
-            start, first = time.perf_counter_ns(), sequence_nr_now()
-            if self._trace_ranges:
-                self.call_starts.append(start)
-            with self._noting_hooks():
-                out = graph_forward(*args, **kwargs)
-            self.forward_walls_ns.append(time.perf_counter_ns() - start)
-            self._read_saved(out, first)
-            return out
-
-        module.forward = forward
 
     def uninstall(self, module: nn.Module) -> None:
         """Give ``module`` its own forward back (safe to call when not installed)."""
