@@ -42,7 +42,9 @@ class NodeStats:
     for an op outside every submodule, the user's function and line that ran it (``stack_rows (train.py:12)``). ``mad_ms``/``bwd_mad_ms`` are the median absolute
     deviations of the per-call samples (the robust spread that regression checks use). ``saved_bytes``: the bytes of
     the activations the node's autograd nodes keep for backward, per call, each storage counted once in the step
-    (parameters not included; None where unknown or not measured; ``timing.saved_memory``).
+    (parameters not included; None where unknown or not measured; ``timing.saved_memory``). ``saved_held_bytes``: the
+    activation bytes a forward call keeps for backward once the node's last call in it has run, its own and those of
+    the nodes before it (the forward's saved activations building up to their peak at its end; None where unknown).
     ``fwd_bytes`` estimates the bytes one forward call moves (its input and output tensors and the
     parameters it reads, each once); ``fwd_gbytes_per_s`` divides it by ``mean_ms``,
     ``intensity`` is ``fwd_flops / fwd_bytes``, ``bound`` is ``"compute"`` or ``"memory"`` (the
@@ -91,6 +93,7 @@ class NodeStats:
     source: str = ""
     layer: str = ""  # the row as the user's code names it (``layer_label``)
     saved_bytes: float | None = None  # bytes autograd keeps for the node's backward, per call (docs/memory.md)
+    saved_held_bytes: float | None = None  # bytes kept for backward once the node has run in a forward call (its and before)
 
 
 # Python's operators as the user writes them (the rows of ``x + y`` name ``operator.add``).

@@ -57,6 +57,10 @@ def test_a_linear_relu_stack_saves_what_torch_keeps_by_hand(tmp_path):
     assert _saved(cycle) == {"0 (Linear)": BATCH * 32 * F32, "1 (ReLU)": BATCH * 64 * F32, "2 (Linear)": 0.0,
                              "3 (ReLU)": BATCH * 16 * F32, "4 (Linear)": 0.0}
     assert _module(cycle, "").saved_bytes_per_step == BATCH * (32 + 64 + 16) * F32
+    # What the forward keeps once each row has run: the saved activations building up to their peak at its end.
+    assert {n.layer: n.saved_held_bytes for n in cycle.nodes} == {
+        "0 (Linear)": BATCH * 32 * F32, "1 (ReLU)": BATCH * 96 * F32, "2 (Linear)": BATCH * 96 * F32,
+        "3 (ReLU)": BATCH * 112 * F32, "4 (Linear)": BATCH * 112 * F32}
     assert "| bound | node | MB saved/step |" in cycle.to_markdown() and "MB saved  MB params" in cycle.modules_to_text()
     assert f"Held at the end of the forward: {BATCH * 112 * F32 / 1e6:.3f} MB saved for backward" in cycle.to_markdown()
 
@@ -123,6 +127,10 @@ def test_a_checkpointed_block_saves_only_its_inputs(tmp_path, reentrant):
     assert _module(cycle, "block").saved_bytes_per_step == one  # its input, kept for the recompute
     assert _module(cycle, "head").saved_bytes_per_step == one  # the block's output
     assert _module(cycle, "").saved_bytes_per_step == 3 * one
+    # Held once each row has run: the block adds its input at its first row and nothing after; the head, its input.
+    held = {n.module_path: n.saved_held_bytes for n in cycle.nodes}
+    block = {held[path] for path in held if path.startswith("block")} - {None}  # (reentrant: only the first row's)
+    assert held["pre"] == one and block == {2 * one} and held["head"] == 3 * one, held
 
 
 @pytest.mark.parametrize("make", [lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), lambda p: torch.optim.AdamW(p)],

@@ -236,7 +236,7 @@ class Cycle:
             self.device = device_summary(device)
         self.memory_note = collected.saved_unknown
         nodes = summarize_nodes(collected.nodes, forward, backward, collected.costs, collected.mem_delta,
-                                collected.mem_peak, collected.saved)
+                                collected.mem_peak, collected.saved, collected.held)
         if traits.uses_backward_events and self.backward != HOOKS:
             self.backward_outside_ns = collected.backward_outside_ns
         if device is None:

@@ -53,12 +53,13 @@ def summarize_nodes(
     mem_delta: list[list[int]] | None = None,
     mem_peak: list[list[int]] | None = None,
     saved: list[float | None] | None = None,
+    held: list[float | None] | None = None,
 ) -> list[NodeStats]:
     """Statistics per node (nodes that never ran are left out; a node with backward time only, such as a checkpointed
     region's recompute, has no forward calls), slowest (forward + backward) first.
 
     ``costs`` is a ``flops.NodeCosts`` for the same nodes, or None; ``saved`` the bytes each keeps for backward per
-    call (``saved_memory``), or None.
+    call (``saved_memory``), or None; ``held`` the bytes kept for backward once each has run, or None.
     """
     bwd = bwd or [[] for _ in nodes]
     fwd_grand = sum(sum(s) for s in fwd) or 1
@@ -85,6 +86,7 @@ def summarize_nodes(
                 mem_peak_bytes=statistics.fmean(mem_peak[i]) if mem_peak and mem_peak[i] else None,
                 slowest_rank_ms=mean, mad_ms=_mad(fwd[i]), bwd_mad_ms=_mad(bwd[i]), source=info.source,
                 saved_bytes=saved[i] if saved is not None and i < len(saved) else None,
+                saved_held_bytes=held[i] if held is not None and i < len(held) else None,
             )
         )
     stats.sort(key=lambda s: s.total_ms + s.bwd_total_ms, reverse=True)

@@ -53,6 +53,7 @@ class Collected:
     forward_walls_ns: list[int]  # the host wall time of each timed call whole (empty: not measured)
     saved: list[float | None] | None = None  # per node, bytes kept for backward per call (None: unknown; ``memory``)
     saved_unknown: str | None = None  # why some nodes' saved bytes are unknown
+    held: list[float | None] | None = None  # per node, the bytes held for backward once it has run (``SavedBytes.held``)
 
 
 class Readings:
@@ -80,15 +81,15 @@ class Readings:
             return nothing
         costs = self.costs(training)
         costs_error, self.costs_error = self.costs_error, None  # handed over once
-        saved, saved_unknown = self.saved_memory()
+        saved, saved_unknown, held = self.saved_memory()
         return Collected(list(self.nodes), _copies(self.fwd), [self.bwd_ns(i) for i in range(len(self.nodes))],
                          _copies(self.mem_delta), _copies(self.mem_peak), costs, costs_error, self.backward_outside_ns,
-                         list(self.forward_walls_ns), saved, saved_unknown)
+                         list(self.forward_walls_ns), saved, saved_unknown, held)
 
-    def saved_memory(self) -> tuple[list[float | None] | None, str | None]:
-        """Per node, the bytes its autograd nodes keep for backward per call, and why some are unknown ((None, None):
-        not measured; ``NodeTimer`` measures them)."""
-        return None, None
+    def saved_memory(self) -> tuple[list[float | None] | None, str | None, list[float | None] | None]:
+        """Per node, the bytes its autograd nodes keep for backward per call, why some are unknown, and the bytes held
+        once it has run ((None, None, None): not measured; ``NodeTimer`` measures them)."""
+        return None, None, None
 
 
 def _copies(lists: list[list[Any]]) -> list[list[Any]]:

@@ -35,9 +35,12 @@ HOOKED = "a saved_tensors_hooks of yours packs what the layers save (CPU offload
 class SavedBytes:
     """What one forward call's autograd graph keeps for backward: per row, the bytes of the activations it saved
     (summed over the row's calls in that forward call) and how many calls; the rows whose bytes are unknown and why;
-    and the bytes of parameters and buffers that ops saved (counted as parameters)."""
+    and the bytes of parameters and buffers that ops saved (counted as parameters). ``held``: per row, the activation
+    bytes the call keeps for backward once the row's last node in it has run (its own and those of the rows before
+    it: nothing saved is freed before the backward), so the forward's peak of saved activations builds up row by row."""
 
     rows: dict[int, int] = field(default_factory=dict)
+    held: dict[int, int] = field(default_factory=dict)
     calls: dict[int, int] = field(default_factory=dict)
     unknown: set[int] = field(default_factory=set)
     why: str | None = None
@@ -49,6 +52,12 @@ class SavedBytes:
         if row in self.unknown or row >= self.known:
             return None
         return self.rows.get(row, 0) / max(self.calls.get(row, 1), 1)
+
+    def held_after(self, row: int) -> float | None:
+        """``held`` for the row (None: unknown, or a row that made no autograd node in the call read)."""
+        if row in self.unknown or row >= self.known or self.unknown:
+            return None
+        return self.held.get(row)
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[str, int, int] | None:
@@ -87,6 +96,7 @@ def read_saved_bytes(output: Any, first: int, end: int, firsts: list[int], ends:
     parameters = _state_storages(module)
     seen: set[tuple[str, int, int]] = set()
     frames: set[int] = set()  # checkpointed regions whose inputs are counted
+    held = 0  # activation bytes kept so far, in the order the nodes were made
     roots = [t.grad_fn for t in tensors_in(output)]
     for node in sorted(autograd_nodes(roots, first, end), key=lambda fn: torch_api.node_sequence_nr(fn)):
         i = bisect.bisect_right(firsts, torch_api.node_sequence_nr(node)) - 1
@@ -114,6 +124,8 @@ def read_saved_bytes(output: Any, first: int, end: int, firsts: list[int], ends:
                 found.parameter_bytes += key[2]
             else:
                 found.rows[row] = found.rows.get(row, 0) + key[2]
+                held += key[2]
+        found.held[row] = held
     return found
 
 
@@ -176,10 +188,12 @@ class SavedReader:
         self._saved = read_saved_bytes(output, first, torch_api.sequence_nr_now(), firsts, ends, owners, self._root,
                                        len(self.nodes), notes)
 
-    def saved_memory(self) -> tuple[list[float | None] | None, str | None]:
-        """Per row, the bytes its autograd nodes keep for backward per call (None: unknown), and why some are unknown;
-        (None, None) where nothing was read. The next forward call reads them again (the next cycle)."""
+    def saved_memory(self) -> tuple[list[float | None] | None, str | None, list[float | None] | None]:
+        """Per row, the bytes its autograd nodes keep for backward per call (None: unknown), why some are unknown, and
+        the bytes held once the row has run (``SavedBytes.held``); (None, None, None) where nothing was read. The next
+        forward call reads them again (the next cycle)."""
         saved, self._saved = self._saved, None
         if saved is None:
-            return None, None
-        return [saved.per_call(row) for row in range(len(self.nodes))], saved.why
+            return None, None, None
+        rows = range(len(self.nodes))
+        return [saved.per_call(row) for row in rows], saved.why, [saved.held_after(row) for row in rows]
