@@ -620,6 +620,28 @@ def test_wav2vec2_with_its_numpy_masks(tmp_path):
     assert any(name.startswith("wav2vec2_feature_extractor_conv_layers_0") for name in names(cycle))
 
 
+@notices("FLOPs not counted")
+def test_a_hf_model_whose_first_call_installs_its_hooks_is_captured_at_the_next_call(tmp_path):
+    """transformers (5.x) installs its output-capturing hooks at a model's first call; on torch 2.6, Dynamo fails while
+    tracing that installation (``cannot create weak reference to 'dict' object``). A capture at the module's very first
+    call that fails so is tried again at the next call (the first ran eagerly and installed the hooks): Dynamo's rows,
+    not module hooks for the whole run."""
+    from hf_models import audio_loader, tiny_wav2vec2
+
+    torch.manual_seed(0)
+    model = tiny_wav2vec2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Profiler(model, wait=0, warmup=1, active=2, repeat=1, dirpath=tmp_path, torch_profiler=False, sinks=[],
+                  pictures=False) as prof:
+        for batch in audio_loader(6):
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            prof.step()
+    (cycle,) = prof.cycles
+    assert cycle.capture.method == "dynamo" and cycle.nodes, cycle.capture.error
+
+
 def unpadded_lm_loader():
     """Causal LM batches with no padding: an all-ones attention mask, which HF drops in eager (sdpa with is_causal)
     but keeps while Dynamo traces (``is_tracing``)."""

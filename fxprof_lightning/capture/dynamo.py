@@ -87,6 +87,7 @@ DYNAMO = ("torch._dynamo's graphs, run eagerly by a backend that times each op (
 # ``torch._as_tensor_fullprec`` as a frame; after Mask R-CNN's capture, that frame's compiled code called itself until
 # a ``RecursionError`` (BatchNorm with ``momentum=None`` in the same process: SWA's BatchNorm epoch fell back).
 ALWAYS_EAGER = tuple(f for f in (torch_api.as_tensor_fullprec,) if f is not None)
+FAILED = "capturing with Dynamo failed"  # (an exception in Dynamo or the graph, not a difference from eager)
 # Why an FSDP2 model is not captured again (a guard failed): its checking calls' collectives would hang the job.
 ONCE = "under FSDP2, which is captured once: capturing again would run collectives on this rank alone"
 
@@ -255,6 +256,7 @@ class DynamoTimer(DynamoGraphs):
         # How Dynamo captures (``_explore`` may change it); FSDP2: following torch's frames (a hook's break in a loop)
         self._way, self._sharded = _Way(OPENED, follow=sharded), sharded
         self._explored = False
+        self._retried = False  # a first capture that failed was tried again at the next call
         self._context = self._new_context()
         self._own_forward: Callable[..., Any] | None = None  # the installed module's own forward
         # torch.nn submodules with hooks, each given a forward of ours while installed with the hooks run eagerly
@@ -384,6 +386,9 @@ class DynamoTimer(DynamoGraphs):
             attempt.difference = in_a_row_refusal(reason)
         if attempt.difference is not None:
             self.capture_s.append(time.perf_counter() - started)
+            if reason == "first call" and attempt.difference.startswith(FAILED) and not self._retried:
+                self._pending, self._retried = reason, True  # (a first call may set up what later calls use:
+                return own_forward(*args, **kwargs)  # transformers installs its output hooks then) tried once more
             self._refuse(attempt.difference)
             return own_forward(*args, **kwargs)
         self._global_hooks = global_hooks()
@@ -460,7 +465,7 @@ class DynamoTimer(DynamoGraphs):
             if attempt.difference is None and attempt.graph_calls == 0:
                 attempt.difference = "Dynamo captured no graph of the forward (it ran the module's code eagerly)"
         except Exception as error:  # Dynamo or the graph failed: refuse, the call runs eagerly
-            attempt.difference = f"capturing with Dynamo failed: {type(error).__name__}: {error}"
+            attempt.difference = f"{FAILED}: {type(error).__name__}: {error}"
         self._inputs_seen = None
         state.restore()
         self.drop_since(mark)
