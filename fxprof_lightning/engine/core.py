@@ -10,7 +10,7 @@ Data flows one way: step -> schedule -> cycle -> statistics -> gather -> report 
   ranks' tables are gathered and merged, and rank 0 hands the ``CycleReport`` to the sinks (``close_cycle``).
 
 Decided in one place each: which timer times the module (``timers.Timers``), where backward times
-come from (``Cycle.choose_backward``), what the analysis remembers (``history.StageHistory``), the name of a
+come from (``cycle.BackwardSource``), what the analysis remembers (``history.StageHistory``), the name of a
 cycle's directory (``stage.cycle_name``). Nothing here knows Lightning: ``callback.FXProfilerCallback`` maps
 Trainer hooks onto ``begin_run``/``prepare``/``begin_step``/``end_step``/``end_stage``/``abort``.
 """
@@ -523,7 +523,7 @@ def _trace_for(engine: Engine, stage: Stage, other: Stage, index: int, directory
     settings = engine.settings
     if not settings.torch_profiler or (settings.tracing_ranks is not None and engine.rank not in settings.tracing_ranks):
         return None
-    if other.open is not None and (other.open.trace is not None or other.open.backward_events is not None):
+    if other.open is not None and (other.open.trace is not None or other.open.backward.events is not None):
         engine.warn(f"a {other.name} cycle's profiler is still running, so {stage.name} steps {stage.step}+ get "
                     "node timing only (one profiler runs at a time)")
         return None
