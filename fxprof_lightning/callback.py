@@ -52,14 +52,13 @@ class FXProfilerCallback(Callback, HoldsSettings):
             node (None: the LightningModule where it has a forward of its own, else its one child with parameters,
             else each child with parameters, captured on its own: ``trainer_parts.module_to_time``; a forward the
             warm-up step does not run gives way to its children: ``Timers.children_instead``).
-        dirpath: output directory (None: ``<trainer.log_dir>/fxprof``).
-        profile_validation: also profile validation batches, with their own schedule position,
-            ``val_cycle_NNNN`` directories, ``fxprof_val/...`` tags and ``val_cycles`` reports.
         sinks: more places each cycle's report goes (``outputs.sinks.Sink``: ``write_cycle`` and ``close``), after
             the callback's own: the CSV and ``cycle.jsonl``, the pictures, the Trainer's loggers, the console. The
             same objects serve every ``fit`` and ``validate``: ``close`` ends each, and ``write_cycle`` may follow.
         **options: the settings, as for ``Profiler`` (``Settings``: ``wait=``, ``active=``, ``top_k=``...; the table
-            of docs/usage.md#options), held by the engine: read them as ``callback.profiler.settings``.
+            of docs/usage.md#options), held by the engine: read them as ``callback.profiler.settings``. Here
+            ``dirpath=None`` is ``<trainer.log_dir>/fxprof``, and ``profile_validation=True`` also profiles
+            validation batches (with their own schedule position, into ``val_cycles``).
 
     Example:
         >>> profiler = FXProfilerCallback(wait=5, warmup=1, active=3, module="model")
@@ -86,7 +85,7 @@ class FXProfilerCallback(Callback, HoldsSettings):
         self.module_path = module
         self.dirpath = Path(options["dirpath"]) if options.get("dirpath") is not None else None
         settings = Settings.of(type(self).__name__, options)  # declared, defaulted and checked once, named as ours
-        self.profiler = Profiler(self._resolve_target, sinks=[], settings=settings)
+        self.profiler = Profiler(self._resolve_target, sinks=[], settings=settings)  # (a method: picklable)
         self.profiler.name = type(self).__name__
         self.profiler.timers.children_when_unused = module is None  # (its forward unused: the children it calls)
         self.extra_sinks = checked_sinks(sinks or ())  # after the callback's own (CSV, pictures, loggers, console)
@@ -113,8 +112,7 @@ class FXProfilerCallback(Callback, HoldsSettings):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage not in ("fit", "validate"):
             return
-        self._pl_module = pl_module
-        self.profiler.target = None  # resolved when the loop starts: setup/configure_model may build it
+        self._pl_module = pl_module  # (its module to time is resolved when the loop starts: configure_model may build it)
         self.profiler.reset(train=stage == "fit")  # a new fit counts from 0 unless a checkpoint says otherwise
         out_dir = self.dirpath if self.dirpath is not None else Path(trainer.log_dir or trainer.default_root_dir) / DEFAULT_DIRPATH
         self.profiler.dirpath = out_dir
@@ -122,7 +120,7 @@ class FXProfilerCallback(Callback, HoldsSettings):
         self.profiler.sinks = [CsvSink(), PictureSink(), LoggerSink(trainer.loggers), ConsoleSink(logdir=logdir, write=printer(trainer)),
                                *self.extra_sinks]
         own = f"[Callback]{self.state_key}"  # (the phases of recorded steps, from what Lightning tells its profiler)
-        self.profiler.phase_clock = lambda: PhaseClock(trainer.profiler, own, inside=f"{own}.on_train_batch_end")
+        self.profiler.notes.make_clock = lambda: PhaseClock(trainer.profiler, own, inside=f"{own}.on_train_batch_end")
         if not trainer.loggers:
             rank_zero_warn("FXProfilerCallback: the Trainer has no logger, so no scalars or text are logged; "
                            f"the per-cycle CSV and traces are still written under {out_dir}", category=FxprofWarning)
@@ -136,20 +134,17 @@ class FXProfilerCallback(Callback, HoldsSettings):
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.profiler.settings.profile_validation:
-            if self.profiler.target is None:  # trainer.validate
-                self.profiler.begin_run()
-            self.profiler.prepare("val")  # eval mode: its own capture
+        self.profiler.begin_stage("val")  # eval mode: its own capture (trainer.validate: the run begins too)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.profiler.prepare("train")  # choose the timer before the first timed step
+        self.profiler.begin_stage("train")  # choose the timer before the first timed step
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self.profiler.begin_step("train")
         if self.profiler.recording("train"):
-            self.profiler.add_batch_size(batch_size(batch))
+            self.profiler.notes.add_batch_size(batch_size(batch))
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -157,30 +152,27 @@ class FXProfilerCallback(Callback, HoldsSettings):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        self.profiler.backward_started()
+        self.profiler.notes.backward_started()
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.profiler.backward_ended()
+        self.profiler.notes.backward_ended()
 
     @override
-    def on_validation_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        if self.profiler.settings.profile_validation and not trainer.sanity_checking:
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        if not trainer.sanity_checking:  # (without profile_validation the engine does nothing)
             self.profiler.begin_step("val")
 
     @override
-    def on_validation_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        if self.profiler.settings.profile_validation and not trainer.sanity_checking:
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        if not trainer.sanity_checking:
             self.profiler.end_step("val")
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # A validation cycle never stays open over training steps: the rest of it becomes a new piece.
-        if self.profiler.settings.profile_validation and not trainer.sanity_checking:
+        if not trainer.sanity_checking:  # a validation cycle never stays open over training steps: a new piece
             self.profiler.end_stage("val")
 
     @override
@@ -197,9 +189,7 @@ class FXProfilerCallback(Callback, HoldsSettings):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.profiler.idle.wake()
-        self.profiler.close_clock()
-        self.profiler.timers.stop()  # the hooks waiting for a mode's first call that never came
+        self.profiler.release()
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -17,9 +17,9 @@ from typing import Any
 
 from fxprof_lightning.rows import ModuleStats, NodeStats, RangeStats, layer_label, shorten
 
-__all__ = ["CycleReport", "ModuleStats", "NodeStats", "RangeStats", "cpu_per_wall", "describe_phases", "last_sound",
-           "layer_label", "markdown", "memory_line", "modules_csv", "modules_text", "nodes_csv", "ranges_csv",
-           "shorten", "step_csv", "step_spread", "waited_share"]
+__all__ = ["CycleReport", "CycleViews", "ModuleStats", "NodeStats", "RangeStats", "cpu_per_wall", "cycle_views",
+           "describe_phases", "last_sound", "layer_label", "markdown", "memory_line", "modules_csv", "modules_text",
+           "nodes_csv", "ranges_csv", "shorten", "step_csv", "step_spread", "waited_share"]
 
 NS_PER_MS = 1e6
 # The rows of ``CycleReport.unowned``: time of the measured forward and backward that no row owns.
@@ -261,6 +261,10 @@ class CycleReport:
 
     # The report's views (docs/outputs.md), drawn by the functions below.
 
+    def views(self, top_k: int | None = None, module_depth: int | None = None) -> CycleViews:
+        """The views a sink writes, drawn at once (``CycleViews``): one call gives a sink all it writes."""
+        return cycle_views(self, top_k, module_depth)
+
     def to_markdown(self, top_k: int | None = None) -> str:
         """The cycle as Markdown: header, node table (slowest first, ``top_k`` rows at most), trust line,
         regressions, advice and FSDP ranges (``markdown``)."""
@@ -285,6 +289,26 @@ class CycleReport:
     def step_to_csv(self) -> str:
         """The step's phases and the time no row owns as CSV (``step_csv``)."""
         return step_csv(self)
+
+
+@dataclass(frozen=True)
+class CycleViews:
+    """A cycle's views as the sinks write them (``CycleReport.views``): the node table as Markdown (``to_markdown``,
+    ``top_k`` rows), the module tree as text (``modules_to_text``, ``module_depth`` levels; None without modules),
+    the node and module tables as CSV (``to_csv``, ``modules_to_csv``; None without modules) and the rest of the
+    report as JSON-ready values (``to_summary``)."""
+
+    markdown: str
+    modules_text: str | None
+    nodes_csv: str
+    modules_csv: str | None
+    summary: dict[str, Any]
+
+
+def cycle_views(report: CycleReport, top_k: int | None = None, module_depth: int | None = None) -> CycleViews:
+    """``CycleReport.views``."""
+    return CycleViews(markdown(report, top_k), modules_text(report, module_depth) if report.modules else None,
+                      nodes_csv(report), modules_csv(report) if report.modules else None, report.to_summary())
 
 
 def last_sound(cycles: Sequence[CycleReport]) -> CycleReport:

@@ -165,7 +165,7 @@ def test_the_phases_add_up_to_the_steps_wall_time(tmp_path):
 
 def trainer_profiler_untouched(callback) -> bool:
     """After fit, the trainer's profiler has its own start/stop again (the clock removed itself)."""
-    return callback.profiler._clock is None
+    return callback.profiler.notes.clock is None
 
 
 # Host syncs ------------------------------------------------------------------------------------------------------------

@@ -81,6 +81,14 @@ def test_one_cycle_reads_the_same_in_every_view(tmp_path, capsys):
         assert abs(scalars[f"fxprof_nodes/{tag}/forward_ms_per_call"][at] - n.mean_ms) < 1e-4, n
         assert abs(scalars[f"fxprof_nodes/{tag}/backward_ms_per_call"][at] - n.bwd_mean_ms) < 1e-4, n
 
+    # one call gives a sink every view it writes (``CycleReport.views``), byte for byte the views one by one
+    settings = callback.profiler.settings
+    views = cycle.views(settings.top_k, settings.module_depth)
+    assert views.markdown == cycle.to_markdown(settings.top_k) == markdown
+    assert views.modules_text == cycle.modules_to_text(settings.module_depth) and views.summary == cycle.to_summary()
+    assert views.nodes_csv == cycle.to_csv() == (cycle.directory / "fx_nodes.csv").read_text()
+    assert views.modules_csv == cycle.modules_to_csv() == (cycle.directory / "fx_modules.csv").read_text()
+
     # the CSV files of the cycle's directory
     with open(cycle.directory / "fx_nodes.csv", newline="") as f:
         nodes = {r["name"]: r for r in csv.DictReader(f)}

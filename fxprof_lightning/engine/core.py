@@ -10,9 +10,9 @@ Data flows one way: step -> schedule -> cycle -> statistics -> gather -> report 
   ranks' tables are gathered and merged, and rank 0 hands the ``CycleReport`` to the sinks (``close_cycle``).
 
 Decided in one place each: which timer times the module (``timers.Timers``), where backward times
-come from (``Cycle.choose_backward``), what the analysis remembers (``history.StageHistory``), the name of a
+come from (``cycle.BackwardSource``), what the analysis remembers (``history.StageHistory``), the name of a
 cycle's directory (``stage.cycle_name``). Nothing here knows Lightning: ``callback.FXProfilerCallback`` maps
-Trainer hooks onto ``begin_run``/``prepare``/``begin_step``/``end_step``/``end_stage``/``abort``.
+Trainer hooks onto ``begin_run``/``begin_stage``/``begin_step``/``end_step``/``end_stage``/``abort``/``release``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from fxprof_lightning.analysis.roofline import Peaks, device_peaks
 from fxprof_lightning.capture.compiled import is_compiled, missing_for_kernels
 from fxprof_lightning.capture.timers import Timers
 from fxprof_lightning.engine.cycle import Cycle
+from fxprof_lightning.engine.driver_notes import DriverNotes
 from fxprof_lightning.engine.follow import Follow, Trigger
 from fxprof_lightning.engine.idle import IdleSteps
 from fxprof_lightning.engine.ranks import all_gather, broadcast, global_rank, world_size
@@ -72,7 +73,7 @@ LIFECYCLE: dict[tuple[str, ProfilerAction], tuple[str, ...]] = {
 class Engine(HoldsSettings):
     """The profiling engine under ``Profiler`` and the Lightning callback: the schedule, the two stages (training
     and validation steps), their cycles, the cross-rank gather and the failure policy, driven by
-    ``begin_run``/``prepare``/``begin_step``/``end_step``/``end_stage``/``abort``/``end_run``. See ``Profiler`` for the
+    ``begin_run``/``begin_stage``/``begin_step``/``end_step``/``end_stage``/``abort``/``end_run``. See ``Profiler`` for the
     settings.
     """
 
@@ -99,15 +100,10 @@ class Engine(HoldsSettings):
         self.target: nn.Module | None = None  # the module, once resolved (begin_run)
         self._train, self._val = Stage("train"), Stage("val")
         self._current = self._train  # the stage step() advances
-        self._running = False
         self._enabled = True  # False after a failure inside the profiler
         self._fx_on = self.settings.fx_timing  # False when the target cannot be traced
         self.timers = Timers(self.warn)  # which timer times the module (set up at each begin_run)
-        self._backward_start: int | None = None
-        # The phases of the whole step while a cycle records: the driver's clock (``lap``, ``close``), made by
-        # ``phase_clock`` (the Lightning callback's ``step_phases.PhaseClock``, ``Profiler``'s ``LoopClock``)
-        self.phase_clock: Callable[[], Any] | None = None
-        self._clock: Any = None
+        self.notes = DriverNotes(self._recording_cycle)  # the driver's clock of the phases, backward's wall, batch size
         self._taken: set[str] = set()  # directory names in dirpath from earlier runs
         self.follow: Follow | None = None  # cycles out of the schedule: on request, on a jump of the step time
         self.idle = IdleSteps()  # the idle steps ahead, skipped by the driver (``go_idle``)
@@ -131,29 +127,26 @@ class Engine(HoldsSettings):
     # ------------------------------------------------------------ the driver API (the Lightning callback)
 
     def reset(self, train: bool = True) -> None:
-        """Forget the cycles and schedule position of validation (and of training, with ``train``)."""
+        """Forget the module resolved, the cycles and schedule position of validation (and of training, with
+        ``train``)."""
         self.idle.wake()
+        self.target = None  # resolved at ``begin_run``: the driver may build it before
         if train:
             self._train = Stage("train")
         self._val = Stage("val")
         self._current = self._train
 
     def begin_run(self) -> None:
-        """Resolve the module, forget captures, and list the names in ``dirpath`` that earlier runs took."""
-        self.target = self.module if isinstance(self.module, nn.Module) else self.module()
-        self._enabled, self._fx_on = True, self.settings.fx_timing
-        compiled = self._fx_on and is_compiled(self.target)
-        if compiled and (why_not := _kernels_unreadable(self.target, self.settings.torch_profiler)):
-            self.warn(why_not)
-            self._fx_on = compiled = False
-        # A compiled module's kernels are followed from before its first call (per-layer times from the trace).
-        settings = self.settings
-        self.timers.start(settings.capture, settings.backward_timing, settings.torch_profiler and settings.node_ranges,
-                          compiled, settings.memory)
-        taken = sorted(p.name for p in self.dirpath.glob("*cycle_*")) if self.rank == 0 and self.dirpath.is_dir() else []
-        self._taken = set(broadcast(taken))
-        self.follow = Follow(self.settings.watch_step_time, self.rank, self.world_size, self.settings.overhead_budget, self.warn)
-        self.follow.start(self.dirpath)
+        """Resolve the module, forget captures, and list the names in ``dirpath`` that earlier runs took (``open_run``)."""
+        open_run(self)
+
+    def begin_stage(self, stage: str = "train") -> None:
+        """A loop of ``stage`` starts: ``prepare``, after ``begin_run`` where no run began (validation alone:
+        ``trainer.validate``)."""
+        if stage == "train" or self.settings.profile_validation:
+            if self.target is None:
+                self.begin_run()
+            self.prepare(stage)
 
     def prepare(self, stage: str = "train") -> None:
         """Capture the module in its current mode before the stage's first timed step (or start recording a call)."""
@@ -188,38 +181,17 @@ class Engine(HoldsSettings):
 
     def end_train_step(self) -> None:
         """``end_step`` with the phases of the step; then a clock for the recorded step ahead, or ``go_idle``."""
-        if self._clock is not None:
-            self.add_step_phases(self._clock.lap())
+        self.notes.lap()
         self.end_step("train")
         if not self.time_phases():
             self.go_idle()
 
     def time_phases(self) -> bool:
-        """The driver's clock (``phase_clock``) runs while training steps are recorded (``CycleReport.phases``); whether
-        the step in progress is one."""
+        """The driver's clock (``notes``) runs while training steps are recorded (``CycleReport.phases``); whether the
+        step in progress is one."""
         recording = self.recording("train")
-        if recording and self._clock is None and self.target is not None and self.phase_clock is not None:
-            self._clock = self.phase_clock()
-        elif not recording:
-            self.close_clock()
+        self.notes.time(recording, self.target is not None)
         return recording
-
-    def close_clock(self) -> None:
-        if self._clock is not None:
-            self._clock.close()
-            self._clock = None
-
-    def add_batch_size(self, samples: int | None, stage: str = "train") -> None:
-        """The samples in the recorded step in progress (``CycleReport.batch_size``: their mean); before ``end_step``."""
-        cycle = self._recording_cycle(stage)
-        if samples is not None and cycle is not None:
-            cycle.batch_sizes.append(int(samples))
-
-    def add_step_phases(self, phases_ns: dict[str, int], stage: str = "train") -> None:
-        """Where the recorded step in progress went, ns per phase (``step_phases.PhaseClock.lap``); before ``end_step``."""
-        cycle = self._recording_cycle(stage)
-        if cycle is not None:
-            cycle.phases.append(phases_ns)
 
     def _recording_cycle(self, stage: str) -> Cycle | None:
         """The stage's open cycle while its step in progress is a recorded step, else None."""
@@ -246,7 +218,7 @@ class Engine(HoldsSettings):
         """The loop of ``stage`` stopped (or paused): write a cycle it left before its last recorded step."""
         if stage == "train":
             self.idle.wake()
-            self.close_clock()
+            self.notes.close_clock()
         state = self._stage(stage)
         if state is None:
             return
@@ -256,52 +228,26 @@ class Engine(HoldsSettings):
             self._safely("writing a cycle left open", self._close_cycle, state, gather=False)
 
     def abort(self) -> None:
-        """Training stopped with an exception: write this rank's open cycles (no collective) and remove every hook.
+        """Training stopped with an exception: write this rank's open cycles (no collective) and remove every hook
+        (``abort_run``)."""
+        abort_run(self)
 
-        The step the exception stopped counts as recorded if the module ran in it (its samples are in the timer).
-        """
+    def release(self) -> None:
+        """The driver lets go of the module: the idle steps' stand-ins and the clock gone, every hook removed."""
         self.idle.wake()
-        self.close_clock()
-        self.timers.stop()
-        if self.follow is not None:
-            self.follow.stop()
-        for state in (self._train, self._val):
-            cycle = state.open
-            if state.in_step and cycle is not None and cycle.ran_in_step and state.action(self.schedule, state.step) in RECORDING:
-                cycle.count_step(state.step)  # its samples are in: the step the exception stopped counts (unless dropped)
-            state.in_step = False
-            if state.open is not None:
-                # Other ranks may not get here: no collective, this rank's data only.
-                self._safely("writing the cycle cut short by an exception", self._close_cycle, state, gather=False)
+        self.notes.close_clock()
+        self.timers.stop()  # (also the hooks waiting for a mode's first call that never came)
 
     def end_run(self) -> None:
-        """Profiling ends: remove the first-call recorders, put Inductor's settings back and let the sinks finish (rank 0)."""
-        self.timers.stop()
-        if self.rank == 0 and not self._train.cycles and (why := _nothing_recorded(self.settings.schedule, self._train.step)):
-            self.warn(why)
-        if self.follow is not None:
-            self.follow.end(self.dirpath)
-        if self.rank == 0:
-            cost = (self.follow.spent_s(), self.follow.share()) if self.follow is not None else None
-            run = RunSummary(self._train.cycles, self.dirpath, self.display(), cost)
-            for sink in self.sinks:
-                self._safely("closing a sink", sink.close, run)
+        """Profiling ends: remove the first-call recorders, put Inductor's settings back and let the sinks finish (rank 0)
+        (``close_run``)."""
+        close_run(self)
 
     def display(self) -> Display:
         """What the sinks show, from the settings now (``sinks.Display``)."""
         settings = self.settings
         return Display(self.name, settings.top_k, settings.module_depth, settings.pictures, settings.verbose,
                        settings.profile_validation, self.warn)
-
-    def backward_started(self) -> None:
-        """Mark the start of a recorded step's backward (measures ``CycleReport.backward_wall_ms``)."""
-        if self._train.open is not None and self._train.action(self.schedule, self._train.step) in RECORDING:
-            self._backward_start = time.perf_counter_ns()
-
-    def backward_ended(self) -> None:
-        start, self._backward_start = self._backward_start, None
-        if start is not None and self._train.open is not None:
-            self._train.open.backward_wall_ns.append(time.perf_counter_ns() - start)
 
     @property
     def rank(self) -> int:
@@ -369,6 +315,60 @@ class Engine(HoldsSettings):
             cycle, stage.open = stage.open, None
             if cycle is not None:
                 cycle.abandon(self.target)
+
+
+# ------------------------------------------------------------ a run's ends
+# Opening a run (the module resolved and checked, the timers started, the names earlier runs took, the follower) and
+# closing it (the nothing-recorded warning, the follower's end, the sinks closed on rank 0), or cutting it short at an
+# exception. The driver says when (``begin_run``, ``end_run``, ``abort``).
+
+def open_run(engine: Engine) -> None:
+    """Resolve the module, forget captures, and list the names in ``dirpath`` that earlier runs took."""
+    engine.target = engine.module if isinstance(engine.module, nn.Module) else engine.module()
+    engine._enabled, engine._fx_on = True, engine.settings.fx_timing
+    compiled = engine._fx_on and is_compiled(engine.target)
+    if compiled and (why_not := _kernels_unreadable(engine.target, engine.settings.torch_profiler)):
+        engine.warn(why_not)
+        engine._fx_on = compiled = False
+    # A compiled module's kernels are followed from before its first call (per-layer times from the trace).
+    settings = engine.settings
+    engine.timers.start(settings.capture, settings.backward_timing, settings.torch_profiler and settings.node_ranges,
+                        compiled, settings.memory)
+    taken = sorted(p.name for p in engine.dirpath.glob("*cycle_*")) if engine.rank == 0 and engine.dirpath.is_dir() else []
+    engine._taken = set(broadcast(taken))
+    engine.follow = Follow(settings.watch_step_time, engine.rank, engine.world_size, settings.overhead_budget, engine.warn)
+    engine.follow.start(engine.dirpath)
+
+
+def close_run(engine: Engine) -> None:
+    """Remove the first-call recorders, put Inductor's settings back and let the sinks finish (rank 0)."""
+    engine.timers.stop()
+    train = engine._train
+    if engine.rank == 0 and not train.cycles and (why := _nothing_recorded(engine.settings.schedule, train.step)):
+        engine.warn(why)
+    if engine.follow is not None:
+        engine.follow.end(engine.dirpath)
+    if engine.rank == 0:
+        cost = (engine.follow.spent_s(), engine.follow.share()) if engine.follow is not None else None
+        run = RunSummary(train.cycles, engine.dirpath, engine.display(), cost)
+        for sink in engine.sinks:
+            engine._safely("closing a sink", sink.close, run)
+
+
+def abort_run(engine: Engine) -> None:
+    """Write this rank's open cycles (no collective) and remove every hook. The step the exception stopped counts as
+    recorded if the module ran in it (its samples are in the timer)."""
+    engine.release()
+    if engine.follow is not None:
+        engine.follow.stop()
+    for state in (engine._train, engine._val):
+        cycle = state.open
+        if state.in_step and cycle is not None and cycle.ran_in_step and state.action(engine.schedule, state.step) in RECORDING:
+            cycle.count_step(state.step)  # its samples are in: the step the exception stopped counts (unless dropped)
+        state.in_step = False
+        if state.open is not None:
+            # Other ranks may not get here: no collective, this rank's data only.
+            engine._safely("writing the cycle cut short by an exception", engine._close_cycle, state, gather=False)
 
 
 def _nothing_recorded(schedule: Schedule, steps: int) -> str | None:
@@ -523,7 +523,7 @@ def _trace_for(engine: Engine, stage: Stage, other: Stage, index: int, directory
     settings = engine.settings
     if not settings.torch_profiler or (settings.tracing_ranks is not None and engine.rank not in settings.tracing_ranks):
         return None
-    if other.open is not None and (other.open.trace is not None or other.open.backward_events is not None):
+    if other.open is not None and (other.open.trace is not None or other.open.backward.events is not None):
         engine.warn(f"a {other.name} cycle's profiler is still running, so {stage.name} steps {stage.step}+ get "
                     "node timing only (one profiler runs at a time)")
         return None

@@ -2,7 +2,7 @@
 
 It owns where the cycle writes, its ``torch.profiler`` session (``CycleTrace``), its timer and what the timer
 is given: the steps it recorded, their wall and CPU times, phases and batch sizes, and where backward times come
-from (``backward``, chosen at each recorded training step). The engine (``engine.Engine``) decides when a cycle
+from (``BackwardSource``, chosen at each recorded training step). The engine (``engine.Engine``) decides when a cycle
 opens and closes.
 """
 
@@ -33,13 +33,46 @@ from fxprof_lightning.timing.gpu_trace import summary as device_summary
 from fxprof_lightning.timing.state_memory import OptimizerWatch
 from fxprof_lightning.timing.torch_trace import CycleTrace, ModuleCalls
 
-__all__ = ["Cycle"]
+__all__ = ["BackwardSource", "Cycle"]
 
 # Where a cycle's backward times come from:
 TRACE = "trace"  # the cycle's torch.profiler trace
 EVENTS = "events"  # a profiler session of the backward scope alone (``BackwardEvents``)
 HOOKS = "hooks"  # hooks on the autograd nodes (another profiler runs: no events can be had)
 TIMER = "timer"  # the timer's own way (CUDA events, a compiled module's kernels), or none
+
+
+@dataclass
+class BackwardSource:
+    """Where a cycle's backward times come from (``kind``: ``TRACE``, ``EVENTS``, ``HOOKS`` or ``TIMER``), and with
+    ``EVENTS`` the profiler session of the backward scope alone (``events``)."""
+
+    kind: str = TIMER
+    events: BackwardEvents | None = None
+
+    def choose(self, trace: CycleTrace | None, timer: Timer | None, warn: Callable[[str], None]) -> None:
+        """Decided at each recorded training step for its timer: the trace when there is one; else profiler events
+        of the backward scope alone (a session started at the cycle's first recorded step), unless another profiler
+        is running (then hooks); timers that do not use events (CUDA without a profiler, compiled modules) have
+        their own way."""
+        if trace is not None:
+            self.kind = TRACE
+        elif timer is None or not timer.traits.uses_backward_events:
+            self.kind = TIMER
+        else:
+            if self.events is None:
+                self.events = BackwardEvents()
+                if not self.events.start() and torch_api.missing_for_backward_events() is None:
+                    warn(f"another profiler is running, so this cycle's backward times {timer.traits.without_events}")
+            self.kind = EVENTS if self.events.running else HOOKS
+
+    def stop(self, warn: Callable[[str], None]) -> list[tuple[int, int]] | None:
+        """End the backward scope's session: its events (None without one)."""
+        events = self.events.stop() if self.events is not None else None
+        if self.events is not None and self.events.lost:
+            warn("another profiler started while this cycle recorded and took over the profiler session, "
+                 "so the cycle's nodes get no backward times")
+        return events
 
 
 @dataclass
@@ -52,8 +85,7 @@ class Cycle:
     timer: Timer | None
     capture: Capture | None
     training: bool
-    backward: str = TIMER  # where backward times come from (``choose_backward``)
-    backward_events: BackwardEvents | None = None  # with ``EVENTS``
+    backward: BackwardSource = field(default_factory=BackwardSource)
     recorded: list[int] = field(default_factory=list)
     backward_wall_ns: list[int] = field(default_factory=list)
     samples_at_step: int = 0  # the timer's call count when the step in progress began
@@ -85,22 +117,6 @@ class Cycle:
         """Seconds the timer spent capturing (and checking captures) since the cycle opened: in its warm-up steps or
         in recorded steps it dropped, never in a step it counts."""
         return sum(self.timer.progress.capture_s[self.captures_before:]) if self.timer is not None else 0.0
-
-    def choose_backward(self, warn: Callable[[str], None]) -> None:
-        """Where backward times come from, decided at each recorded training step for its timer: the trace when
-        there is one; else profiler events of the backward scope alone (a session started at the cycle's first
-        recorded step), unless another profiler is running (then hooks); timers that do not use events (CUDA
-        without a profiler, compiled modules) have their own way."""
-        if self.trace is not None:
-            self.backward = TRACE
-        elif self.timer is None or not self.timer.traits.uses_backward_events:
-            self.backward = TIMER
-        else:
-            if self.backward_events is None:
-                self.backward_events = BackwardEvents()
-                if not self.backward_events.start() and torch_api.missing_for_backward_events() is None:
-                    warn(f"another profiler is running, so this cycle's backward times {self.timer.traits.without_events}")
-            self.backward = EVENTS if self.backward_events.running else HOOKS
 
     def steps_wanted(self, active: int) -> int:
         """How many more steps to record in place of the dropped ones: up to ``active`` counted steps, and no more
@@ -140,13 +156,13 @@ class Cycle:
 
     def begin_step(self, module: nn.Module, recording: bool, times_backward: bool, warn: Callable[[str], None]) -> None:
         """Install the timer for a traced step (a recorded step's first resets what warm-up measured);
-        ``times_backward``: a recorded training step, whose backward is timed (``choose_backward``)."""
+        ``times_backward``: a recorded training step, whose backward is timed (``BackwardSource.choose``)."""
         if times_backward:
-            self.choose_backward(warn)
+            self.backward.choose(self.trace, self.timer, warn)
         if self.timer is not None:
             if recording and not self.recorded:
                 self.timer.reset()
-            self.samples_at_step, self.hooks_now = self.timer.progress.calls, times_backward and self.backward == HOOKS
+            self.samples_at_step, self.hooks_now = self.timer.progress.calls, times_backward and self.backward.kind == HOOKS
             self.timer.install(module, backward_hooks=self.hooks_now)
         if recording:
             self._step_mark = _StepMark(self.timer.save_point() if self.timer is not None else None,
@@ -212,10 +228,7 @@ class Cycle:
         timer.uninstall(module)
         progress, traits = timer.progress, timer.traits
         self.untimed = progress.untimed
-        events = self.backward_events.stop() if self.backward_events is not None else None
-        if self.backward_events is not None and self.backward_events.lost:
-            warn("another profiler started while this cycle recorded and took over the profiler session, "
-                 "so the cycle's nodes get no backward times")
+        events = self.backward.stop(warn)
         if not self.recorded or not progress.usable:  # a graph that stopped fitting kept nothing
             return None
         if events is None:
@@ -237,7 +250,7 @@ class Cycle:
         self.memory_note = collected.saved_unknown
         nodes = summarize_nodes(collected.nodes, forward, backward, collected.costs, collected.mem_delta,
                                 collected.mem_peak, collected.saved, collected.held)
-        if traits.uses_backward_events and self.backward != HOOKS:
+        if traits.uses_backward_events and self.backward.kind != HOOKS:
             self.backward_outside_ns = collected.backward_outside_ns
         if device is None:
             self.forward_walls_ns = collected.forward_walls_ns
@@ -296,8 +309,8 @@ class Cycle:
         self.stepped_optimizers()
         if self.timer is not None:
             self.timer.uninstall(module)
-        if self.backward_events is not None:
-            self.backward_events.stop()
+        if self.backward.events is not None:
+            self.backward.events.stop()
         if self.trace is not None:
             with contextlib.suppress(Exception):  # already failing; the warning has been given
                 self.trace.stop()

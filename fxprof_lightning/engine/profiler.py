@@ -47,11 +47,13 @@ class Profiler(Engine):
         >>> print(prof.cycles[-1].to_markdown())
     """
 
+    _running = False  # between start() and stop()
+
     def start(self) -> None:
         """Begin profiling; the code until the next ``step()`` is training step ``step_num``."""
         if self._running:
             raise RuntimeError(f"{self.name}.start() was called twice without stop()")
-        self.phase_clock = lambda: LoopClock(self.target)
+        self.notes.make_clock = lambda: LoopClock(self.target)
         self.begin_run()
         self.prepare()
         self._running = True
@@ -73,17 +75,16 @@ class Profiler(Engine):
             raise RuntimeError(f"{self.name}.step() was called before start(): use `with {self.name}(...) as prof:` "
                                "or call prof.start() first")
         stage = self._current.name
-        self.add_batch_size(batch_size, stage)
-        lapped = stage == "train" and self._clock is not None
-        if lapped:
-            self.add_step_phases(self._clock.lap())
+        notes = self.notes
+        notes.add_batch_size(batch_size, stage)
+        lapped = stage == "train" and notes.lap()
         self.end_step(stage)
         if stage == "train" and not self.recording("train"):
             self.go_idle()
         self.begin_step(stage)
         self.time_phases()
-        if lapped and self._clock is not None:  # (the rest of this call is the profiler's, not the loop's)
-            self._clock.ours()
+        if lapped and notes.clock is not None:  # (the rest of this call is the profiler's, not the loop's)
+            notes.clock.ours()
 
     def stop(self) -> None:
         """End profiling: a step in progress that ran the module counts, a cycle in progress is written cut short."""
@@ -91,9 +92,9 @@ class Profiler(Engine):
             return
         self._running = False
         self.idle.wake()
-        if self._clock is not None and self._current is self._train and self._train.in_step:
-            self.add_step_phases(self._clock.lap())
-        self.close_clock()
+        if self._current is self._train and self._train.in_step:
+            self.notes.lap()
+        self.notes.close_clock()
         self._finish_step(self._current)
         self.end_stage("train")
         self.end_run()

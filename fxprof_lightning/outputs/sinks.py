@@ -42,7 +42,7 @@ from fxprof_lightning.layout import (
     TREND_TAG,
     stage_tag,
 )
-from fxprof_lightning.report import CycleReport, last_sound, shorten
+from fxprof_lightning.report import CycleReport, CycleViews, last_sound, shorten
 
 # What TensorBoard's summary writer would replace in a tag (with a warning each time): all but letters, digits, _ - . /
 TAG_UNSAFE = re.compile(r"[^-\w./]+")
@@ -173,12 +173,13 @@ def custom_scalars_layout(validation: bool = False, tracked: list[str] | None = 
     return charts
 
 
-def cycle_texts(report: CycleReport, top_k: int, module_depth: int) -> dict[str, str]:
-    """The cycle's text entries: the node table (Markdown) and, when there is one, the module tree."""
+def cycle_texts(report: CycleReport, views: CycleViews) -> dict[str, str]:
+    """The cycle's text entries, by tag: the node table (Markdown) and, when there is one, the module tree (``views``:
+    the report's, ``CycleReport.views(display.top_k, display.module_depth)``)."""
     prefix = tag_prefix(report)
-    texts = {f"{prefix}/layers": report.to_markdown(top_k)}
-    if report.modules:
-        texts[f"{prefix}/modules"] = report.modules_to_text(module_depth)
+    texts = {f"{prefix}/layers": views.markdown}
+    if views.modules_text is not None:
+        texts[f"{prefix}/modules"] = views.modules_text
     return texts
 
 
@@ -239,8 +240,9 @@ def png_to_array(png: bytes) -> Any:
     return (pixels * 255).round().astype("uint8") if pixels.dtype.kind == "f" else pixels
 
 
-def log_to_summary_writer(writer: Any, report: CycleReport, display: Display) -> None:
-    """Scalars, text and pictures of a cycle to a ``SummaryWriter`` (also what the callback sends to a TensorBoardLogger)."""
+def log_to_summary_writer(writer: Any, report: CycleReport, display: Display, views: CycleViews) -> None:
+    """Scalars, text and pictures of a cycle to a ``SummaryWriter`` (also what the callback sends to a TensorBoardLogger;
+    ``views``: the report's, as for ``cycle_texts``)."""
     step = report.steps[-1]
     if not getattr(writer, "_fxprof_layout", False):
         writer.add_custom_scalars(custom_scalars_layout(display.validation,
@@ -249,7 +251,7 @@ def log_to_summary_writer(writer: Any, report: CycleReport, display: Display) ->
         writer._fxprof_layout = True
     for tag, value in cycle_scalars(report).items():
         writer.add_scalar(tag, value, global_step=step)
-    for tag, text in cycle_texts(report, display.top_k, display.module_depth).items():
+    for tag, text in cycle_texts(report, views).items():
         writer.add_text(tag, text, global_step=step)
     for tag, png in cycle_pictures(report, display).items():
         writer.add_image(tag, png_to_array(png), global_step=step, dataformats="HWC")
@@ -296,7 +298,7 @@ class TensorBoardSink:
         self.writer = writer
 
     def write_cycle(self, report: CycleReport, display: Display) -> None:
-        log_to_summary_writer(self.writer, report, display)
+        log_to_summary_writer(self.writer, report, display, report.views(display.top_k, display.module_depth))
 
     def close(self, run: RunSummary) -> None:
         log_trend_to_summary_writer(self.writer, run)
@@ -339,7 +341,7 @@ class ConsoleSink:
         if self.every_cycle:
             self.write(cycle_line(report, display.name))
         if display.verbose:
-            for text in cycle_texts(report, display.top_k, display.module_depth).values():
+            for text in cycle_texts(report, report.views(display.top_k, display.module_depth)).values():
                 self.write(f"\n{text}\n")
 
     def close(self, run: RunSummary) -> None:

@@ -1,8 +1,9 @@
 """A cycle's tables and files to the Trainer's experiment trackers, each in the form that tracker uses.
 
 ``LoggerSink``: the Trainer's loggers as the callback's sink. Scalars to every logger; to TensorBoard also the
-tables as text, the pictures and a CUSTOM SCALARS layout. ``log_cycle_files(logger, report, display)`` is called
-for every logger after the scalars (rank 0 only). It looks at the logger's type:
+tables as text, the pictures and a CUSTOM SCALARS layout. ``log_cycle_files(logger, report, display, views)`` is
+called for every logger after the scalars (rank 0 only; ``views``: the report's, drawn once per cycle by
+``CycleReport.views``). It looks at the logger's type:
 
 - ``CSVLogger``: ``fx_nodes.csv``, ``fx_modules.csv`` and the cycle's other files (traces,
   ``cycle.json``, pictures) in ``<log_dir>/fxprof/<cycle>/``; nothing when the cycle's directory is
@@ -46,7 +47,7 @@ from fxprof_lightning.outputs.sinks import (
     tag_prefix,
     trend_picture,
 )
-from fxprof_lightning.report import CycleReport, ModuleStats, NodeStats
+from fxprof_lightning.report import CycleReport, CycleViews, ModuleStats, NodeStats
 
 __all__ = ["LoggerSink", "log_cycle_files", "log_trend", "module_table", "node_table"]
 
@@ -69,16 +70,16 @@ def _table(record_type: type, records: list) -> tuple[list[str], list[list[Any]]
     return columns, [[getattr(record, c) for c in columns] for record in records]
 
 
-def log_cycle_files(logger: Any, report: CycleReport, display: Display) -> None:
+def log_cycle_files(logger: Any, report: CycleReport, display: Display, views: CycleViews) -> None:
     """Send the cycle's tables and files to ``logger`` if it is a tracker that keeps them (see the module's doc)."""
     from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, WandbLogger
 
     if isinstance(logger, CSVLogger):
-        parts = _csv_parts(logger, report)
+        parts = _csv_parts(logger, report, views)
     elif isinstance(logger, MLFlowLogger):
-        parts = _mlflow_parts(logger, report, display)
+        parts = _mlflow_parts(logger, report, views)
     elif isinstance(logger, WandbLogger):
-        parts = _wandb_parts(logger, report)
+        parts = _wandb_parts(logger, report, views)
     else:
         return
     for what, send in parts:
@@ -140,7 +141,7 @@ def _has_files(report: CycleReport) -> bool:
 # ---------------------------------------------------------------- CSVLogger
 
 
-def _csv_parts(logger: Any, report: CycleReport) -> list[tuple[str, Callable[[], None]]]:
+def _csv_parts(logger: Any, report: CycleReport, views: CycleViews) -> list[tuple[str, Callable[[], None]]]:
     log_dir = Path(logger.log_dir)
     if report.directory is not None and report.directory.resolve().is_relative_to(log_dir.resolve()):
         return []  # already where the user looks
@@ -153,9 +154,9 @@ def _csv_parts(logger: Any, report: CycleReport) -> list[tuple[str, Callable[[],
 
     def csv_tables() -> None:
         target.mkdir(parents=True, exist_ok=True)
-        (target / NODES_FILE).write_text(report.to_csv())
-        if report.modules:
-            (target / MODULES_FILE).write_text(report.modules_to_csv())
+        (target / NODES_FILE).write_text(views.nodes_csv)
+        if views.modules_csv is not None:
+            (target / MODULES_FILE).write_text(views.modules_csv)
 
     return [("cycle's files", files), ("node and module tables", csv_tables)]
 
@@ -163,7 +164,7 @@ def _csv_parts(logger: Any, report: CycleReport) -> list[tuple[str, Callable[[],
 # ---------------------------------------------------------------- MLFlowLogger
 
 
-def _mlflow_parts(logger: Any, report: CycleReport, display: Display) -> list[tuple[str, Callable[[], None]]]:
+def _mlflow_parts(logger: Any, report: CycleReport, views: CycleViews) -> list[tuple[str, Callable[[], None]]]:
     base = f"fxprof/{_cycle_name(report)}"
 
     def tables() -> None:
@@ -174,7 +175,7 @@ def _mlflow_parts(logger: Any, report: CycleReport, display: Display) -> list[tu
 
     def texts() -> None:
         client, run_id = logger.experiment, logger.run_id
-        for tag, text in cycle_texts(report, display.top_k, display.module_depth).items():
+        for tag, text in cycle_texts(report, views).items():
             client.log_text(run_id, text, f"{base}/{tag.rsplit('/', 1)[-1]}.md")
 
     def files() -> None:
@@ -204,7 +205,7 @@ def _mlflow_table(client: Any, run_id: str, table: tuple[list[str], list[list[An
 # ---------------------------------------------------------------- WandbLogger
 
 
-def _wandb_parts(logger: Any, report: CycleReport) -> list[tuple[str, Callable[[], None]]]:
+def _wandb_parts(logger: Any, report: CycleReport, views: CycleViews) -> list[tuple[str, Callable[[], None]]]:
     prefix, step = tag_prefix(report), report.steps[-1] if report.steps else None
 
     def tables() -> None:
@@ -219,16 +220,16 @@ def _wandb_parts(logger: Any, report: CycleReport) -> list[tuple[str, Callable[[
 
         run = logger.experiment
         stage = "val-" if report.stage == "val" else ""
-        artifact = wandb.Artifact(name=f"fxprof-{stage}{run.id}", type="fxprof-cycle", metadata=_summary(report))
+        artifact = wandb.Artifact(name=f"fxprof-{stage}{run.id}", type="fxprof-cycle", metadata=_metadata(views.summary))
         artifact.add_dir(str(report.directory))
         run.log_artifact(artifact, aliases=[_cycle_name(report), "latest"])
 
     return [("node and module tables", tables), ("cycle's files", files)]
 
 
-def _summary(report: CycleReport) -> dict[str, Any] | None:
+def _metadata(summary: dict[str, Any]) -> dict[str, Any] | None:
     try:
-        return json.loads(json.dumps(report.to_summary(), default=str))
+        return json.loads(json.dumps(summary, default=str))
     except Exception:  # metadata is a bonus: the files go without it
         return None
 
@@ -243,13 +244,15 @@ class LoggerSink:
     def write_cycle(self, report: CycleReport, display: Display) -> None:
         from lightning.pytorch.loggers import TensorBoardLogger
 
-        step = report.steps[-1]
+        if not self.loggers:
+            return
+        step, views = report.steps[-1], report.views(display.top_k, display.module_depth)  # (drawn once for all)
         for logger in self.loggers:
             if isinstance(logger, TensorBoardLogger):
-                log_to_summary_writer(logger.experiment, report, display)
+                log_to_summary_writer(logger.experiment, report, display, views)
             else:
                 logger.log_metrics(cycle_scalars(report), step=step)
-            log_cycle_files(logger, report, display)  # tables and files to CSV, MLflow, W&B
+            log_cycle_files(logger, report, display, views)  # tables and files to CSV, MLflow, W&B
             logger.save()
 
     def close(self, run: RunSummary) -> None:
