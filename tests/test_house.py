@@ -51,15 +51,16 @@ def test_no_import_cycle():
 
 
 # Over the limits below, each with the size it may not pass while it waits (none now).
-WAITING: dict[str, int] = {}
+# Classes still over the house's 250 lines (issue 43), at their size now: lower the entry as they shrink.
+WAITING: dict[str, int] = {"capture.dynamo:DynamoTimer": 280}
 
 
 def _lines(node: ast.AST) -> int:
     return node.end_lineno - node.lineno + 1
 
 
-def test_no_class_over_300_lines_and_no_file_over_600():
-    """A class past 300 lines, or a file past 600, holds more than one job: split it (as DynamoTimer was, into
+def test_no_class_over_250_lines_and_no_file_over_600():
+    """A class past 250 lines, or a file past 600, holds more than one job: split it (as DynamoTimer was, into
     capture and timing, and the engine's file, into core, stage, ranks and settings)."""
     sizes = {}
     for path in PACKAGE.rglob("*.py"):
@@ -68,7 +69,7 @@ def test_no_class_over_300_lines_and_no_file_over_600():
         sizes |= {f"{_module(path)}:{node.name}": _lines(node) for node in ast.walk(ast.parse(text))
                   if isinstance(node, ast.ClassDef)}
     too_long = [f"{name} ({size} lines)" for name, size in sizes.items()
-                if size > WAITING.get(name, 300 if ":" in name else 600)]
+                if size > WAITING.get(name, 250 if ":" in name else 600)]
     stale = [f"{name} ({limit} lines)" for name, limit in WAITING.items() if name not in sizes or sizes[name] < limit]
     assert not too_long
     assert not stale, "smaller than WAITING says: lower its entry (or drop it when under the limit)"

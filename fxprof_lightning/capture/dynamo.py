@@ -114,6 +114,8 @@ GUARD_SETTINGS = {"skip_nnmodule_hook_guards": False,
 # ``TorchInGraphFunctionVariable``): while we capture, Dynamo traces into them, so their ops are rows.
 OPENED = (torch.nn.functional.multi_head_attention_forward,)
 OPENED_BY = (nn.MultiheadAttention,)  # the modules that call them
+_OPENED_NAMES = {f"{f.__module__}.{f.__name__}" for f in OPENED}
+WHOLE = "{} timed as one row: traced into, it broke Dynamo's graph (its checks), so it was captured whole"
 
 
 def _in_one_frame(attempt: _Attempt, way: _Way, sharded: bool) -> bool:
@@ -203,6 +205,28 @@ def _follows(first: _Attempt) -> bool:
     capture there leaves Dynamo state on the code objects (skip marks, automatic-dynamic sizes), and a capture after
     the first was seen to win without timing a layer more (test_dynamics: a helper's row then named by its caller)."""
     return torch_api.FOLLOWS and (torch_api.ISOLATED_CACHE or bool(first.untimed))
+
+
+def _other_ways(module: nn.Module, first: _Attempt) -> list[_Way]:
+    """The ways to try after a first capture that broke the graph or was refused:
+
+    * Without tracing into ``OPENED`` (the checks inside ``F.multi_head_attention_forward`` with a padding mask
+      break the graph, and torch's own code after a break runs untimed).
+    * Following torch's own frames after a break (``dont_skip_tracing``: ``nn.Transformer``'s causal-mask check
+      breaks the graph, after which its layers would run untimed).
+    * Refused: on the branches eager takes (``torch.compiler.is_compiling()`` answered False while Dynamo
+      traces): libraries take other branches while compiling (HF drops an all-ones attention mask in eager
+      only, and picks its MoE kernels by it), which computes the same values by other ops.
+    * Each torch.nn layer in a frame of its own (``framed``) where a module has backward hooks: it breaks its parent's
+      frame, and its siblings' frames would run untimed (not for other breaks: a layer whose ``.item()`` breaks each
+      call is better timed by following torch's frames)."""
+    way = first.way
+    opens = any(isinstance(m, OPENED_BY) for m in module.modules())  # calls a function in ``OPENED``
+    others = [replace(way, opening=())] if way.opening and opens and first.breaks else []
+    others += [replace(way, follow=True)] if first.breaks and not way.follow and _follows(first) else []
+    others += [replace(way, eager_branches=True)] if first.difference and not way.eager_branches else []
+    backward_hooked = any(m._backward_hooks or m._backward_pre_hooks for m in module.modules())
+    return others + ([replace(way, framed=True)] if backward_hooked and not way.framed else [])
 
 
 def _placed(node: fx.Node, first: bool) -> int:
@@ -404,28 +428,11 @@ class DynamoTimer(DynamoGraphs):
 
     def _explore(self, module: nn.Module, eager: verify.CallResult | Exception, state: verify.State, args: tuple[Any, ...],
                  kwargs: dict[str, Any], first: _Attempt) -> _Attempt:
-        """The first capture broke the graph or was refused: try other ways, each in a fresh Dynamo cache.
-
-        * Without tracing into ``OPENED`` (the checks inside ``F.multi_head_attention_forward`` with a padding mask
-          break the graph, and torch's own code after a break runs untimed).
-        * Following torch's own frames after a break (``dont_skip_tracing``: ``nn.Transformer``'s causal-mask check
-          breaks the graph, after which its layers would run untimed).
-        * Refused: on the branches eager takes (``torch.compiler.is_compiling()`` answered False while Dynamo
-          traces): libraries take other branches while compiling (HF drops an all-ones attention mask in eager
-          only, and picks its MoE kernels by it), which computes the same values by other ops.
-
-        Keeps the way that verifies and times the most ops inside layers (``_placed``; the first of equals), from
-        now on."""
+        """The first capture broke the graph or was refused: try the other ways (``_other_ways``), each in a fresh
+        Dynamo cache. Keeps the way that verifies and times the most ops inside layers (``_placed``; the first of
+        equals), from now on."""
         self._explored = True
-        way, tried = first.way, [first]
-        opens = any(isinstance(m, OPENED_BY) for m in module.modules())  # calls a function in ``OPENED``
-        others = [replace(way, opening=())] if way.opening and opens and first.breaks else []
-        others += [replace(way, follow=True)] if first.breaks and not way.follow and _follows(first) else []
-        others += [replace(way, eager_branches=True)] if first.difference and not way.eager_branches else []
-        # (a module with backward hooks breaks its parent's frame; its siblings' frames run untimed. Not for other
-        # breaks: a layer whose ``.item()`` breaks each call is better timed by following torch's frames)
-        backward_hooked = any(m._backward_hooks or m._backward_pre_hooks for m in module.modules())
-        others += [replace(way, framed=True)] if backward_hooked and not way.framed else []
+        tried, others = [first], _other_ways(module, first)
         for other in others:
             self._drop(tried[-1])
             tried.append(self._attempt(module, eager, state, args, kwargs, other))
@@ -500,10 +507,7 @@ class DynamoTimer(DynamoGraphs):
         return f"the graph Dynamo captured was refused: {self.mismatch}"
 
     def describe(self, capture: Capture) -> Capture:
-        whole = {f"{f.__module__}.{f.__name__}" for f in OPENED}
-        leaves = {info.module_path: (f"{info.target} timed as one row: traced into, it broke Dynamo's graph (its "
-                                     "checks), so it was captured whole")
-                  for info in self.nodes if info.target in whole}
+        leaves = {info.module_path: WHOLE.format(info.target) for info in self.nodes if info.target in _OPENED_NAMES}
         untimed = dict.fromkeys(self.outside_graphs, OUTSIDE_GRAPHS)
         return replace(capture, graphs=len(self.graphs), recaptures=list(self.recaptures), capture_s=list(self.capture_s),
                        graph_breaks=self.graph_breaks(), leaves=leaves, host_reads=dict(self.host_reads), untimed=untimed,

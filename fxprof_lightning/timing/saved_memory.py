@@ -55,9 +55,9 @@ class SavedBytes:
 
     def held_after(self, row: int) -> float | None:
         """``held`` for the row (None: unknown, or a row that made no autograd node in the call read)."""
-        if row in self.unknown or row >= self.known or self.unknown:
+        if row in self.unknown or row >= self.known or self.unknown or row not in self.held:
             return None
-        return self.held.get(row)
+        return float(self.held[row])
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[str, int, int] | None:
