@@ -191,13 +191,15 @@ def _memory(cycle: CycleReport) -> str:
     state = [(what, value) for what, value in (("parameters", root and root.param_bytes), ("gradients", root and root.grad_bytes),
                                                 ("optimizer state", root and root.optimizer_bytes)) if value is not None]
     rows = [[str(rank), f"<code>{_e(n.layer or n.name)}</code>", f"{b / 1e6:.3f}", f"{100 * b / total:.1f}%",
-             f'<span class="share" style="width:{1.6 * 100 * b / total:.1f}px;background:{PALETTE[1]}"></span>']
+             f'<span class="share" style="width:{1.6 * 100 * b / total:.1f}px;background:{PALETTE[1]}"></span>',
+             "" if n.saved_held_bytes is None else f"{n.saved_held_bytes / 1e6:.3f}"]
             for rank, (n, b) in enumerate(held[:SLOWEST_ROWS], start=1) if b > 0]
     plan = cycle.checkpoint_plan
     return (f"<p>Held at the end of the forward: {total / 1e6:.3f} MB saved for backward per step"
             + "".join(f", {what} {value / 1e6:.3f} MB" for what, value in state) + ".</p>\n"
             + (f"<p>Checkpointing plan: {_e(plan.text())}.</p>\n" if plan is not None else "")
-            + _table(["#", "layer", "MB saved/step", "share", ""], rows, "memory", numeric=(0, 2, 3)))
+            + _table(["#", "layer", "MB saved/step", "share", "", "MB held once it ran (a forward call)"], rows, "memory",
+                     numeric=(0, 2, 3, 5)))
 
 
 def _icicle(cycle: CycleReport, depth: int = ICICLE_DEPTH) -> str:
