@@ -981,6 +981,25 @@ def test_a_one_graph_capture_asks_the_guards_once_per_call_and_captures_a_new_st
     assert asked == [1] and timer._one_frame is False
 
 
+def test_the_guards_of_a_forward_of_torchs_own_are_given_its_frame_as_it_starts():
+    """An ``nn.Sequential``'s forward runs in Dynamo's ``wrap_inline`` frame, ``inner(*args, **kwargs)``: the guards are
+    given ``args`` and ``kwargs`` whole (as ``Signature.bind`` gives them, without its cost), and a call in the
+    captured state passes them."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    x = torch.randn(4, 8)
+    timer = dynamo_capture.DynamoTimer(True)
+    timer.install(model)
+    try:
+        model(x).sum().backward()  # captured
+        entry = timer._entry
+        bound = entry.signature.bind(x, flag=True)
+        assert entry._starred == ("args", "kwargs")
+        assert entry._locals((x,), {"flag": True}) == {**bound.arguments, **entry.free}
+        assert entry.fitting((x,), {})[1] is not None and entry.check((x,), {})[1] == ""
+    finally:
+        timer.uninstall(model)
+
+
 class Recurrent(nn.Module):
     """An LSTM over token embeddings (torch.nn's RNNs: Dynamo skips their frames unless ``allow_rnn``)."""
 
