@@ -15,9 +15,11 @@ too: ``TransformerEncoderLayer`` is opened), and breaks the graph where it canno
   parameters and inputs, buffers after the call, random states, and the number and bytes of tensors saved for
   backward must be bitwise equal. Any difference refuses the graphs (``mismatch`` names the first differing
   tensor) and that call, like every later one, runs the module's own forward. ``.grad`` is never touched.
-* **Never stale.** Timed calls run with Dynamo's ``eager_on_recompile`` stance: a call whose state fails a
-  guard runs the module's own code eagerly (untimed) rather than a graph of another state, and the next call
-  captures again (and verifies) with the reason Dynamo gives (``recaptures``).
+* **Never stale.** Before a timed call the guards of the forward's frame are asked (``EntryGuards``): a call in a
+  state no capture fits is captured (and verified) on that call, with the reason Dynamo gives (``recaptures``).
+  Where the capture is one graph of that frame, the code Dynamo made for the fitting state then runs directly;
+  else the call goes through Dynamo under its ``eager_on_recompile`` stance, and a frame after a graph break whose
+  guards fail runs eagerly (untimed) rather than a graph of another state, and the next call captures again.
 * Its own cache (``isolate_recompiles``, or a copy of the forward's code object on a torch without it:
   ``torch_api.own_code``): the user's ``torch.compile`` of the same code is untouched.
 * Quiet: what Dynamo logs or warns in our calls through it (graph-break hints, recompiles) goes into the capture's
