@@ -413,9 +413,9 @@ class DynamoTimer(DynamoGraphs):
         if attempt.difference is not None:
             self.capture_s.append(time.perf_counter() - started)
             if reason == "first call" and attempt.difference.startswith(FAILED) and not self._retried:
-                self._pending, self._retried = reason, True  # (a first call may set up what later calls use:
-                return own_forward(*args, **kwargs)  # transformers installs its output hooks then) tried once more
-            self._refuse(attempt.difference)
+                self._pending, self._retried = reason, True  # tried once more (a first call may set up what later
+            else:  # calls use: transformers installs its output hooks then)
+                self._refuse(attempt.difference)
             return own_forward(*args, **kwargs)
         self._global_hooks = global_hooks()
         self._flags = None if torch_api.PARAMETER_FLAGS_GUARDED else ParameterFlags(module)

@@ -76,15 +76,11 @@ class EntryGuards:
     def check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int | None, str]:
         """The state of a call: the graph captured for the frame whose guards it passes (an id), or how it would miss
         them all (their first failing guard); (None, '') where that cannot be told."""
-        entries = torch_api.cache_entries(self.code, self.region)
-        if not entries:
-            return None, ""
-        frame_locals = self._locals(args, kwargs)  # the frame's locals as it starts
-        if frame_locals is None:
-            return None, ""
-        fits = next((entry for entry in entries if entry.guard_manager.check(frame_locals)), None)
+        entries, frame_locals, fits = self._fit(args, kwargs)
         if fits is not None:
             return id(fits.guard_manager), ""
+        if frame_locals is None:
+            return None, ""
         failed = entries[0].guard_manager.check_verbose(frame_locals).verbose_code_parts
         return None, re.sub(r"L\['([^']+)'\]", r"\1", str(failed[0]).strip()) if failed else "a guard failed"  # as Dynamo says it
 
@@ -93,14 +89,20 @@ class EntryGuards:
         (the bytecode Dynamo made, which calls its graph) as the forward's own function, bound as it is: run directly,
         the call does what Dynamo's frame evaluation would do after asking the same guards again. (None, None) where
         no capture fits or that cannot be told (``check`` then says why)."""
-        entries = torch_api.cache_entries(self.code, self.region)
-        frame_locals = self._locals(args, kwargs) if entries else None
-        fits = next((e for e in entries if e.guard_manager.check(frame_locals)), None) if frame_locals is not None else None
+        fits = self._fit(args, kwargs)[2]
         if fits is None:
             return None, None
         if fits.code not in self._runs:
             self._runs[fits.code] = self._as_function(fits.code)
         return id(fits.guard_manager), self._runs[fits.code]
+
+    def _fit(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any] | None, Any]:
+        """Dynamo's cache entries for the frame, the frame's locals as the call would start it (None: none cached, or
+        the call does not fit the signature), and the first entry whose guards they pass (None: none)."""
+        entries = torch_api.cache_entries(self.code, self.region)
+        frame_locals = self._locals(args, kwargs) if entries else None
+        fits = None if frame_locals is None else next((e for e in entries if e.guard_manager.check(frame_locals)), None)
+        return entries, frame_locals, fits
 
     def _as_function(self, code: types.CodeType) -> Callable[..., Any] | None:
         """``code`` with the function's globals (where Dynamo put the graphs it calls), defaults and closure, bound to

@@ -48,8 +48,8 @@ def on_a_value_of_the_call(failure: str) -> bool:
     """Whether the guard of a Dynamo guard failure is on a value made inside the forward's call (``___stack0...``: what
     a frame resumed after a graph break was handed, such as the tuple of hidden states a random layer drop shortened),
     not on the module, the inputs or a global (``L[...]``, ``G[...]``): such states recur from call to call."""
-    guard = re.sub(r"^\d+/\d+: ", "", failure.strip().splitlines()[0] if failure.strip() else "").split("#")[0]
-    return "___stack" in guard and not re.search(r"\b[LG]\[", guard)  # (the first line: the guard, then its stack)
+    guard = _guard_line(failure).split("#")[0]
+    return "___stack" in guard and not re.search(r"\b[LG]\[", guard)
 
 
 def global_hooks() -> tuple[tuple[int, ...], ...]:
@@ -107,8 +107,15 @@ def recapture_reason(reason: str, failures: list[str]) -> str:
     """``reason`` with the first line of each of Dynamo's guard failures since the last capture (what changed)."""
     if not failures or reason == "first call":
         return reason
-    firsts = (re.sub(r"\s+", " ", re.sub(r"^\d+/\d+: ", "", f.splitlines()[0])).strip() for f in failures)
+    firsts = (re.sub(r"\s+", " ", _guard_line(f)).strip() for f in failures)
     return f"{reason}: {'; '.join(dict.fromkeys(firsts))}"
+
+
+def _guard_line(failure: str) -> str:
+    """A Dynamo guard failure's first line, the guard and where it was read, without its ``frame/compile:`` prefix (the
+    lines after it are the user's stack)."""
+    lines = failure.strip().splitlines()
+    return re.sub(r"^\d+/\d+: ", "", lines[0]) if lines else ""
 
 
 def in_a_row_refusal(reason: str) -> str:

@@ -55,7 +55,7 @@ class SavedBytes:
 
     def held_after(self, row: int) -> float | None:
         """``held`` for the row (None: unknown, or a row that made no autograd node in the call read)."""
-        if row in self.unknown or row >= self.known or self.unknown or row not in self.held:
+        if self.unknown or row >= self.known or row not in self.held:  # (a row unknown: the sums below it too)
             return None
         return float(self.held[row])
 
