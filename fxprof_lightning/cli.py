@@ -533,9 +533,11 @@ def _costs(cycles: list[CycleReport]) -> str:
         return ""
     total = sum(float(line.get("cost_s") or 0.0) for line in known)
     setup = float(known[-1].get("setup_s") or 0.0)  # (runs before 2026-11-26 did not write it)
+    idle = float(known[-1].get("idle_s") or 0.0)  # (nor before 2026-11-28 this)
     notes = [str(line["note"]) for line in index if "note" in line]
-    cost = (f"What profiling cost: {total + setup:.2f} s, {total:.2f} s for {len(known)} cycle(s) (the last "
-            f"{float(known[-1]['cost_s']):.2f} s) and {setup:.2f} s making the capture ready at the run's start, "
+    cost = (f"What profiling cost: {total + setup + idle:.2f} s, {total:.2f} s for {len(known)} cycle(s) (the last "
+            f"{float(known[-1]['cost_s']):.2f} s), {setup:.2f} s making the capture ready at the run's start and "
+            f"{idle:.2f} s in the idle steps between cycles, "
             f"{100 * float(known[-1].get('run_share') or 0.0):.2f}% of the run's wall time by its last cycle "
             "(each cycle's wall time from its first step to its files written, less as many idle steps).")
     absent: dict[str, list[str]] = {}  # why -> the cycles the schedule selected that have no report

@@ -16,6 +16,7 @@ import pytest
 import torch
 from helpers import SmallNet, image_loader, notices, read_events
 from torch.nn import functional as F
+from torch.profiler import ProfilerAction
 from torch.utils.tensorboard import SummaryWriter
 
 from fxprof_lightning import ConsoleSink, CsvSink, FXProfilerCallback, Profiler, TensorBoardSink
@@ -82,6 +83,27 @@ def test_skip_first_defaults_to_zero_as_in_torch_profiler(tmp_path):
     assert (defaults["skip_first"], defaults["repeat"]) == (0, 0)
     shared = set(defaults) & set(callback_defaults)
     assert shared == set(defaults) - {"settings"} and all(defaults[k] == callback_defaults[k] for k in shared - {"module"})
+
+
+@pytest.mark.parametrize("bound_early", [False, True])
+def test_between_cycles_step_is_the_idle_counter_and_the_schedule_stays_torchs(tmp_path, bound_early):
+    # Between cycles ``prof.step`` is the idle steps' counter itself (one call a step), its time counted as profiling's;
+    # a ``step`` bound before a stretch began does the same through the class's method.
+    torch.manual_seed(0)
+    model = SmallNet()
+    prof = Profiler(model, wait=4, warmup=1, active=2, repeat=3, skip_first=3, dirpath=tmp_path, sinks=[])
+    step = prof.step
+    with prof:
+        for i in range(26):
+            model(torch.randn(2, 3, 8, 8)).sum().backward()
+            if i == 12:
+                assert "step" in vars(prof) and prof.idle.active  # step 12: the second cycle's wait
+            step() if bound_early else prof.step()
+    schedule = torch.profiler.schedule(skip_first=3, wait=4, warmup=1, active=2, repeat=3)
+    recorded = [s for s in range(26) if schedule(s) in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)]
+    assert [s for c in prof.cycles for s in c.steps] == recorded
+    assert "step" not in vars(prof)  # the stand-in gone with the run
+    assert 0 < prof.follow.idle_ns < 26 * 10**6  # (profiling's own time: far under a millisecond a step)
 
 
 def test_training_is_bitwise_unchanged(tmp_path):

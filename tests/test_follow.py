@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -71,6 +72,9 @@ def test_a_request_from_the_command_line_starts_a_cycle_of_the_running_job(tmp_p
     summary = subprocess.run([sys.executable, "-m", "fxprof_lightning", "report", str(tmp_path / "fxprof"), "--html"],
                              capture_output=True, text=True, timeout=120)
     assert "request: the loss went flat" in summary.stdout and "What profiling cost" in summary.stdout, summary.stdout
+    # ... the idle steps before the cycle included (a second of them: profiling's own part, under a millisecond a step)
+    idle = re.search(r"and (\d+\.\d\d) s in the idle steps between cycles", summary.stdout)
+    assert idle and float(idle.group(1)) < 0.5, summary.stdout
     assert "request: the loss went flat" in (tmp_path / "fxprof" / "fxprof_report.html").read_text()
     # The job has ended: a request now says so and fails.
     late = trigger(tmp_path)
@@ -182,11 +186,15 @@ def test_a_budget_keeps_what_profiling_costs_within_it(tmp_path):
     # The second cycle waited until the first's cost and as much again were within the budget: ~2 x 0.25 s / 5%.
     assert profiler.cycles[1].steps[0] > 100, [c.steps for c in profiler.cycles]
     assert profiler.follow.share() <= 0.05 + costs[-1] / seconds
-    assert profiler.follow.spent_s() == pytest.approx(sum(costs) + profiler.follow.setup_s)
+    # ... and its time in the idle steps (counted for the budget too): profiling's own, never the loop's 10 ms a step
+    idle_s = profiler.follow.idle_ns / 1e9
+    assert profiler.follow.spent_s() == pytest.approx(sum(costs) + profiler.follow.setup_s + idle_s)
+    assert 0 < idle_s < steps * 0.001, idle_s
     lines = [json.loads(line) for line in (tmp_path / "fxprof_cycles.jsonl").read_text().splitlines()]
     index = [line for line in lines if "cycle" in line]  # (and notes on the step time, if the machine made any)
     assert [line["cycle"] for line in index] == [c.directory.name for c in profiler.cycles]
     assert sum(line["cost_s"] for line in index) == pytest.approx(profiler.follow.cost_s, abs=1e-3 * len(index))
+    assert 0 < index[-1]["idle_s"] <= idle_s + 1e-4  # (by the last cycle's end)
     # Every cycle the schedule selected has a report or a line saying why not (issue 40 item 8)
     absent = [line for line in lines if "absent" in line]
     reported = {c.index for c in profiler.cycles}

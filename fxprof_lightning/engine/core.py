@@ -161,8 +161,12 @@ class Engine(HoldsSettings):
         state = self._stage(stage)
         if state is None:
             return
+        started, follow = time.perf_counter_ns(), self.follow
+        idle = state is self._train and follow is not None and follow.opened is None  # (what it costs: ``idle_ns``)
         state.in_step = True
         self._lifecycle(state, "begin", state.step)
+        if idle:
+            follow.idle_time(started)
 
     def recording(self, stage: str = "train") -> bool:
         """Whether the step in progress of ``stage`` (between ``end_step`` calls: the next one) is a recorded step."""
@@ -203,11 +207,15 @@ class Engine(HoldsSettings):
         state = self._stage(stage)
         if state is None:
             return
+        started, follow = time.perf_counter_ns(), self.follow
+        idle = state is self._train and follow is not None and follow.opened is None
         state.in_step = False
         step, state.step = state.step, state.step + 1
         self._lifecycle(state, "end", step)
-        if state is self._train and self.follow is not None:  # (the end of the step for ``follow.Follow``)
-            self._train.watched(self.schedule, self.follow, step)
+        if state is self._train and follow is not None:  # (the end of the step for ``follow.Follow``)
+            self._train.watched(self.schedule, follow, step)
+        if idle:
+            follow.idle_time(started)
 
     def plan(self, trigger: Trigger, step: int) -> None:
         """A cycle out of the schedule from the step after ``step`` (``follow.Follow.tick``'s trigger, or

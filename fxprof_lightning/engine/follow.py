@@ -226,6 +226,7 @@ class Follow:
         self.started = time.monotonic()
         self.cost_s, self.costed = 0.0, 0  # what the cycles so far cost, and how many (``closed``)
         self.setup_s = 0.0  # profiling's time outside cycles: the capture made ready (Dynamo's first use imports ~0.5 s)
+        self.idle_ns = 0  # and its time in the idle steps between cycles (``idle.IdleSteps``, ``Engine.begin_step``...)
         self.opened: tuple[int, int] | None = None  # (perf_counter_ns, step) where the open cycle began
         self.box: RequestBox | None = None
         # (perf_counter_ns) the ends of the idle steps since the last batch, after the end of the step before them
@@ -320,7 +321,8 @@ class Follow:
         report.cost_s = cost
         if report.directory is not None:
             self._index({"cycle": report.directory.name, "trigger": report.trigger, "steps": report.steps,
-                         "cost_s": round(cost, 4), "setup_s": round(self.setup_s, 4), "run_share": round(self.share(), 5)})
+                         "cost_s": round(cost, 4), "setup_s": round(self.setup_s, 4), "idle_s": round(self.idle_ns / 1e9, 4),
+                         "run_share": round(self.share(), 5)})
 
     def absent(self, cycles: list[int], why: str, warned: bool = False) -> None:
         """Training cycles the schedule selected that have no report, and why: a line each in the run's index (rank 0);
@@ -337,11 +339,17 @@ class Follow:
             _append(self.box.dirpath / INDEX_FILE, line)
 
     def share(self) -> float:
-        """What profiling cost so far (its cycles and ``setup_s``), as a share of the wall time since the run began."""
+        """What profiling cost so far (``spent_s``), as a share of the wall time since the run began."""
         return self.spent_s() / max(time.monotonic() - self.started, 1e-9)
 
     def spent_s(self) -> float:
-        return self.cost_s + self.setup_s
+        """What profiling cost so far: its cycles, ``setup_s`` and its time in the idle steps."""
+        return self.cost_s + self.setup_s + self.idle_ns / 1e9
+
+    def idle_time(self, started: int) -> None:
+        """The time since ``started`` (``perf_counter_ns``; no cycle open then) was profiling's, in an idle training
+        step: to ``idle_ns``, up to where a cycle opened since (that cycle's cost holds the rest)."""
+        self.idle_ns += (self.opened[0] if self.opened is not None else time.perf_counter_ns()) - started
 
     def held(self) -> int:
         """0 where a scheduled cycle may run within ``budget`` (what profiling spent so far and one more cycle, at their

@@ -7,6 +7,7 @@ and stops the run, times the plain loop's phases (``loop_phases``) and keeps the
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,6 +55,8 @@ class Profiler(Engine):
         if self._running:
             raise RuntimeError(f"{self.name}.start() was called twice without stop()")
         self.notes.make_clock = lambda: LoopClock(self.target)
+        # Between cycles ``step`` is the idle steps' counter itself (one call a step); the step after them begins here.
+        self.idle.stand_ins(self, {}, "step", then=functools.partial(self.begin_step, "train"))
         self.begin_run()
         self.prepare()
         self._running = True
@@ -66,10 +69,8 @@ class Profiler(Engine):
         ``batch_size``: the samples in the step that ends, for per-sample totals (``CycleReport.batch_size``,
         ``fxprof compare``)."""
         idle = self.idle
-        if idle.active:  # an idle step between cycles: counted, nothing else to do (``idle``)
-            idle.step_ended()
-            if not idle.active:  # the last one counted (or a cycle was planned): the next step begins as any other
-                self.begin_step("train")
+        if idle.active:  # (a ``step`` bound before the stretch began: ``idle.step_ended`` stands in for it since, and
+            idle.step_ended()  # begins the step after the stretch's last)
             return
         if not self._running:
             raise RuntimeError(f"{self.name}.step() was called before start(): use `with {self.name}(...) as prof:` "
