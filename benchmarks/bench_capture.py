@@ -135,7 +135,7 @@ def capture_seconds(model: nn.Module, x: torch.Tensor) -> tuple[float, int]:
     model(x).sum().backward()
     timer.uninstall(model)
     model.zero_grad()
-    return timer.capture_s[0], len(timer.nodes)
+    return timer.capture_s[0], len(timer.samples.nodes)
 
 
 def entry_check_us(model: nn.Module, x: torch.Tensor, grad: bool, calls: int = 400) -> float:
@@ -176,7 +176,7 @@ def timer_call_us(model: nn.Module, x: torch.Tensor, grad: bool, calls: int) -> 
                     out = model(x)
                     walls.append((one, time.perf_counter_ns() - start))
                     del out
-        fwd = timer.fwd
+        fwd = timer.samples.fwd
     finally:
         timer.uninstall(model)
     rows = [samples for samples in fwd if len(samples) == len(walls)]

@@ -165,9 +165,16 @@ def trace_module(model: nn.Module) -> fx.GraphModule:
     return trace(model)
 
 
+def kept(timer: NodeTimer) -> Any:
+    """What holds the rows and their samples (``nodes``, ``fwd``, ``anchors``...): ``timer.samples``, or the timer
+    itself in older versions."""
+    samples = getattr(timer, "samples", None)
+    return samples if hasattr(samples, "fwd") else timer
+
+
 def forward_samples(timer: NodeTimer) -> list[list[int]]:
-    """Forward durations (ns) per node: ``timer.fwd``, or ``timer.samples`` in older versions."""
-    return timer.fwd if hasattr(timer, "fwd") else timer.samples
+    """Forward durations (ns) per node: ``timer.samples.fwd``; ``timer.fwd``, or ``timer.samples`` in older versions."""
+    return kept(timer).fwd if hasattr(kept(timer), "fwd") else timer.samples
 
 
 def has_backward_option() -> bool:
@@ -474,7 +481,7 @@ def timer_variant(name: str, model: nn.Module, timer: NodeTimer) -> Variant:
     def exit_() -> None:
         timer.uninstall(model)
         start = time.perf_counter_ns()
-        timer.fwd  # noqa: B018 (makes the samples)
+        forward_samples(timer)  # (makes the samples)
         variant.after_ns.append(time.perf_counter_ns() - start)
         if events is not None:
             timer.add_backward(events.stop())
@@ -637,7 +644,7 @@ def step_variants(work: Workload, floor: Any = None) -> tuple[list[Variant], int
     variants.append(events_variant(model))
     if floor is not None:
         variants.append(floor_variant(model, floor))
-    return variants, len(timer.nodes)
+    return variants, len(kept(timer).nodes)
 
 
 def shuffled(items: list[Any], seed: int) -> list[Any]:
@@ -755,7 +762,8 @@ def write_ranges_ms(work: Workload, timer: NodeTimer) -> float:
         path = os.path.join(directory, "step.pt.trace.json.gz")
         prof.export_chrome_trace(path)
         began = time.perf_counter()
-        add_node_ranges(pathlib.Path(path), list(timer.anchors), timer.range_spans(), timer.backward_calls())
+        samples = kept(timer)
+        add_node_ranges(pathlib.Path(path), list(samples.anchors), samples.range_spans(), samples.backward_calls())
         return (time.perf_counter() - began) * 1e3
 
 
@@ -841,7 +849,7 @@ def timed_steps(work: Workload, timer: NodeTimer, steps: int, into: dict[str, li
             train_step(work.model, work)
     finally:
         timer.uninstall(work.model)
-    for info, samples in zip(timer.nodes, forward_samples(timer), strict=True):
+    for info, samples in zip(kept(timer).nodes, forward_samples(timer), strict=True):
         into[info.name] += [ns / 1e3 for ns in samples]
 
 

@@ -185,3 +185,47 @@ def test_no_module_imports_another_modules_underscore_names():
                 found += [f"{_module(path)}: {node.module}.{a.name}" for a in node.names
                           if a.name.startswith("_") and not a.name.startswith("__") and node.module != "fxprof_lightning.torch_api"]
     assert not found, found
+
+
+def _classes() -> dict[str, tuple[str, list[str]]]:
+    """Every class the package defines: ``module:Class`` -> (its module, the bases it names, as written)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                found[f"{_module(path)}:{node.name}"] = (_module(path), [ast.unparse(b) for b in node.bases])
+    return found
+
+
+def _own_bases(classes: dict[str, tuple[str, list[str]]], name: str) -> list[str]:
+    """The bases of a class that are classes of the package (``module:Class``): a base named as defined in its own
+    module or imported from one of ours; torch's, typing's (``Protocol``, ``NamedTuple``), ``enum``'s, exceptions and
+    the rest are not ours."""
+    module = classes[name][0]
+    path = PACKAGE.joinpath(*module.split("."))
+    source = (path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).read_text()
+    imported = {alias.asname or alias.name: f"{node.module.removeprefix('fxprof_lightning.')}:{alias.name}"
+                for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom)
+                and (node.module or "").startswith("fxprof_lightning.") for alias in node.names}
+    own = []
+    for base in classes[name][1]:
+        base = base.split("[")[0]  # (Generic[T]-like subscripts)
+        for candidate in (f"{module}:{base}", imported.get(base, "")):
+            if candidate in classes:
+                own.append(candidate)
+                break
+    return own
+
+
+def _depth(classes: dict[str, tuple[str, list[str]]], name: str) -> int:
+    return max((1 + _depth(classes, base) for base in _own_bases(classes, name)), default=0)
+
+
+def test_no_class_is_more_than_two_of_ours_below_another():
+    """Inheritance at most two levels deep among the package's own classes (issue 43): a class's parts are held
+    (``NodeTimer.samples``), not inherited from a chain of mixins. ``DynamoTimer`` -> ``DynamoGraphs`` ->
+    ``NodeTimer`` is as deep as it goes."""
+    classes = _classes()
+    assert _depth(classes, "capture.dynamo:DynamoTimer") >= 2  # (the check sees a chain where there is one)
+    deep = {name: _depth(classes, name) for name in classes if _depth(classes, name) > 2}
+    assert not deep, f"more than two of our classes above: {deep}"

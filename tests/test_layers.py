@@ -334,11 +334,11 @@ def test_cuda_device_time_and_memory_leave_results_unchanged():
     out = model(x)
     out.sum().backward()
     timer.uninstall(model)
-    timer.resolve()
+    timer.samples.resolve()
     assert torch.equal(out, expected) and all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
-    assert all(isinstance(ns, int) and ns > 0 for samples in timer.fwd for ns in samples)
-    assert all(sum(timer.bwd_ns(i)) > 0 for i, n in enumerate(timer.nodes) if n.name in ("conv", "head"))
-    assert all(len(deltas) == 1 for deltas in timer.mem_delta)
+    assert all(isinstance(ns, int) and ns > 0 for samples in timer.samples.fwd for ns in samples)
+    assert all(sum(timer.samples.bwd_ns(i)) > 0 for i, n in enumerate(timer.samples.nodes) if n.name in ("conv", "head"))
+    assert all(len(deltas) == 1 for deltas in timer.samples.mem_delta)
 
 
 class RowsInAFunction(nn.Module):

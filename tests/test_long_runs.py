@@ -53,7 +53,8 @@ class Probe(pl.Callback):
         step = trainer.global_step
         if step in self.at_steps:
             p = self.profiler
-            samples = sum(len(s) for timer, _ in p.profiler.timers.chosen.values() for s in timer.fwd + timer.bwd)
+            kept = [getattr(timer, "samples", timer) for timer, _ in p.profiler.timers.chosen.values()]  # (a node timer's)
+            samples = sum(len(s) for each in kept for s in each.fwd + each.bwd)
             kept = (p.cycles, p.profiler._train.directories, p.profiler._val.cycles)
             self.retained[step] = (len(pickle.dumps(kept)), samples)
             self.rss[step] = rss_bytes()

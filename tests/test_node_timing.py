@@ -46,7 +46,7 @@ def test_outputs_and_gradients_equal_eager(make, annotate):
 def test_every_node_is_timed_once_per_call():
     model = SmallNet()
     timer = FxNodeTimer(trace_module(model))
-    assert [(n.name, n.op) for n in timer.nodes] == [
+    assert [(n.name, n.op) for n in timer.samples.nodes] == [
         ("conv", "call_module"),
         ("bn", "call_module"),
         ("relu", "call_function"),
@@ -54,15 +54,15 @@ def test_every_node_is_timed_once_per_call():
         ("drop", "call_module"),
         ("head", "call_module"),
     ]
-    assert timer.nodes[2].target == "torch.nn.functional.relu"
+    assert timer.samples.nodes[2].target == "torch.nn.functional.relu"
     timer.install(model)
     model(torch.randn(2, 3, 8, 8))
     model(torch.randn(2, 3, 8, 8))  # a forward called twice counts two calls
     timer.uninstall(model)
-    assert [len(s) for s in timer.fwd] == [2] * 6
-    assert all(ns > 0 for s in timer.fwd for ns in s)
+    assert [len(s) for s in timer.samples.fwd] == [2] * 6
+    assert all(ns > 0 for s in timer.samples.fwd for ns in s)
     timer.reset()
-    assert all(s == [] for s in timer.fwd)
+    assert all(s == [] for s in timer.samples.fwd)
 
 
 def test_uninstall_restores_the_modules_own_forward():
@@ -74,13 +74,13 @@ def test_uninstall_restores_the_modules_own_forward():
     assert "forward" not in model.__dict__
     assert type(model).forward is SmallNet.forward
     model(torch.randn(1, 3, 8, 8))
-    assert all(s == [] for s in timer.fwd)  # the module's own forward records nothing
+    assert all(s == [] for s in timer.samples.fwd)  # the module's own forward records nothing
     timer.uninstall(model)  # a second uninstall is harmless
 
 
 def test_module_path_comes_from_the_module_stack():
     timer = FxNodeTimer(trace_module(resnet18()))
-    paths = {n.name: n.module_path for n in timer.nodes}
+    paths = {n.name: n.module_path for n in timer.samples.nodes}
     assert paths["layer1_0_conv1"] == "layer1.0.conv1"
     assert paths["add"] == "layer1.0"  # the residual add inside BasicBlock layer1.0
     assert paths["flatten"] == ""  # torch.flatten in ResNet.forward itself
@@ -104,8 +104,8 @@ def test_graphs_with_inputs_after_other_nodes_are_instrumented():
     x = torch.randn(2, 4)
     out = model(x, None, None)
     timer.uninstall(model)
-    assert torch.equal(out, model(x)) and [len(s) for s in timer.fwd] == [1, 1]
-    assert timer.forward_inputs[0] is x
+    assert torch.equal(out, model(x)) and [len(s) for s in timer.samples.fwd] == [1, 1]
+    assert timer.samples.forward_inputs[0] is x
 
 
 def test_backward_events_go_to_the_node_call_that_created_them():
@@ -121,13 +121,13 @@ def test_backward_events_go_to_the_node_call_that_created_them():
     recorded = events.stop()
     assert not events.running and events.stop() == []
     timer.add_backward(recorded)
-    names = [n.name for n in timer.nodes]
-    assert {name: len(timer.bwd_ns(i)) for i, name in enumerate(names)} == dict.fromkeys(names, 2)
-    assert all(ns > 0 for i in range(len(names)) for ns in timer.bwd_ns(i))
+    names = [n.name for n in timer.samples.nodes]
+    assert {name: len(timer.samples.bwd_ns(i)) for i, name in enumerate(names)} == dict.fromkeys(names, 2)
+    assert all(ns > 0 for i in range(len(names)) for ns in timer.samples.bwd_ns(i))
     # Every autograd node the two forwards created is counted once; the loss's sums and add are not.
-    ranges = list(zip(timer._firsts, timer._ends, strict=True))
+    ranges = list(zip(timer.samples.firsts, timer.samples.ends, strict=True))
     inside = sum(ns for seq, ns in recorded if any(first <= seq < end for first, end in ranges))
-    assert sum(sum(timer.bwd_ns(i)) for i in range(len(names))) == inside < sum(ns for _, ns in recorded)
+    assert sum(sum(timer.samples.bwd_ns(i)) for i in range(len(names))) == inside < sum(ns for _, ns in recorded)
 
 
 def test_module_hooks_give_each_backward_event_to_the_innermost_module_once():
@@ -167,13 +167,13 @@ def test_backward_marks_by_hooks_cover_the_backward_pass_as_events_do(two_thread
             loss.backward()
             wall = time.perf_counter_ns() - start
             timer.add_backward(events.stop())
-            timer.resolve()
-            backward = [timer.bwd_ns(i) for i in range(len(timer.nodes))]
-            assert all(len(ns) == 1 and ns[0] > 0 for ns in backward), [n.name for n, ns in zip(timer.nodes, backward) if not ns]
+            timer.samples.resolve()
+            backward = [timer.samples.bwd_ns(i) for i in range(len(timer.samples.nodes))]
+            assert all(len(ns) == 1 and ns[0] > 0 for ns in backward), [n.name for n, ns in zip(timer.samples.nodes, backward) if not ns]
             assert sum(ns[0] for ns in backward) <= wall
             coverage.append(sum(ns[0] for ns in backward) / wall)
         assert max(coverage) > 0.9, (hooks, coverage)  # 97-100 % on a quiet machine, either way
-    assert "forward" not in model.__dict__ and timer._marks == []
+    assert "forward" not in model.__dict__ and timer.samples.marks == []
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
@@ -213,11 +213,13 @@ def test_backward_events_given_in_parts_add_up_as_given_at_once(make_timer):
     timer.uninstall(model)
     recorded = events.stop()
     timer.add_backward(recorded)
-    at_once = [timer.bwd_ns(i) for i in range(len(timer.nodes))]
-    timer._totals.clear()  # forget what add_backward added, keep the call ranges the forward noted
+    samples = getattr(timer, "samples", timer)  # (module hooks keep their samples themselves)
+    at_once = [samples.bwd_ns(i) for i in range(len(samples.nodes))]
+    totals = samples.totals if samples is not timer else timer._totals
+    totals.clear()  # forget what add_backward added, keep the call ranges the forward noted
     timer.add_backward(recorded[::2])
     timer.add_backward(recorded[1::2])
-    assert [timer.bwd_ns(i) for i in range(len(timer.nodes))] == at_once and any(at_once)
+    assert [samples.bwd_ns(i) for i in range(len(samples.nodes))] == at_once and any(at_once)
 
 
 def test_torch_functions_read_as_torch_functions():
@@ -244,8 +246,8 @@ def test_a_call_cut_short_keeps_the_nodes_that_finished():
         model(torch.randn(2, 5))  # the first linear fails: nothing of this call finished
     model(x).sum().backward()
     timer.uninstall(model)
-    assert [len(s) for s in timer.fwd] == [2, 2, 2]
-    calls = timer.backward_calls()  # the two complete calls, each node creating its autograd nodes once
+    assert [len(s) for s in timer.samples.fwd] == [2, 2, 2]
+    calls = timer.samples.backward_calls()  # the two complete calls, each node creating its autograd nodes once
     assert [name for name, _, _ in calls] == ["first", "relu", "second"] * 2
     assert all(first < end for _, first, end in calls)
     for call in (calls[:3], calls[3:]):  # within a call, each node's autograd nodes follow the previous node's

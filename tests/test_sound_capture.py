@@ -956,7 +956,7 @@ def test_a_one_graph_capture_asks_the_guards_once_per_call_and_captures_a_new_st
     short = model(x[:2])
     timer.uninstall(model)
     assert timer._misses == 0 and not timer.untimed  # no call ran untimed
-    assert len(timer.recaptures) == 2 and {len(samples) for samples in timer.fwd} == {6}  # every call timed
+    assert len(timer.recaptures) == 2 and {len(samples) for samples in timer.samples.fwd} == {6}  # every call timed
     with torch.no_grad():
         assert torch.equal(out, model(x))
     assert torch.equal(short, model(x[:2]))

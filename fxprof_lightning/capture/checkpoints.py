@@ -53,16 +53,18 @@ class _RecomputeLog:
         """A reentrant region ran in forward and created the autograd nodes ``[first, end)`` (its own): what they
         keep for backward (the region's inputs) is its first row's, as a non-reentrant region's inputs are."""
         if self.row is not None and self.first is not None:
-            self.timer.region_created(self.timer._row(self.first), first, end)
+            timer, row = self.timer, self.timer.samples.row(self.first)
+            if timer.reads_saved():  # (made outside every row: the region's rows ran without autograd)
+                timer.saved.regions = (*timer.saved.regions, (first, end, row))
 
     def run_timed(self, timed: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run a region's timed graph for a reentrant recompute: the autograd nodes it creates are timed as the
         rows that created them; the forward samples it logs are forgotten."""
-        mark = NodeTimer.mark(self.timer)
+        mark = self.timer.samples.mark()
         try:
             return timed(*args, **kwargs)
         finally:
-            self.timer.drop_forward_since(mark)
+            self.timer.samples.drop_forward_since(mark)
 
 
 def recompute_log(timer: NodeTimer, recomputed: Callable[..., None], hooked: bool, body: fx.GraphModule) -> _RecomputeLog:
@@ -74,7 +76,7 @@ def recompute_log(timer: NodeTimer, recomputed: Callable[..., None], hooked: boo
     common = [parts[0] for parts in zip(*stacks) if len(set(parts)) == 1] if stacks else []
     path = common[-1].partition("@")[0] if common else ""
     name = f"{path.replace('.', '_')}_recompute" if path else "checkpoint_recompute"
-    row = timer._row_of(NodeInfo(name, "recompute", "torch.utils.checkpoint (recompute in backward)", path, tuple(common)))
+    row = timer.samples.row_of(NodeInfo(name, "recompute", "torch.utils.checkpoint (recompute in backward)", path, tuple(common)))
     return _RecomputeLog(timer, recomputed, row, next((node for node in body.graph.nodes if is_timed(node)), None))
 
 

@@ -255,7 +255,7 @@ class _Event:
 class KernelTimer(Uninterrupted):
     """The rows and samples of a compiled module, read from a cycle's trace events (``read``).
 
-    It has the interface of ``NodeTimer`` that the engine uses: ``nodes``, ``fwd``, ``bwd_ns``; nothing is
+    It has the interface of ``NodeSamples`` that ``readings.collected_of`` reads: ``nodes``, ``fwd``, ``bwd_ns``; nothing is
     installed on the module (``install`` only counts steps), so training runs exactly as compiled.
     """
 

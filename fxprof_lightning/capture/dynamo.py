@@ -456,7 +456,7 @@ class DynamoTimer(DynamoGraphs):
         try:
             if isinstance(eager, Exception):
                 raise eager
-            before, self._inputs_seen = self.calls, set()
+            before, self._inputs_seen = self.samples.calls, set()
             self._frames.restore()
             if way.eager_hooks:
                 frames_skipped(self._eager_hooks, False)
@@ -468,7 +468,7 @@ class DynamoTimer(DynamoGraphs):
                   not_compiling(way.eager_branches), hooks_eager(self._eager_hooks if way.eager_hooks else ()),
                   float_grouped_mm_meta()):
                 captured = verify.run_checked(self._compiled, module, args, kwargs)
-            attempt.graph_calls = self.calls - before
+            attempt.graph_calls = self.samples.calls - before
             attempt.untimed = _untimed_layers(module, eager, self._inputs_seen)
             attempt.difference = verify.first_difference(eager, captured)
             if attempt.difference is None and attempt.graph_calls == 0:
@@ -509,7 +509,7 @@ class DynamoTimer(DynamoGraphs):
         return f"the graph Dynamo captured was refused: {self.mismatch}"
 
     def describe(self, capture: Capture) -> Capture:
-        leaves = {info.module_path: WHOLE.format(info.target) for info in self.nodes if info.target in _OPENED_NAMES}
+        leaves = {info.module_path: WHOLE.format(info.target) for info in self.samples.nodes if info.target in _OPENED_NAMES}
         untimed = dict.fromkeys(self.outside_graphs, OUTSIDE_GRAPHS)
         return replace(capture, graphs=len(self.graphs), recaptures=list(self.recaptures), capture_s=list(self.capture_s),
                        graph_breaks=self.graph_breaks(), leaves=leaves, host_reads=dict(self.host_reads), untimed=untimed,

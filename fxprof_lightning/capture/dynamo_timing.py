@@ -95,15 +95,15 @@ class DynamoGraphs(NodeTimer):
         # Counted when asked (``costs``, after the cycle), not here inside the capture's checked calls.
         self._uncounted.append((inline_checkpoints(captured), graph.inputs))
         info = None if self._cuda else break_row(getattr(captured, "compile_subgraph_reason", None), self._root)
-        after = self._row_of(info) if info is not None else None  # the code run eagerly after the graph's break
+        after = self.samples.row_of(info) if info is not None else None  # the code run eagerly after the graph's break
 
         def run(*args: Any) -> Any:
             if self._inputs_seen is not None:
                 self._inputs_seen.update(id(a) for a in args)
             if self._gap is not None:  # the code since the last graph of this call, from its break on
                 row, end = self._gap
-                self._fwd[row].append(time.perf_counter_ns() - end)
-                self._starts[row].append(end)
+                self.samples.durations[row].append(time.perf_counter_ns() - end)
+                self.samples.starts[row].append(end)
                 self._gap = None
             chosen = graph if anchor is None or args[anchor.index] is anchor.tensor else self._run_for(graph, args)
             if self._hooks_now and not self._cuda:
@@ -145,13 +145,14 @@ class DynamoGraphs(NodeTimer):
         every guard, and was not just captured, ends a streak of misses. Wall time from ``entered`` (guards asked).
         ``run`` (one frame, ``_one_frame``): the code Dynamo made for ``state`` (``EntryGuards.fitting``), called
         directly, without Dynamo's frame evaluation and its second guard check."""
-        before, start, self._gap, first = self.calls, time.perf_counter_ns(), None, sequence_nr_now()
+        samples = self.samples
+        before, start, self._gap, first = samples.calls, time.perf_counter_ns(), None, sequence_nr_now()
         if self._trace_ranges:
-            self.call_starts.append(start)
+            samples.call_starts.append(start)
         if self._fsdp is not None:
             self._fsdp.in_call = True
         try:
-            with self._noting_hooks():
+            with self.saved.noting_hooks(self.reads_saved()):
                 if run is not None:
                     out = run(*args, **kwargs)
                 else:
@@ -161,7 +162,7 @@ class DynamoGraphs(NodeTimer):
             if self._fsdp is not None:
                 self._fsdp.in_call = False
         self._gap = None
-        if self.calls - before != self._expected.get(state) and not self._counts_vary:
+        if samples.calls - before != self._expected.get(state) and not self._counts_vary:
             self._pending, self._pending_for = "a guard failed", state  # captured again at that state's next call
             self._count_missed = True
             self._misses, self._streak, self.interruptions = self._misses + 1, self._streak + 1, self.interruptions + 1
@@ -169,8 +170,8 @@ class DynamoGraphs(NodeTimer):
         else:
             self._streak = self._streak if after_capture else 0
             if not self._cuda:  # the call whole, for the time between the rows (``CycleReport.unowned``)
-                self.forward_walls_ns.append(time.perf_counter_ns() - (entered or start))
-            self._read_saved(out, first)
+                samples.forward_walls_ns.append(time.perf_counter_ns() - (entered or start))
+            self.saved.read(out, first, self._root, self.reads_saved())
         return out
 
     def _instrument(self, traced: fx.GraphModule, annotate: bool, hooked: bool) -> fx.GraphModule:
@@ -199,13 +200,14 @@ class DynamoGraphs(NodeTimer):
         if fsdp is None:
             return super().collect(backward, trace_events)
         nothing = super().collect(fsdp.events_less(backward), trace_events)
-        fsdp.take_from(self._starts, self._fwd)
-        if self.forward_walls_ns:
-            self.forward_walls_ns[-1] += fsdp.around_forward_ns()
+        samples = self.samples
+        fsdp.take_from(samples.starts, samples.durations)
+        if samples.forward_walls_ns:
+            samples.forward_walls_ns[-1] += fsdp.around_forward_ns()
         for info, forward, backward_ns in fsdp.rows():
-            row = self._row_of(info)
-            self._fwd[row] += forward
-            self.bwd[row] += backward_ns
+            row = samples.row_of(info)
+            samples.durations[row] += forward
+            samples.bwd[row] += backward_ns
         return nothing
 
     def add_backward(self, events: list[tuple[int, int]]) -> None:
@@ -235,7 +237,7 @@ class DynamoGraphs(NodeTimer):
             adjusted.append((sequence_nr, duration - taken))
         super().add_backward(adjusted)
         for (row, *_), ns in zip(self._recomputes, own, strict=True):
-            self.bwd[row].append(ns)
+            self.samples.bwd[row].append(ns)
 
     def costs(self, training: bool | None = None) -> NodeCosts | None:
         """FLOPs and bytes per row (``NodeCosts`` over ``nodes``; None for a row no captured graph counted), counted
@@ -245,7 +247,7 @@ class DynamoGraphs(NodeTimer):
         self._uncounted.clear()
         if not self._row_costs:
             return None
-        rows = [self._row_costs.get(i) for i in range(len(self.nodes))]
+        rows = [self._row_costs.get(i) for i in range(len(self.samples.nodes))]
         return NodeCosts(*([r[k] if r else None for r in rows] for k in range(4)))
 
     def mark(self) -> tuple[Any, ...]:
@@ -271,7 +273,7 @@ def _count_costs(timer: DynamoGraphs, captured: fx.GraphModule, example_inputs: 
     row = None
     for i, node in enumerate(n for n in captured.graph.nodes if is_timed(n)):
         if row is None or not node.meta.get(JOINS):
-            row = timer._rows.get((node.meta.get(ROW) or node_info(node)).name)
+            row = timer.samples.rows_by_name.get((node.meta.get(ROW) or node_info(node)).name)
             if row is None:
                 continue
             timer._row_costs[row] = [0, 0, 0, 0]

@@ -1,7 +1,7 @@
 """Module-level timing with hooks, where the Dynamo capture cannot be used.
 
-``ModuleHookTimer`` has the interface of ``NodeTimer`` (``nodes``, ``fwd``, ``bwd_ns``,
-``reset``, ``add_backward``, ``resolve``, ``install``, ``uninstall``), with one "node" per
+``ModuleHookTimer`` has the interface of ``NodeSamples`` (``nodes``, ``fwd``, ``bwd_ns``,
+``reset``, ``add_backward``, ``resolve``) and of a timer (``install``, ``uninstall``), with one "node" per
 module: its *self* time (its inclusive time less that of its child modules), so nodes add up
 without double counting. Forward pre/post hooks are registered by ``install`` and removed by
 ``uninstall``: nothing stays on the model between recorded steps. Backward: each module call

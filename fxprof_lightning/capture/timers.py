@@ -57,7 +57,8 @@ def check_capture(capture: str) -> None:
 class Timer(Protocol):
     """What the engine asks of a timer (``NodeTimer`` and its ``DynamoTimer``;
     ``ModuleHookTimer``, ``KernelTimer``), all of it read as values (``timing.readings``): the engine writes into no
-    timer. ``Readings`` gives ``traits``, ``progress`` and ``collected`` to every timer class. (``Timers``, which
+    timer. ``NodeTimer`` makes ``traits``, ``progress`` and ``collected`` from its parts, ``Uninterrupted`` for the
+    timers that capture nothing. (``Timers``, which
     makes the timers, also asks a timer that stopped fitting for its ``refusal``: the capture side's, not the engine's.)
     """
 

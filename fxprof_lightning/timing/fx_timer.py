@@ -32,7 +32,7 @@ class FxNodeTimer(NodeTimer):
         >>> events = BackwardEvents(); events.start()
         >>> timer.install(model); model(x).sum().backward(); timer.uninstall(model)
         >>> timer.add_backward(events.stop())
-        >>> timer.nodes[0].name, timer.fwd[0], timer.bwd_ns(0)
+        >>> timer.samples.nodes[0].name, timer.samples.fwd[0], timer.samples.bwd_ns(0)
     """
 
     def __init__(self, traced: fx.GraphModule, annotate: bool = False, backward: bool = True, device: str = "cpu",
@@ -67,11 +67,11 @@ class FxNodeTimer(NodeTimer):
                 return graph_forward(*args, **kwargs)
             start, first = time.perf_counter_ns(), sequence_nr_now()
             if self._trace_ranges:
-                self.call_starts.append(start)
-            with self._noting_hooks():
+                self.samples.call_starts.append(start)
+            with self.saved.noting_hooks(self.reads_saved()):
                 out = graph_forward(*args, **kwargs)
-            self.forward_walls_ns.append(time.perf_counter_ns() - start)
-            self._read_saved(out, first)
+            self.samples.forward_walls_ns.append(time.perf_counter_ns() - start)
+            self.saved.read(out, first, self._root, self.reads_saved())
             return out
 
         module.forward = forward
@@ -80,7 +80,7 @@ class FxNodeTimer(NodeTimer):
         """FLOPs and output sizes per node for the first call's inputs since ``reset``, counted once per input
         signature in an untimed meta-device pass (None when nothing can be counted; ``costs_error`` says why
         counting failed)."""
-        inputs = self.forward_inputs
+        inputs = self.samples.forward_inputs
         if self._traced is None or inputs is None:
             return None
         key = input_signature(inputs, training)

@@ -41,18 +41,19 @@ import functools
 import itertools
 import operator
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx, nn
 
 from fxprof_lightning import torch_api
-from fxprof_lightning.nodes import JOINS, NESTS, NodeInfo, is_timed
+from fxprof_lightning.nodes import JOINS, NESTS, is_timed
 from fxprof_lightning.timing.autograd_walk import autograd_nodes, sequence_nr_now, tensors_in
 from fxprof_lightning.timing.clocks import CudaClock, HostClock, cuda_allocated
-from fxprof_lightning.timing.readings import Readings
+from fxprof_lightning.timing.readings import Collected, Progress, Traits, collected_of
 from fxprof_lightning.timing.samples import NodeSamples
-from fxprof_lightning.timing.saved_memory import SavedBytes, SavedReader
+from fxprof_lightning.timing.saved_memory import SavedReader
 
 if TYPE_CHECKING:
     from fxprof_lightning.nodes import Capture
@@ -65,15 +66,14 @@ ANCHOR = "fxprof_anchor#"
 _anchor_numbers = itertools.count(step=3)
 
 
-class NodeTimer(NodeSamples, SavedReader, Readings):
+class NodeTimer:
     """Records each node's forward and backward time in the graphs it instruments (``instrument``): Dynamo's
     (``capture.dynamo_timing.DynamoGraphs``), or one graph traced by torch.fx (``fx_timer.FxNodeTimer``).
 
-    After ``reset()``: ``fwd[i]`` holds one forward duration in nanoseconds per execution of
-    ``nodes[i]`` (a forward called twice in a step adds two); ``bwd_ns(i)`` one backward
-    duration per execution whose autograd nodes ran. On CPU, backward durations come from
-    profiler events given to ``add_backward`` (see ``BackwardEvents``); on CUDA from hooks.
-    Call ``resolve()`` before reading them (on CUDA it waits for the device once).
+    It holds its samples (``samples``, a ``NodeSamples``) and the saved bytes it reads (``saved``, a ``SavedReader``).
+    After ``reset()``: ``samples.fwd[i]`` holds one forward duration in nanoseconds per execution of
+    ``samples.nodes[i]`` (a forward called twice in a step adds two); ``samples.bwd_ns(i)`` one backward duration per
+    execution whose autograd nodes ran, after ``samples.resolve()`` (on CUDA it waits for the device once).
 
     Args:
         annotate: wrap each node in a ``record_function`` range named after it (10-15 us per node and
@@ -89,46 +89,24 @@ class NodeTimer(NodeSamples, SavedReader, Readings):
             sync) and the device time per node comes from the trace's kernels afterwards (``gpu_trace``).
 
     Backward times come from profiler events given to ``add_backward`` on CPU (and on CUDA with
-    ``trace_ranges``), and from hooks (``_hooked_record``) on CUDA without them or when installed with
-    ``backward_hooks=True``.
+    ``trace_ranges``; see ``BackwardEvents``), and from hooks (``_hooked_record``) on CUDA without them or when
+    installed with ``backward_hooks=True``.
     """
 
     def __init__(self, annotate: bool = False, backward: bool = True, device: str = "cpu", trace_ranges: bool = False) -> None:
-        self.nodes: list[NodeInfo] = []
-        self._rows: dict[str, int] = {}  # node name -> index in ``nodes`` (graphs added later share rows by name)
-        self._fwd: list[list[Any]] = []  # per node, one duration per call (``fwd``)
-        self._starts: list[list[int]] = []  # CPU: the perf_counter_ns start of each sample in fwd
-        # CPU: what the generated code logs, turned into samples by ``_fold``: two clock reads per timed node,
-        # the sequence number before the first timed node and after each, and where each call's entries begin.
-        self._stamps: list[int] = []
-        self._sequence_nrs: list[int] = []
-        self._calls: list[tuple[int, int, GraphLog]] = []
-        self._folded_calls = 0
-        self.anchors: list[tuple[int, int, int]] = []  # with trace_ranges: (number, ns before, ns after) per anchor range
-        self.call_starts: list[int] = []  # with trace_ranges: the perf_counter_ns start of each forward call (``node_ranges``)
-        self.bwd: list[list[int]] = []  # per node: the backward ns of each call whose backward ran
-        self.mem_delta: list[list[int]] = []
-        self.mem_peak: list[list[int]] = []
-        self.forward_inputs: tuple[Any, ...] | None = None  # the first call's inputs after reset (for FLOP counting)
         # CUDA events (a pair per node, read after a sync) only when no profiler trace gives device times:
         # with trace ranges the trace's kernels are tied to the node ranges afterwards (``gpu_trace``).
         self.on_cuda = device == "cuda"  # the model is on CUDA (its CUDA random state is kept with the rest)
         self._cuda = self.on_cuda and not trace_ranges
         self._clock = CudaClock if self._cuda else HostClock  # for hooked graphs
+        self.samples = NodeSamples(self._cuda, self._clock)
+        self.saved = SavedReader(self.samples)
+        self._fwd = self.samples.durations  # the same lists, one attribute away for ``_hooked_record`` (once per node)
         self._backward = backward
-        # CPU: one entry per node call that created autograd nodes, in the order they ran (so by sequence number).
-        self._firsts: list[int] = []  # its first autograd sequence number,
-        self._ends: list[int] = []  # the one after its last,
-        self._owners: list[int] = []  # its node's index,
-        self._totals: list[int] = []  # and the backward ns given by add_backward.
-        # CUDA: per node and call, durations between backward marks, and the marks (durations to add to, event).
-        self._spans: list[list[list[Any]]] = []
-        self._marks: list[tuple[list[Any] | None, Any]] = []
         self._in_pass = False  # an engine callback will mark the end of the running backward pass
         self._first_of_call = False  # no node of the running forward call has created autograd nodes yet
         self._annotate = annotate
         self._hooks_now = False  # the installed forward times backward with hooks (no sequence ranges are logged)
-        self._saved: SavedBytes | None = None  # what the cycle's first measured forward call keeps for backward
         self._trace_ranges = trace_ranges and not self._cuda
         self._saved_forward: dict[int, Any] = {}
         self._root: nn.Module | None = None  # the module installed on (for its own parameters and buffers)
@@ -146,20 +124,60 @@ class NodeTimer(NodeSamples, SavedReader, Readings):
         and for the bytes saved for backward (``measure_memory``), which ``SavedReader`` gives to the rows by them."""
         return self._backward or self.measure_memory
 
+    def reads_saved(self) -> bool:
+        """Whether the timed forward call running (or just run) is the one whose saved bytes ``saved`` reads: the
+        cycle's first on CPU, with grad, sequence ranges logged and no hooks timing backward."""
+        return (self.measure_memory and self.saved.bytes is None and not self._cuda and not self._hooks_now
+                and self._sequences and torch.is_grad_enabled())
+
     @property
     def uses_backward_events(self) -> bool:
         """Whether backward times come from ``add_backward`` (CPU) rather than hooks (CUDA) or nowhere."""
         return self._backward and not self._cuda
 
     # ``timers.Timer``: what the engine asks of every timer.
+    measure_memory = False  # read what autograd saves for backward, once per cycle (``Timers`` sets it)
     interruptions = 0  # captures and untimed calls (Dynamo's timer counts them)
     interrupted_by = ""
     capture_s: list[float] = []  # noqa: RUF012 (never grown here; Dynamo's timer has its own)
     mismatch: str | None = None  # why the graph stopped fitting the calls (Dynamo's: refused)
     untimed: str | None = None  # why calls of the cycle ran untimed (Dynamo's guards), or None
-    reads_trace_events = False  # its rows come from the trace's events (a compiled module's kernels)
-    device_times_from_trace = True  # on CUDA, each node call takes its kernels' device time from the trace
-    without_events = "come from hooks on the autograd nodes (slower)"  # backward times when no profiler events come
+
+    @property
+    def traits(self) -> Traits:
+        """Rows of its own (on CUDA their kernels' device time from the trace), backward times from events on CPU."""
+        return Traits(self.uses_backward_events, reads_trace_events=False, device_times_from_trace=True,
+                      without_events="come from hooks on the autograd nodes (slower)")
+
+    @property
+    def progress(self) -> Progress:
+        return Progress(self.samples.calls, self.usable, self.untimed, self.interruptions, self.interrupted_by,
+                        tuple(self.capture_s))
+
+    def reset(self) -> None:
+        """Forget every sample recorded so far."""
+        self.samples.reset()
+        self._in_pass = False
+
+    def mark(self) -> Any:
+        """Where the samples end now (``drop_since``): a subclass adds what it logs."""
+        return self.samples.mark()
+
+    def drop_since(self, mark: Any) -> None:
+        self.samples.drop_since(mark)
+
+    def save_point(self) -> Callable[[], None]:
+        """A function that forgets the samples logged after this call (``mark`` and ``drop_since``)."""
+        return functools.partial(self.drop_since, self.mark())
+
+    def collected(self, backward: list[tuple[int, int]], trace_events: list[Any], training: bool) -> Collected | str:
+        """The cycle's samples from its backward events, or why nothing was timed."""
+        nothing = self.collect(backward, trace_events)
+        if nothing is not None:
+            return nothing
+        costs = self.costs(training)
+        costs_error, self.costs_error = self.costs_error, None  # handed over once
+        return collected_of(self.samples, costs, costs_error, self.saved.take())
 
     @property
     def usable(self) -> bool:
@@ -176,8 +194,13 @@ class NodeTimer(NodeSamples, SavedReader, Readings):
         ranges logged for the saved bytes would give them to the rows."""
         if self._backward:
             self.add_backward(backward)
-        self.resolve()
+        self.samples.resolve()
         return None
+
+    def add_backward(self, events: list[tuple[int, int]]) -> None:
+        """Add each ``(sequence number, duration ns)`` to the node call whose autograd node it timed
+        (``NodeSamples.add_backward``; a subclass moves some first)."""
+        self.samples.add_backward(events)
 
     def node_ranges(self) -> tuple[list[tuple[int, int, int]], list[tuple[str, int, int]], list[tuple[str, int, int]],
                                    list[int], dict[str, Any]] | None:
@@ -185,8 +208,9 @@ class NodeTimer(NodeSamples, SavedReader, Readings):
         module stack to write into the cycle's trace (``torch_trace.add_node_ranges``), when kept (``trace_ranges``)."""
         if not self.trace_ranges:
             return None
-        return (list(self.anchors), self.range_spans(), self.backward_calls() if self.uses_backward_events else [],
-                list(self.call_starts), {info.name: info.module_stack for info in self.nodes})
+        samples = self.samples
+        return (list(samples.anchors), samples.range_spans(), samples.backward_calls() if self.uses_backward_events else [],
+                list(samples.call_starts), {info.name: info.module_stack for info in samples.nodes})
 
     def uninstall(self, module: nn.Module) -> None:
         """Give ``module`` its own forward back (safe to call when not installed)."""
@@ -211,12 +235,13 @@ class NodeTimer(NodeSamples, SavedReader, Readings):
         two logs, the modules the graph calls, and ``torch_api.AUTOGRAD`` (a local there: its
         ``sequence_nr`` is then one attribute away)."""
         self._first_of_call = True
-        self._calls.append((len(self._stamps), len(self._sequence_nrs), log))
-        return self._stamps, self._sequence_nrs, log.called, torch_api.AUTOGRAD
+        samples = self.samples
+        samples.logged_calls.append((len(samples.stamps), len(samples.sequence_nrs), log))
+        return samples.stamps, samples.sequence_nrs, log.called, torch_api.AUTOGRAD
 
     def _inputs(self, *args: Any) -> None:
-        if self.forward_inputs is None:
-            self.forward_inputs = args
+        if self.samples.forward_inputs is None:
+            self.samples.forward_inputs = args
 
     def _anchor(self) -> None:
         """At the start and the end of each forward call, with ``trace_ranges`` and a profiler running: three
@@ -239,7 +264,7 @@ class NodeTimer(NodeSamples, SavedReader, Readings):
         last = time.perf_counter_ns()
         with third:
             pass
-        self.anchors += ((number, before, middle), (number + 1, middle, last), (number + 2, last, time.perf_counter_ns()))
+        self.samples.anchors += ((number, before, middle), (number + 1, middle, last), (number + 2, last, time.perf_counter_ns()))
 
     def _hooked_record(self, index: int, start: Any, sequence_nr: int, output: Any) -> int:
         self._fwd[index].append(self._clock.stop(start))
@@ -258,29 +283,24 @@ class NodeTimer(NodeSamples, SavedReader, Readings):
         if newest is None:
             return
         durations: list[Any] = []
-        self._spans[index].append(durations)
+        self.samples.spans[index].append(durations)
         newest.register_prehook(functools.partial(self._begin, durations))
         if self._first_of_call:  # created first, so run last: the model's backward ends with it
             self._first_of_call = False
             min(autograd_nodes([newest], first, end), key=lambda fn: torch_api.node_sequence_nr(fn)).register_hook(self._end)
 
     def _begin(self, durations: list[Any], grad_outputs: Any) -> None:
-        self._marks.append((durations, self._clock.start()))
+        self.samples.marks.append((durations, self._clock.start()))
         if not self._in_pass:
             self._in_pass = True
             torch_api.queue_callback(self._end_of_pass)
 
     def _end(self, grad_inputs: Any, grad_outputs: Any) -> None:
-        self._marks.append((None, self._clock.start()))
+        self.samples.marks.append((None, self._clock.start()))
 
     def _end_of_pass(self) -> None:
         self._in_pass = False
-        self._marks.append((None, self._clock.start()))
-
-    def _record_cuda_memory(self, index: int, allocated_before: int) -> None:
-        # The allocator's counter only: the peak statistics are the user's (DeviceStatsMonitor,
-        # max_memory_allocated), never reset here, so no per-node peak (``mem_peak`` stays empty).
-        self.mem_delta[index].append(cuda_allocated() - allocated_before)
+        self.samples.marks.append((None, self._clock.start()))
 
     def _instrument(self, traced: fx.GraphModule, annotate: bool, hooked: bool) -> fx.GraphModule:
         """The instrumented graph (``instrument``); ``hooked``: backward timed by hooks, else by events."""
@@ -305,7 +325,8 @@ def instrument(self: NodeTimer, traced: fx.GraphModule, annotate: bool, hooked: 
         stamps.append(perf_counter_ns()); out = node(...); stamps.append(perf_counter_ns())
         sequence_nrs.append(autograd.sequence_nr())   # with backward timing or saved bytes
 
-    (the two lists are those ``_begin_call`` returns at the start of the call), and ``_fold`` makes samples of them.
+    (the two lists are those ``_begin_call`` returns at the start of the call), and ``NodeSamples.fold`` makes samples
+    of them.
     A node marked ``joins_previous`` (``JOINS``) is timed together with the timed node before it: one row, one
     pair of clock reads around both (the ops of one ``torch.nn`` layer in a Dynamo graph). A row is shared by
     every graph that has a node of its name. After a node marked ``NESTS`` (it runs an instrumented graph, whose
@@ -325,7 +346,7 @@ def instrument(self: NodeTimer, traced: fx.GraphModule, annotate: bool, hooked: 
     lean = not hooked
     # Each bound method read once: torch 2.6's code generation asks that a name's object be the same object each time.
     anchor, inputs, root_attribute, clock_start = self._anchor, self._inputs, self._root_attribute, self._clock.start
-    hooked_record, record_cuda_memory = self._hooked_record, self._record_cuda_memory
+    hooked_record, record_cuda_memory = self._hooked_record, self.samples.record_cuda_memory
     for node in traced.graph.nodes:
         if node.op == "output" and index >= 0 and self._trace_ranges and lean:
             graph.call_function(anchor)
@@ -350,14 +371,14 @@ def instrument(self: NodeTimer, traced: fx.GraphModule, annotate: bool, hooked: 
         opens = index < 0 or not node.meta.get(JOINS)
         if opens:
             index += 1
-            row = self._row(node)
+            row = self.samples.row(node)
             for each in open_logs:
                 each.add(row)
         if index == 0 and opens and self._trace_ranges and lean:
             graph.call_function(anchor)
         callee = _callee(graph, node, traced, modules, log.called)
         if annotate and opens:
-            annotation = graph.call_function(enter_range, (self.nodes[row].name,))
+            annotation = graph.call_function(enter_range, (self.samples.nodes[row].name,))
         if lean:
             if index == 0 and opens and self._sequences:
                 graph.call_method("append", (sequence_nrs, graph.call_method("sequence_nr", (autograd,))))
@@ -391,6 +412,7 @@ class GraphLog:
 
     def __init__(self, timer: NodeTimer) -> None:
         self.timer = timer
+        self.samples = timer.samples
         self.rows: list[int] = []
         self.fwd: list[list[Any]] = []
         self.starts: list[list[int]] = []
@@ -398,15 +420,16 @@ class GraphLog:
 
     def add(self, row: int) -> None:
         self.rows.append(row)
-        self.fwd.append(self.timer._fwd[row])
-        self.starts.append(self.timer._starts[row])
+        self.fwd.append(self.samples.durations[row])
+        self.starts.append(self.samples.starts[row])
 
     def begin(self) -> tuple[list[int], list[int], list[nn.Module], Any]:
         return self.timer._begin_call(self)
 
     def resume(self) -> None:
         """Go on with the running call in this log (its rows: those after a nested graph's call)."""
-        self.timer._calls.append((len(self.timer._stamps), len(self.timer._sequence_nrs), self))
+        samples = self.samples
+        samples.logged_calls.append((len(samples.stamps), len(samples.sequence_nrs), self))
 
 
 def _own_state_of_root(traced: fx.GraphModule, node: fx.Node) -> bool:

@@ -1,6 +1,7 @@
 """What a timer tells the engine (``capture.timers.Timer``), as values: what kind of timer it is (``Traits``), how far
-it got (``Progress``) and a cycle's samples made readable (``Collected``). ``Readings`` makes them from the members
-every timer class has; the engine reads them and writes into no timer."""
+it got (``Progress``) and a cycle's samples made readable (``Collected``, made by ``collected_of``). ``NodeTimer`` makes
+them from its parts, ``Uninterrupted`` from the members of the timers that capture nothing; the engine reads them
+and writes into no timer."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 from fxprof_lightning.nodes import NodeInfo
 from fxprof_lightning.timing.flops import NodeCosts
 
-__all__ = ["Collected", "Progress", "Readings", "Traits", "Uninterrupted"]
+__all__ = ["Collected", "Progress", "Traits", "Uninterrupted", "collected_of"]
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,29 @@ class Collected:
     held: list[float | None] | None = None  # per node, the bytes held for backward once it has run (``SavedBytes.held``)
 
 
-class Readings:
-    """``traits``, ``progress``, ``save_point`` and ``collected`` for a timer class that has the members they read (``NodeTimer``,
-    ``ModuleHookTimer``, ``KernelTimer`` and their kin)."""
+def collected_of(samples: Any, costs: NodeCosts | None, costs_error: str | None,
+                 saved: tuple[Any, Any, Any] = (None, None, None)) -> Collected:
+    """A ``Collected`` of the samples a timer keeps (its ``NodeSamples``, or the timer itself: ``nodes``, ``fwd``,
+    ``bwd_ns``...), copied (``reset`` empties them); ``saved``: the saved bytes, why some are unknown and the bytes
+    held (``SavedReader.take``)."""
+    return Collected(list(samples.nodes), _copies(samples.fwd), [samples.bwd_ns(i) for i in range(len(samples.nodes))],
+                     _copies(samples.mem_delta), _copies(samples.mem_peak), costs, costs_error,
+                     samples.backward_outside_ns, list(samples.forward_walls_ns), *saved)
+
+
+def _copies(lists: list[list[Any]]) -> list[list[Any]]:
+    """Copies of a timer's per-node lists (``reset`` empties the timer's own)."""
+    return [list(samples) for samples in lists]
+
+
+class Uninterrupted:
+    """``traits``, ``progress``, ``save_point`` and ``collected`` (``timers.Timer``) from the members of a timer that
+    captures nothing while it times (module hooks, a compiled module's kernels): never interrupted, so a cycle never
+    drops a step for it and there is nothing to forget."""
+
+    interruptions = 0  # nothing is captured while it times
+    interrupted_by = ""
+    capture_s: tuple[float, ...] = ()
 
     @property
     def traits(self) -> Traits:
@@ -81,29 +102,7 @@ class Readings:
             return nothing
         costs = self.costs(training)
         costs_error, self.costs_error = self.costs_error, None  # handed over once
-        saved, saved_unknown, held = self.saved_memory()
-        return Collected(list(self.nodes), _copies(self.fwd), [self.bwd_ns(i) for i in range(len(self.nodes))],
-                         _copies(self.mem_delta), _copies(self.mem_peak), costs, costs_error, self.backward_outside_ns,
-                         list(self.forward_walls_ns), saved, saved_unknown, held)
-
-    def saved_memory(self) -> tuple[list[float | None] | None, str | None, list[float | None] | None]:
-        """Per node, the bytes its autograd nodes keep for backward per call, why some are unknown, and the bytes held
-        once it has run ((None, None, None): not measured; ``NodeTimer`` measures them)."""
-        return None, None, None
-
-
-def _copies(lists: list[list[Any]]) -> list[list[Any]]:
-    """Copies of a timer's per-node lists (``reset`` empties the timer's own)."""
-    return [list(samples) for samples in lists]
-
-
-class Uninterrupted(Readings):
-    """``timers.Timer``'s interruptions for a timer that captures nothing while it times (module hooks, a compiled
-    module's kernels): never interrupted, so a cycle never drops a step for it and there is nothing to forget."""
-
-    interruptions = 0  # nothing is captured while it times
-    interrupted_by = ""
-    capture_s: tuple[float, ...] = ()
+        return collected_of(self, costs, costs_error)
 
     def mark(self) -> None:
         """(Never interrupted: nothing to drop.)"""

@@ -1,13 +1,13 @@
 """The bytes autograd keeps for backward, per row: read after a timed forward call from the autograd nodes each row
 created (found by sequence number, as backward times are), running no saved_tensors_hooks and recomputing nothing
-(``torch_api.saved_tensors``; on torch 2.6-2.10 by unpacking only what no hook packed, ``SavedReader._noting_hooks``).
+(``torch_api.saved_tensors``; on torch 2.6-2.10 by unpacking only what no hook packed, ``SavedReader.noting_hooks``).
 
 Each storage counts once, for the first row (in the order the forward ran) whose autograd nodes saved it: a view of a
 saved tensor, or a tensor two rows save (a layer's output that the next layer saves as its input), is not counted
 twice. A parameter or buffer that an op saves (a ``Linear`` saves its weight) is counted as a parameter, never as an
 activation. A non-reentrant checkpointed region's ops save placeholders (nothing); its inputs, which it keeps for the
 recompute, count for the first row of the region. A reentrant region's rows save nothing (they run without autograd);
-its own autograd node keeps its inputs, which count for its first row too (``SavedReader.region_created``). Where a ``saved_tensors_hooks`` of the user's packed what a row
+its own autograd node keeps its inputs, which count for its first row too (``SavedReader.regions``). Where a ``saved_tensors_hooks`` of the user's packed what a row
 saved, that row's bytes are unknown (None), and the report says why (``CycleReport.memory_note``).
 """
 
@@ -17,13 +17,16 @@ import bisect
 import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from fxprof_lightning import torch_api
 from fxprof_lightning.timing.autograd_walk import autograd_nodes, tensors_in
+
+if TYPE_CHECKING:
+    from fxprof_lightning.timing.samples import NodeSamples
 
 __all__ = ["SavedBytes", "SavedReader", "read_saved_bytes", "storage_key"]
 
@@ -130,29 +133,21 @@ def read_saved_bytes(output: Any, first: int, end: int, firsts: list[int], ends:
 
 
 class SavedReader:
-    """``NodeTimer``'s reading of the saved bytes (its members: ``_saved``, the sequence ranges)."""
+    """The saved bytes a ``NodeTimer`` reads (held as its ``saved``), at the call it says (``NodeTimer.reads_saved``):
+    the hooks noted around that call (``noting_hooks``), the reentrant regions it ran (``regions``), the bytes read
+    after it from the sequence ranges of ``samples`` (``read``), handed over once (``take``)."""
 
-    measure_memory = False  # read what autograd saves for backward, once per cycle (``Timers`` sets it)
-    _hook_notes: list[tuple[int, Any]] | None = None
-    _regions: tuple[tuple[int, int, int], ...] = ()  # (first, end, row) of the call to be read's reentrant regions
+    def __init__(self, samples: NodeSamples) -> None:
+        self.samples = samples
+        self.bytes: SavedBytes | None = None  # what the cycle's first measured forward call keeps for backward
+        self.regions: tuple[tuple[int, int, int], ...] = ()  # (first, end, row) of the call to be read's reentrant regions
+        self._hook_notes: list[tuple[int, Any]] | None = None
 
-    def region_created(self, row: int, first: int, end: int) -> None:
-        """A reentrant checkpointed region ran in forward and created the autograd nodes ``[first, end)``: its own
-        (``CheckpointFunctionBackward``, which keeps the region's inputs for the recompute), made outside every row,
-        since the region's rows ran without autograd. Their saved bytes are the region's first row's (``row``), as a
-        non-reentrant region's inputs are, in the call whose saved bytes are read."""
-        if self._reads():
-            self._regions = (*self._regions, (first, end, row))
-
-    def _reads(self) -> bool:
-        return (self.measure_memory and self._saved is None and not self._cuda and not self._hooks_now
-                and self._sequences and torch.is_grad_enabled())
-
-    def _noting_hooks(self) -> contextlib.AbstractContextManager[None]:
-        """Around a timed forward call to be read, where torch has no ``SavedTensor.data``: the changes of the
-        saved_tensors_hooks on top (``torch_api.note_saved_hooks``), or one unknown hook for all where one was pushed
-        before (the public ``disable_saved_tensors_hooks`` raises then). Nothing at the other calls."""
-        if torch_api.HAS_DATA or not torch_api.READS_SAVED_TENSORS or not self._reads():
+    def noting_hooks(self, reads: bool) -> contextlib.AbstractContextManager[None]:
+        """Around a timed forward call to be read (``reads``), where torch has no ``SavedTensor.data``: the changes of
+        the saved_tensors_hooks on top (``torch_api.note_saved_hooks``), or one unknown hook for all where one was
+        pushed before (the public ``disable_saved_tensors_hooks`` raises then). Nothing at the other calls."""
+        if torch_api.HAS_DATA or not torch_api.READS_SAVED_TENSORS or not reads:
             return _NOTHING
         return self._hooks_noted()
 
@@ -172,28 +167,30 @@ class SavedReader:
         finally:
             torch_api.note_saved_hooks(None)
 
-    def _read_saved(self, output: Any, first: int) -> None:
-        """After a timed forward call (CPU, sequence ranges logged) that made autograd nodes from ``first`` on: the bytes
-        each row's autograd nodes keep for backward, read at the first such call of each cycle (the warm-up's where
-        there is one: no recorded step pays for it)."""
+    def read(self, output: Any, first: int, module: nn.Module | None, reads: bool) -> None:
+        """After a timed forward call (CPU, sequence ranges logged) that made autograd nodes from ``first`` on: the
+        bytes each row's autograd nodes keep for backward, where the call is to be read (``reads``: the first such
+        call of each cycle, the warm-up's where there is one: no recorded step pays for it); ``module``'s parameters
+        and buffers are not activations."""
         notes, self._hook_notes = self._hook_notes, None
-        regions, self._regions = self._regions, ()
-        if not self._reads():
+        regions, self.regions = self.regions, ()
+        if not reads:
             return
-        self._fold()
-        firsts, ends, owners = self._firsts, self._ends, self._owners
+        samples = self.samples
+        samples.fold()
+        firsts, ends, owners = samples.firsts, samples.ends, samples.owners
         if regions:  # (in the order the nodes were made)
             firsts, ends, owners = (list(column) for column in zip(*sorted([*zip(firsts, ends, owners), *regions]),
                                                                    strict=True))
-        self._saved = read_saved_bytes(output, first, torch_api.sequence_nr_now(), firsts, ends, owners, self._root,
-                                       len(self.nodes), notes)
+        self.bytes = read_saved_bytes(output, first, torch_api.sequence_nr_now(), firsts, ends, owners, module,
+                                      len(samples.nodes), notes)
 
-    def saved_memory(self) -> tuple[list[float | None] | None, str | None, list[float | None] | None]:
+    def take(self) -> tuple[list[float | None] | None, str | None, list[float | None] | None]:
         """Per row, the bytes its autograd nodes keep for backward per call (None: unknown), why some are unknown, and
         the bytes held once the row has run (``SavedBytes.held``); (None, None, None) where nothing was read. The next
         forward call reads them again (the next cycle)."""
-        saved, self._saved = self._saved, None
+        saved, self.bytes = self.bytes, None
         if saved is None:
             return None, None, None
-        rows = range(len(self.nodes))
+        rows = range(len(self.samples.nodes))
         return [saved.per_call(row) for row in rows], saved.why, [saved.held_after(row) for row in rows]
