@@ -186,7 +186,8 @@ def fit(callback: pl.Callback, make: Callable[[], nn.Module], shape: tuple[int, 
 
 def loop(step: Callable[[], None], make: Callable[[], nn.Module], shape: tuple[int, ...], steps: int,
          profiler: Profiler | None = None, parts: Parts | None = None) -> tuple[int, float]:
-    """A plain loop of ``steps`` steps calling ``step`` after each: ns inside ``step`` in all, ms per step."""
+    """A plain loop of ``steps`` steps calling ``step`` after each (with ``profiler``: ``profiler.step()``, looked up
+    at every call as a loop does, so that the idle steps' stand-in runs): ns inside it in all, ms per step."""
     torch.manual_seed(0)
     model = make()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -201,7 +202,10 @@ def loop(step: Callable[[], None], make: Callable[[], nn.Module], shape: tuple[i
         optimizer.step()
         optimizer.zero_grad()
         before = time.perf_counter_ns()
-        step()
+        if profiler is not None:
+            profiler.step()
+        else:
+            step()
         if index >= START:
             inside += time.perf_counter_ns() - before
         if parts is not None:

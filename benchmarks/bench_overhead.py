@@ -727,7 +727,7 @@ def profiled_overhead(work: Workload, rounds: Rounds, warmup: int) -> dict[str, 
         timers["trace_ranges=True"] = NodeTimer(traced, trace_ranges=True)
     # (timer_variant's backward recorder declines to start: the profiler is running.)
     variants = [Variant("eager", work.model)] + [timer_variant(name, work.model, t) for name, t in timers.items()]
-    nodes = len(timers["annotate=False"].nodes)
+    nodes = len(kept(timers["annotate=False"]).nodes)
 
     def one_round(r: int) -> dict[str, int]:
         times = {}
@@ -872,7 +872,7 @@ def reference_rounds(work: Workload, budget: Budget) -> ReferenceData:
     kept: list[Any] = []
     warm, cold = module_timers(inputs, flush=False), module_timers(inputs, flush=True)
     fresh = module_timers(inputs, flush=True, kept=kept)
-    data = ReferenceData([info.name for info in plain.nodes], budget.ref_steps)
+    data = ReferenceData([info.name for info in getattr(plain, "samples", plain).nodes], budget.ref_steps)
 
     def ours() -> None:
         timed_steps(work, plain, budget.ref_steps, data.ours)

@@ -20,6 +20,7 @@ from torch.profiler import ProfilerAction
 from torch.utils.tensorboard import SummaryWriter
 
 from fxprof_lightning import ConsoleSink, CsvSink, FXProfilerCallback, Profiler, TensorBoardSink
+from fxprof_lightning.engine.core import display
 from fxprof_lightning.engine.loop_phases import LoopClock
 from fxprof_lightning.engine.settings import Settings
 from fxprof_lightning.report import last_sound
@@ -387,7 +388,7 @@ def test_the_settings_are_read_on_settings_and_never_set_on_the_profiler():
         prof.top_k  # noqa: B018
     with pytest.raises(AttributeError, match=r"pass top_k=\.\.\. to Profiler\(\.\.\.\)"):
         prof.top_k = 1  # would skip the check, and the sinks would not see it
-    assert prof.display().top_k == 5
+    assert display(prof).top_k == 5
     callback = FXProfilerCallback()
     with pytest.raises(AttributeError, match=r"pass skip_first=, wait=, warmup=, active=, repeat="):
         callback.schedule = None

@@ -161,12 +161,8 @@ class Engine(HoldsSettings):
         state = self._stage(stage)
         if state is None:
             return
-        started, follow = time.perf_counter_ns(), self.follow
-        idle = state is self._train and follow is not None and follow.opened is None  # (what it costs: ``idle_ns``)
         state.in_step = True
-        self._lifecycle(state, "begin", state.step)
-        if idle:
-            follow.idle_time(started)
+        self._edge(state, "begin", state.step)
 
     def recording(self, stage: str = "train") -> bool:
         """Whether the step in progress of ``stage`` (between ``end_step`` calls: the next one) is a recorded step."""
@@ -207,15 +203,9 @@ class Engine(HoldsSettings):
         state = self._stage(stage)
         if state is None:
             return
-        started, follow = time.perf_counter_ns(), self.follow
-        idle = state is self._train and follow is not None and follow.opened is None
         state.in_step = False
         step, state.step = state.step, state.step + 1
-        self._lifecycle(state, "end", step)
-        if state is self._train and follow is not None:  # (the end of the step for ``follow.Follow``)
-            self._train.watched(self.schedule, follow, step)
-        if idle:
-            follow.idle_time(started)
+        self._edge(state, "end", step)
 
     def plan(self, trigger: Trigger, step: int) -> None:
         """A cycle out of the schedule from the step after ``step`` (``follow.Follow.tick``'s trigger, or
@@ -251,12 +241,6 @@ class Engine(HoldsSettings):
         (``close_run``)."""
         close_run(self)
 
-    def display(self) -> Display:
-        """What the sinks show, from the settings now (``sinks.Display``)."""
-        settings = self.settings
-        return Display(self.name, settings.top_k, settings.module_depth, settings.pictures, settings.verbose,
-                       settings.profile_validation, self.warn)
-
     @property
     def rank(self) -> int:
         """Global rank from ``torch.distributed`` (0 when it is not initialised)."""
@@ -280,6 +264,16 @@ class Engine(HoldsSettings):
         if name == "val" and not self.settings.profile_validation:
             return None
         return self._train if name == "train" else self._val
+
+    def _edge(self, stage: Stage, edge: str, step: int) -> None:
+        """``_lifecycle``, then the follower's note of a training step's end; the time of one outside cycles: idle_ns."""
+        follow = self.follow if stage is self._train else None
+        started, idle = time.perf_counter_ns(), follow is not None and follow.opened is None
+        self._lifecycle(stage, edge, step)
+        if follow is not None and edge == "end":
+            stage.watched(self.schedule, follow, step)
+        if idle:
+            follow.idle_time(started)
 
     def _lifecycle(self, stage: Stage, edge: str, step: int) -> None:
         """Do what ``LIFECYCLE`` says for this edge of ``step``, each part under the failure policy."""
@@ -325,6 +319,13 @@ class Engine(HoldsSettings):
                 cycle.abandon(self.target)
 
 
+def display(engine: Engine) -> Display:
+    """What the sinks show, from the engine's settings now (``sinks.Display``)."""
+    settings = engine.settings
+    return Display(engine.name, settings.top_k, settings.module_depth, settings.pictures, settings.verbose,
+                   settings.profile_validation, engine.warn)
+
+
 # ------------------------------------------------------------ a run's ends
 # Opening a run (the module resolved and checked, the timers started, the names earlier runs took, the follower) and
 # closing it (the nothing-recorded warning, the follower's end, the sinks closed on rank 0), or cutting it short at an
@@ -358,7 +359,7 @@ def close_run(engine: Engine) -> None:
         engine.follow.end(engine.dirpath)
     if engine.rank == 0:
         cost = (engine.follow.spent_s(), engine.follow.share()) if engine.follow is not None else None
-        run = RunSummary(train.cycles, engine.dirpath, engine.display(), cost)
+        run = RunSummary(train.cycles, engine.dirpath, display(engine), cost)
         for sink in engine.sinks:
             engine._safely("closing a sink", sink.close, run)
 
@@ -497,9 +498,9 @@ def close_cycle(engine: Engine, stage: Stage, gather: bool, tracked: list[str] |
         analysis = engine._safely("analysing a cycle", _analyse, engine, stage, report, tracked)
         if analysis is not None:  # (the report's fields of the same names)
             report = replace(report, **vars(analysis))
-        display = engine.display()
+        shown = display(engine)
         for sink in engine.sinks:
-            sink.write_cycle(report, display)
+            sink.write_cycle(report, shown)
         report.pictures.clear()  # written: a long run keeps no image bytes
     if engine.follow is not None and stage.name == "train":
         engine.follow.closed(stage.step - 1, report)
