@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from fxprof_lightning.capture.children import timed_children
+from fxprof_lightning.timing.forward_swap import own_class
 
 __all__ = ["batch_size", "module_to_time", "printer"]
 
@@ -23,7 +24,7 @@ def module_to_time(pl_module: pl.LightningModule, path: str | None) -> nn.Module
     discriminator), the LightningModule, whose children are then each captured on their own (``capture.children``);
     ``module=`` picks one."""
     module: nn.Module = pl_module
-    if path is None and type(module).forward is pl.LightningModule.forward:
+    if path is None and own_class(module).forward is pl.LightningModule.forward:
         children = timed_children(module)
         if len(children) == 1:
             return next(iter(children.values()))

@@ -105,3 +105,9 @@ def resnet18(**kwargs) -> nn.Module:
 def trace_module(model: nn.Module) -> torch.fx.GraphModule:
     """The model's graph for a ``NodeTimer`` of its own (tests of node timing itself): torch.fx's public tracing."""
     return torch.fx.symbolic_trace(model)
+
+
+def own_forward(module: nn.Module) -> bool:
+    """Whether ``module`` runs its own forward: no timed forward on it, in its ``__dict__`` or by its class swapped for
+    a recorded step (``timing.forward_swap``)."""
+    return "forward" not in vars(module) and type(module).forward.__name__ != "_timed_forward"

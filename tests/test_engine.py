@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 import dataclasses
 import gzip
@@ -14,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SmallNet, image_loader, notices, read_events
+from helpers import SmallNet, image_loader, notices, own_forward, read_events
 from torch.nn import functional as F
 from torch.profiler import ProfilerAction
 from torch.utils.tensorboard import SummaryWriter
 
-from fxprof_lightning import ConsoleSink, CsvSink, FXProfilerCallback, Profiler, TensorBoardSink
+from fxprof_lightning import ConsoleSink, CsvSink, FXProfilerCallback, Profiler, TensorBoardSink, torch_api
 from fxprof_lightning.engine.core import display
 from fxprof_lightning.engine.loop_phases import LoopClock
 from fxprof_lightning.engine.settings import Settings
@@ -67,7 +68,7 @@ def test_a_plain_loop_gets_cycles_files_and_node_times(tmp_path, capsys):
         rows = list(csv.DictReader((cycle.directory / "fx_nodes.csv").read_text().splitlines()))
         assert {r["name"] for r in rows} == names
         assert (cycle.directory / "fx_modules.csv").exists()
-    assert "forward" not in model.__dict__  # the module's own forward is back
+    assert own_forward(model)  # the module's own forward is back
     out = capsys.readouterr().out
     # (the summary reads the last sound cycle: cycle 0 where cycle 1 was distorted by other load, seen in a CI run)
     last = last_sound(prof.cycles)
@@ -105,6 +106,44 @@ def test_between_cycles_step_is_the_idle_counter_and_the_schedule_stays_torchs(t
     assert [s for c in prof.cycles for s in c.steps] == recorded
     assert "step" not in vars(prof)  # the stand-in gone with the run
     assert 0 < prof.follow.idle_ns < 26 * 10**6  # (profiling's own time: far under a millisecond a step)
+
+
+def _tag_safe_roots(manager):
+    """The guard managers of a Dynamo guard tree under which a whole subtree is skipped while dict tags match."""
+    children = [c for c in manager.get_child_managers() if c is not None]
+    if hasattr(manager, "get_key_value_managers"):
+        children += [c for pair in manager.get_key_value_managers().values() for c in pair if c is not None]
+    return [c for c in children if c.is_tag_safe_root()] + [r for c in children for r in _tag_safe_roots(c)]
+
+
+@pytest.mark.skipif(not hasattr(torch._C._dynamo.guards.GuardManager, "is_tag_safe_root"),
+                    reason="this torch's guards have no subtree skipped on unchanged dict tags (2.6)")
+def test_recorded_steps_leave_dynamos_guards_their_shortcut_and_copies_their_own_forward(tmp_path):
+    # Timing a module's steps writes none of its dicts, so Dynamo's guards keep skipping its unchanged subtree (a
+    # write turns that off for good: every later check the full one). A copy made in a recorded step runs its own forward.
+    torch.manual_seed(0)
+    model = SmallNet()
+    copies = []
+    with Profiler(model, wait=1, warmup=1, active=2, repeat=3, dirpath=tmp_path, sinks=[]) as prof:
+        for step in range(12):
+            out = model(torch.randn(4, 3, 8, 8))
+            if step == 7:  # a recorded step
+                copies.append(copy.deepcopy(model))
+            out.sum().backward()
+            prof.step()
+    assert [c.steps for c in prof.cycles] == [[2, 3], [6, 7], [10, 11]]
+    assert all(n.calls == 2 for c in prof.cycles for n in c.nodes)
+    timer, _ = prof.timers.chosen[True]
+    entries = torch_api.cache_entries(timer._entry.code, timer._entry.region)
+    roots = [r for entry in entries for r in _tag_safe_roots(entry.guard_manager.root)]
+    assert roots and not any(r.is_recursive_dict_tag_matching_disabled() for r in roots)
+    (copied,) = copies
+    assert type(copied) is SmallNet and own_forward(copied) and own_forward(model)
+    reference = SmallNet()
+    reference.load_state_dict(copied.state_dict())  # (the copy's own weights, from step 7: the model trained on)
+    x = torch.randn(4, 3, 8, 8)
+    copied.eval(), reference.eval()
+    assert torch.equal(copied(x), reference(x))
 
 
 def test_training_is_bitwise_unchanged(tmp_path):
@@ -230,7 +269,7 @@ def test_an_exception_in_the_loop_writes_the_cut_cycle_and_leaves_no_wrapper(tmp
     with pytest.raises(KeyError), Profiler(model, wait=0, warmup=1, active=3, repeat=1, dirpath=tmp_path, sinks=[]) as prof:
         train(3, prof, model)
         raise KeyError("the user's own error")
-    assert "forward" not in model.__dict__ and not torch.autograd.profiler._is_profiler_enabled
+    assert own_forward(model) and not torch.autograd.profiler._is_profiler_enabled
     (cycle,) = prof.cycles
     assert cycle.partial and cycle.steps == [1, 2]
 

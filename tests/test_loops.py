@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from helpers import LitClassifier, image_loader, make_trainer, read_events
+from helpers import LitClassifier, image_loader, make_trainer, own_forward, read_events
 from torch.nn import functional as F
 
 from fxprof_lightning import FXProfilerCallback
@@ -59,7 +59,7 @@ def test_validation_batches_get_their_own_schedule_and_directories(tmp_path):
     log_dir = tmp_path / "logs" / "version_0"
     assert scalar_steps(log_dir, "fxprof_val/forward_ms_per_step") == [3, 7, 11]
     assert scalar_steps(log_dir, "fxprof/forward_ms_per_step") == [3, 7, 11, 15]
-    assert "forward" not in trainer.lightning_module.model.__dict__
+    assert own_forward(trainer.lightning_module.model)
 
 
 def test_a_step_is_one_batch_under_gradient_accumulation(tmp_path):
@@ -96,7 +96,7 @@ def test_several_fits_validate_and_test_on_one_callback(tmp_path):
     second = make_trainer(tmp_path, [callback], max_steps=3)
     second.fit(model, image_loader())
     assert [(c.steps, c.directory.parent.parent.name) for c in callback.cycles] == [([1], "version_1")]
-    assert "forward" not in model.model.__dict__
+    assert own_forward(model.model)
 
 
 def test_profiled_validate_alone(tmp_path):

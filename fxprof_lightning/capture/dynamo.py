@@ -72,6 +72,7 @@ from fxprof_lightning.capture.recaptures import (
 from fxprof_lightning.capture.row_names import FRAMED, Owners
 from fxprof_lightning.nodes import ROW, is_timed
 from fxprof_lightning.timing.flops import float_grouped_mm_meta
+from fxprof_lightning.timing.forward_swap import put_forward
 from fxprof_lightning.timing.quiet import quiet_dynamo
 
 if TYPE_CHECKING:
@@ -293,7 +294,6 @@ class DynamoTimer(DynamoGraphs):
         if id(module) in self._saved_forward:
             return
         self._hooks_now = backward_hooks
-        self._saved_forward[id(module)] = module.__dict__.get("forward")
         self._root = module
         own_forward = module.forward
         # Wrapping a function in the Dynamo context costs 70-370 us (trace_rules lookups): done once per forward
@@ -329,7 +329,7 @@ class DynamoTimer(DynamoGraphs):
             with quiet_dynamo(self.dynamo_messages, look=False):
                 return self._timed_call(args, kwargs, state, after_capture=False, entered=entered)
 
-        module.forward = forward
+        self._saved_forward[id(module)] = put_forward(module, forward)
         if self._way.eager_hooks or self._way.framed:
             self._frames.frame(module, every=self._way.framed)
         TRACEABLE.enter()

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from fxprof_lightning import torch_api
+from fxprof_lightning.timing.forward_swap import own_class
 from fxprof_lightning.timing.quiet import hold_dynamo_filters, release_dynamo_filters
 
 __all__ = ["COMPILING", "TRACEABLE", "frames_skipped", "guarded_functions", "hooks_eager", "not_compiling", "opened_frames"]
@@ -131,10 +132,10 @@ def guarded_functions(root: torch.nn.Module, failures: list[str]) -> tuple[Calla
     # Dynamo 2.6 gives no place: the globals its guards name (``G['STEP']``), read by a function a forward calls
     read = {name for failure in failures for name in re.findall(r"G\['(\w+)'\]", failure)} if not places else set()
     called = {name for module in root.modules()
-              for name in getattr(getattr(type(module).forward, "__code__", None), "co_names", ())}
+              for name in getattr(getattr(own_class(module).forward, "__code__", None), "co_names", ())}
     found: dict[int, Callable[..., Any]] = {}
     for module in root.modules():
-        for value in getattr(type(module).forward, "__globals__", {}).values():
+        for value in getattr(own_class(module).forward, "__globals__", {}).values():
             code = getattr(value, "__code__", None)
             if isinstance(value, types.FunctionType) and code.co_name != "forward" and (
                     (read & set(code.co_names) and code.co_name in called) or any(

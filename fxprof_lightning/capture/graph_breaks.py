@@ -11,6 +11,7 @@ from torch import nn
 
 from fxprof_lightning import torch_api
 from fxprof_lightning.nodes import NodeInfo, module_stack
+from fxprof_lightning.timing.forward_swap import own_class
 
 __all__ = ["GRAPH_BREAK", "HOST_READS", "break_row", "graph_break_counter", "graph_break_reasons", "host_reads", "resumed_from"]
 
@@ -62,7 +63,7 @@ def host_reads(reasons: list[Any], root: nn.Module) -> dict[str, str]:
         inner = reason.user_stack[-1]
         where = f"{what} at {inner.filename.rsplit('/', 1)[-1]}:{inner.lineno}"
         for frame in reversed(reason.user_stack):  # the innermost frame that runs a submodule's forward
-            paths = [path or "(root)" for path, m in modules if _runs_in(type(m).forward, frame)]
+            paths = [path or "(root)" for path, m in modules if _runs_in(own_class(m).forward, frame)]
             if paths:
                 inside = f" (in `{inner.name}`, called from its forward)" if frame is not inner else ""
                 found.setdefault(", ".join(paths), where + inside)
@@ -83,14 +84,14 @@ def break_row(reason: Any, root: nn.Module | None) -> NodeInfo | None:
         return None
     frame = reason.user_stack[0]  # the frame whose graph broke
     modules = list(root.named_modules()) if root is not None else []
-    runs = [(path, module) for path, module in modules if _runs_in(type(module).forward, frame)]
+    runs = [(path, module) for path, module in modules if _runs_in(own_class(module).forward, frame)]
     function = resumed_from(frame.name)
-    function = getattr(type(runs[0][1]).forward, "__qualname__", function) if runs else function
+    function = getattr(own_class(runs[0][1]).forward, "__qualname__", function) if runs else function
     where = f"{function} ({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})"
     code = linecache.getline(frame.filename, frame.lineno or 0).strip()
     name = f"{where}: {code[:40]}{'...' if len(code) > 40 else ''}" if code else where
     for inner in reversed(reason.user_stack):  # the innermost frame that runs a module's forward
-        if runs := [path for path, module in modules if _runs_in(type(module).forward, inner)]:
+        if runs := [path for path, module in modules if _runs_in(own_class(module).forward, inner)]:
             break
     path = runs[0] if len(runs) == 1 else ""
     return NodeInfo(name, GRAPH_BREAK, reason.reason.splitlines()[0] if reason.reason else where, path, module_stack(path))

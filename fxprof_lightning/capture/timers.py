@@ -32,6 +32,7 @@ from fxprof_lightning.capture.dynamo import DYNAMO, DynamoTimer, missing_for_dyn
 from fxprof_lightning.capture.module_hooks import ModuleHookTimer
 from fxprof_lightning.capture.verify import fsdp2_kept, is_fsdp
 from fxprof_lightning.nodes import Capture
+from fxprof_lightning.timing.forward_swap import own_class
 from fxprof_lightning.timing.readings import Collected, Progress, Traits
 
 __all__ = ["CAPTURES", "Timer", "Timers", "check_capture"]
@@ -41,7 +42,7 @@ CAPTURES = ("dynamo",)
 
 def _no_forward(module: nn.Module) -> bool:
     """Whether ``module`` has no forward of its own: torch's, which raises, or the LightningModule's, which calls it."""
-    forward = type(module).forward
+    forward = own_class(module).forward
     return forward is nn.Module.forward or getattr(forward, "__qualname__", "") == "LightningModule.forward"
 
 

@@ -31,7 +31,7 @@ class Profiler(Engine):
 
     Args:
         module: the ``nn.Module`` to time node by node (or a function returning it, called at
-            ``start()``). Its forward is replaced by the timed graph during traced steps only.
+            ``start()``). During traced steps only, its class is a same-named subclass whose forward runs the timed graph.
         sinks: where cycle reports go (default ``[CsvSink(), PictureSink(), ConsoleSink()]``); see ``sinks``.
         settings: a ``Settings`` made beforehand, in place of the options (the Lightning callback's, checked once
             under its own name).

@@ -12,6 +12,7 @@ from torch import fx, nn
 
 from fxprof_lightning.timing.autograd_walk import sequence_nr_now
 from fxprof_lightning.timing.flops import NodeCosts, count_costs, input_signature
+from fxprof_lightning.timing.forward_swap import put_forward
 from fxprof_lightning.timing.node_timing import NodeTimer
 
 if TYPE_CHECKING:
@@ -53,7 +54,6 @@ class FxNodeTimer(NodeTimer):
             return
         if backward_hooks and self._hooked_graph_module is None:
             self._hooked_graph_module = self._instrument(self._traced, self._annotate, hooked=True)
-        self._saved_forward[id(module)] = module.__dict__.get("forward")
         self._root, self._hooks_now = module, backward_hooks
         own_forward, graph_forward = module.forward, (self._hooked_graph_module if backward_hooks else self.graph_module).forward
         training = self._traced.training
@@ -74,7 +74,7 @@ class FxNodeTimer(NodeTimer):
             self.saved.read(out, first, self._root, self.reads_saved())
             return out
 
-        module.forward = forward
+        self._saved_forward[id(module)] = put_forward(module, forward)
 
     def costs(self, training: bool) -> NodeCosts | None:
         """FLOPs and output sizes per node for the first call's inputs since ``reset``, counted once per input

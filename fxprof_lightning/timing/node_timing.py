@@ -51,6 +51,7 @@ from fxprof_lightning import torch_api
 from fxprof_lightning.nodes import JOINS, NESTS, is_timed
 from fxprof_lightning.timing.autograd_walk import autograd_nodes, sequence_nr_now, tensors_in
 from fxprof_lightning.timing.clocks import CudaClock, HostClock, cuda_allocated
+from fxprof_lightning.timing.forward_swap import take_forward
 from fxprof_lightning.timing.readings import Collected, Progress, Traits, collected_of
 from fxprof_lightning.timing.samples import NodeSamples
 from fxprof_lightning.timing.saved_memory import SavedReader
@@ -108,7 +109,7 @@ class NodeTimer:
         self._annotate = annotate
         self._hooks_now = False  # the installed forward times backward with hooks (no sequence ranges are logged)
         self._trace_ranges = trace_ranges and not self._cuda
-        self._saved_forward: dict[int, Any] = {}
+        self._saved_forward: dict[int, Any] = {}  # id(module) -> ``forward_swap.put_forward``'s answer
         self._root: nn.Module | None = None  # the module installed on (for its own parameters and buffers)
         self.costs_error: str | None = None
         self.reset()
@@ -214,13 +215,8 @@ class NodeTimer:
 
     def uninstall(self, module: nn.Module) -> None:
         """Give ``module`` its own forward back (safe to call when not installed)."""
-        if id(module) not in self._saved_forward:
-            return
-        previous = self._saved_forward.pop(id(module))
-        if previous is None:
-            module.__dict__.pop("forward", None)
-        else:
-            module.forward = previous
+        if id(module) in self._saved_forward:
+            take_forward(module, self._saved_forward.pop(id(module)))
 
     # The generated forward calls these: keep them lean, they run once per node per call.
 
