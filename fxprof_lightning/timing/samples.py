@@ -8,15 +8,12 @@ import collections
 import itertools
 import operator
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import fx
 
 from fxprof_lightning.nodes import ROW, NodeInfo, node_info
 from fxprof_lightning.timing.clocks import CudaClock, HostClock, cuda_allocated
-
-if TYPE_CHECKING:
-    from fxprof_lightning.timing.node_timing import GraphLog
 
 __all__ = ["NodeSamples"]
 
@@ -42,7 +39,7 @@ class NodeSamples:
         # the sequence number before the first timed node and after each, and where each call's entries begin.
         self.stamps: list[int] = []
         self.sequence_nrs: list[int] = []
-        self.logged_calls: list[tuple[int, int, GraphLog]] = []
+        self.logged_calls: list[tuple[int, int, Any]] = []  # (stamp, sequence number, ``node_timing.GraphLog``)
         self._folded_calls = 0
         self.anchors: list[tuple[int, int, int]] = []  # with trace_ranges: (number, ns before, ns after) per anchor range
         self.call_starts: list[int] = []  # with trace_ranges: the perf_counter_ns start of each forward call (``node_ranges``)
