@@ -79,13 +79,12 @@ class IdleSteps:
         now = perf_counter_ns()
         ends = self.ends
         ends.append(now)
-        if (len(ends) >= self.due or now - ends[-2] > self.limit) and self._batch():  # the stretch ended
-            self.spent_ns += perf_counter_ns() - now
-            self._hand_over()
-            if self.then is not None:  # (the next step's own cost is not the idle steps')
-                self.then()
-            return
+        ended = (len(ends) >= self.due or now - ends[-2] > self.limit) and self._batch()
         self.spent_ns += perf_counter_ns() - now
+        if ended:  # (the stretch's time handed over before the next step's own, which is not the idle steps')
+            self._hand_over()
+            if self.then is not None:
+                self.then()
 
     def ended(self) -> int:
         """The steps of the stretch that ended so far."""

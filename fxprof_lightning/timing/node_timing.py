@@ -52,7 +52,7 @@ from fxprof_lightning.nodes import JOINS, NESTS, is_timed
 from fxprof_lightning.timing.autograd_walk import autograd_nodes, sequence_nr_now, tensors_in
 from fxprof_lightning.timing.clocks import CudaClock, HostClock, cuda_allocated
 from fxprof_lightning.timing.forward_swap import take_forward
-from fxprof_lightning.timing.readings import Collected, Progress, Traits, collected_of
+from fxprof_lightning.timing.readings import Collected, Progress, Traits, cycle_collected
 from fxprof_lightning.timing.samples import NodeSamples
 from fxprof_lightning.timing.saved_memory import SavedReader
 
@@ -173,12 +173,7 @@ class NodeTimer:
 
     def collected(self, backward: list[tuple[int, int]], trace_events: list[Any], training: bool) -> Collected | str:
         """The cycle's samples from its backward events, or why nothing was timed."""
-        nothing = self.collect(backward, trace_events)
-        if nothing is not None:
-            return nothing
-        costs = self.costs(training)
-        costs_error, self.costs_error = self.costs_error, None  # handed over once
-        return collected_of(self.samples, costs, costs_error, self.saved.take())
+        return cycle_collected(self, backward, trace_events, training, self.samples, self.saved.take)
 
     @property
     def usable(self) -> bool:

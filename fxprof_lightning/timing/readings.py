@@ -13,7 +13,7 @@ from typing import Any
 from fxprof_lightning.nodes import NodeInfo
 from fxprof_lightning.timing.flops import NodeCosts
 
-__all__ = ["Collected", "Progress", "Traits", "Uninterrupted", "collected_of"]
+__all__ = ["Collected", "Progress", "Traits", "Uninterrupted", "collected_of", "cycle_collected"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,18 @@ def collected_of(samples: Any, costs: NodeCosts | None, costs_error: str | None,
                      samples.backward_outside_ns, list(samples.forward_walls_ns), *saved)
 
 
+def cycle_collected(timer: Any, backward: list[tuple[int, int]], trace_events: list[Any], training: bool, samples: Any,
+                    saved: Callable[[], tuple[Any, Any, Any]] = lambda: (None, None, None)) -> Collected | str:
+    """A timer's ``collected``: the cycle's samples from its backward (and trace) events, or why nothing was timed;
+    ``samples`` as ``collected_of`` reads them, ``saved`` taken once something was timed (``SavedReader.take``)."""
+    nothing = timer.collect(backward, trace_events)
+    if nothing is not None:
+        return nothing
+    costs = timer.costs(training)
+    costs_error, timer.costs_error = timer.costs_error, None  # handed over once
+    return collected_of(samples, costs, costs_error, saved())
+
+
 def _copies(lists: list[list[Any]]) -> list[list[Any]]:
     """Copies of a timer's per-node lists (``reset`` empties the timer's own)."""
     return [list(samples) for samples in lists]
@@ -97,12 +109,7 @@ class Uninterrupted:
 
     def collected(self, backward: list[tuple[int, int]], trace_events: list[Any], training: bool) -> Collected | str:
         """The cycle's samples from its backward events (and trace events), or why nothing was timed."""
-        nothing = self.collect(backward, trace_events)
-        if nothing is not None:
-            return nothing
-        costs = self.costs(training)
-        costs_error, self.costs_error = self.costs_error, None  # handed over once
-        return collected_of(self, costs, costs_error)
+        return cycle_collected(self, backward, trace_events, training, self)
 
     def mark(self) -> None:
         """(Never interrupted: nothing to drop.)"""
