@@ -53,11 +53,11 @@ from fxprof_lightning.analysis.regressions import (
     DEFAULT_MIN_SHARE,
     MIN_BASELINE,
     SAME_LEVEL,
-    RegressionWatch,
     compare,
     find_regressions,
 )
 from fxprof_lightning.analysis.trust import distortion
+from fxprof_lightning.analysis.watch import RegressionWatch
 from fxprof_lightning.report import NodeStats
 
 KS = (2.0, 3.0, 4.0, 6.0)

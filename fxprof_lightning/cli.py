@@ -17,7 +17,7 @@ Exit status: 0 done, no confirmed regression; 1 confirmed regressions found (``c
 B slower than in A beyond the noise in B's cycle and in B's cycle before it, or every call 3x slower, or a layer of B
 saving twice as much for backward, ``memory_growth``;
 ``report``: a cycle with a node slower than in the cycles before it, confirmed as the engine does,
-``regressions.RegressionWatch``); 2 usage error or nothing to read (no cycle directory, an unreadable file), with a
+``watch.RegressionWatch``); 2 usage error or nothing to read (no cycle directory, an unreadable file), with a
 message on stderr.
 """
 
@@ -42,8 +42,6 @@ from fxprof_lightning.analysis.regressions import (
     STEP_SHARE,
     Delta,
     Regression,
-    RegressionWatch,
-    Verdict,
     added_per_step,
     beyond_doubt,
     compare,
@@ -55,6 +53,7 @@ from fxprof_lightning.analysis.regressions import (
     step_rows,
 )
 from fxprof_lightning.analysis.trust import distortion
+from fxprof_lightning.analysis.watch import RegressionWatch, Verdict
 from fxprof_lightning.engine.follow import INDEX_FILE, read_lines, request_cycle
 from fxprof_lightning.layout import HTML_FILE
 from fxprof_lightning.outputs.formats import (
@@ -497,7 +496,7 @@ def _regression_line(cycle: CycleReport, r: Regression) -> str:
 def check_cycles(cycles: list[CycleReport], options: dict) -> dict[int, Verdict]:
     """For each cycle (by id): what its check found (why it was not checked, confirmed and unconfirmed flags).
 
-    As the engine does (``regressions.RegressionWatch``): each cycle against the last 5 sound cycles before it
+    As the engine does (``watch.RegressionWatch``): each cycle against the last 5 sound cycles before it
     (once there are 3); a flag counts once confirmed (in the next sound cycle too, or beyond what noise explains).
     """
     watch = RegressionWatch(BASELINE_CYCLES, **options)

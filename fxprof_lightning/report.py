@@ -68,7 +68,7 @@ class CycleReport:
         step_wait_ms: where Linux keeps scheduler statistics, the time this process's threads waited for a core in each
             recorded step (summed over the threads).
         regressions: nodes slower than in the earlier cycles beyond the noise (``regressions.Regression``), confirmed
-            (flagged in the sound cycle before too, or beyond what noise can explain; ``regressions.Verdict``).
+            (flagged in the sound cycle before too, or beyond what noise can explain; ``watch.Verdict``).
         unconfirmed: nodes flagged for the first time: the next sound cycle confirms them or not.
         advice: what to try, one sentence each, most useful first (``advice``).
         distortion: why the cycle's numbers look distorted by other load (``trust.distortion``), or None.

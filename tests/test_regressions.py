@@ -11,12 +11,12 @@ import pytest
 from fxprof_lightning.analysis.regressions import (
     Delta,
     Regression,
-    RegressionWatch,
     compare,
     find_regressions,
     module_rows,
     shared_factor,
 )
+from fxprof_lightning.analysis.watch import RegressionWatch
 from fxprof_lightning.report import NodeStats
 
 

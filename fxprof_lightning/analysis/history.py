@@ -10,8 +10,9 @@ from typing import Any
 from fxprof_lightning.analysis.advice import advise
 from fxprof_lightning.analysis.memory_growth import saved_growth
 from fxprof_lightning.analysis.memory_plan import CheckpointPlan, checkpoint_plan
-from fxprof_lightning.analysis.regressions import RegressionWatch, step_rows
+from fxprof_lightning.analysis.regressions import step_rows
 from fxprof_lightning.analysis.roofline import Peaks, describe_peaks, raised_to, with_roofline
+from fxprof_lightning.analysis.watch import RegressionWatch
 from fxprof_lightning.report import CycleReport, NodeStats
 
 __all__ = ["HISTORY", "Analysis", "StageHistory"]

@@ -19,7 +19,8 @@ import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 
-from fxprof_lightning.analysis.regressions import Regression, Verdict
+from fxprof_lightning.analysis.regressions import Regression
+from fxprof_lightning.analysis.watch import Verdict
 from fxprof_lightning.layout import PHASES
 from fxprof_lightning.outputs.formats import legend_report, ms_text, per_step, ratio_text, steps_text
 from fxprof_lightning.outputs.plots import tree_of
