@@ -52,7 +52,7 @@ from fxprof_lightning.analysis.regressions import (
     step_change,
     step_rows,
 )
-from fxprof_lightning.analysis.trust import distortion
+from fxprof_lightning.analysis.trust import distortion, waited_out
 from fxprof_lightning.analysis.watch import RegressionWatch, Verdict
 from fxprof_lightning.engine.follow import INDEX_FILE, read_lines, request_cycle
 from fxprof_lightning.layout import HTML_FILE
@@ -264,12 +264,14 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
     before = {(d.node, d.direction): d.delta_ms for c in earlier for d in compare(tables, _rows(c), **options) if d.slower}
     by_name = {n.name: n for n in _rows(now)}
     outside = {n.name for n in _rows(now) if n.op in ("step", "unowned")}
+    waits = [w for c in baseline if (w := c.waited_share) is not None]
     confirmed = {(d.node, d.direction) for d in deltas  # (a row outside the nodes: by the cycle before only, and
                  if d.slower and (same_level(before.get((d.node, d.direction)), d.delta_ms)  # at least STEP_SHARE of
                                   or (d.node not in outside and beyond_doubt(by_name[d.node], d, steps, step)))  # the step)
                  and (d.node not in outside or d.delta_ms >= STEP_SHARE * step)
-                 and added_per_step(by_name[d.node], d, steps) >= MIN_ADDED_MS}  # (as the watch: tens of us a step are
-    # what a fresh buffer's pages faulted in again make of a tiny node in an identical run)
+                 and (added := added_per_step(by_name[d.node], d, steps)) >= MIN_ADDED_MS  # (as the watch: tens of us
+                 and not waited_out(added, now.waited_share, waits, step)}  # a step are what a fresh buffer's pages
+    # faulted in again make of a tiny node in an identical run; a row B's threads' wait for a core explains is load)
     lines = [f"A: {a}",
              "   " + (describe(baseline[0]) if len(baseline) == 1 else
                       f"{len(baseline)} {_stage_name(baseline[0].stage)} cycles "
@@ -282,8 +284,7 @@ def run_compare(a: Path, b: Path, stage: str, cycle: int | None, top: int | None
     whole = step_change([c.step_ms for c in baseline], now.step_ms, **options)
     whole_before = step_change([c.step_ms for c in baseline], earlier[0].step_ms, **options) if earlier else None
     load = distortion(now.step_ms, [statistics.median(c.step_ms) for c in baseline if c.step_ms], factor,
-                      wait=now.waited_share,
-                      earlier_wait=[w for c in baseline if (w := c.waited_share) is not None])
+                      wait=now.waited_share, earlier_wait=waits)
     whole_confirmed = whole is not None and whole.slower and load is None and (
         whole.ratio >= CONFIRM_RATIO or same_level(whole_before.delta_ms if whole_before and whole_before.slower
                                                    else None, whole.delta_ms))

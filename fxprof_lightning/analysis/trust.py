@@ -39,7 +39,7 @@ import time
 from fxprof_lightning.report import step_spread
 
 __all__ = ["CPU_DROP", "JUMP_LIMIT", "SHARED_LOAD", "SPREAD_FLOOR_MS", "SPREAD_LIMIT", "WAIT_LIMIT", "distortion",
-           "threads_waited_ns", "waited_ms"]
+           "threads_waited_ns", "waited_ms", "waited_out"]
 
 SPREAD_LIMIT = 0.5
 SPREAD_FLOOR_MS = 1.0
@@ -181,3 +181,19 @@ def distortion(step_ms: list[float], earlier_medians: list[float], shared: float
             reasons.append(f"the process got {cpu:.2f} CPU s per wall s, {before_cpu:.2f} in the earlier cycles "
                            f"(it waited for cores), with its nodes {shared:.1f}x slower as a whole")
     return "; ".join(reasons) or None
+
+
+def waited_out(added_ms: float, wait: float | None, earlier_wait: list[float], step_ms: float) -> bool:
+    """Whether load explains a slower row in a cycle that is not distorted as a whole: its threads waited for a core
+    at least half the row's added time (``added_ms`` per step) longer per step than in the sound cycles before.
+    ``wait`` and ``earlier_wait`` are shares of the step (``waited_share``; None where Linux does not say), ``step_ms``
+    the cycle's median step. A parallel op whose second thread waits for a core holds the first at its end: one conv's
+    backward was 3.4x slower in every call of a cycle of the README's example beside another process (2026-11-28),
+    with its threads waiting under 30 % of the steps.
+
+    >>> waited_out(2.6, wait=0.16, earlier_wait=[0.01, 0.01], step_ms=12.6)  # 1.9 ms a step more: load
+    True
+    >>> waited_out(2.6, wait=0.02, earlier_wait=[0.01], step_ms=12.6) or waited_out(2.6, None, [], 12.6)
+    False
+    """
+    return wait is not None and (wait - statistics.median(earlier_wait or [0.0])) * step_ms >= added_ms / 2

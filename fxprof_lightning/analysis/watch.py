@@ -30,7 +30,7 @@ from fxprof_lightning.analysis.regressions import (
     same_level,
     shared_factor,
 )
-from fxprof_lightning.analysis.trust import distortion
+from fxprof_lightning.analysis.trust import distortion, waited_out
 from fxprof_lightning.report import ModuleStats, NodeStats, cpu_per_wall, step_spread, waited_share
 
 __all__ = ["RegressionWatch", "Verdict"]
@@ -45,8 +45,9 @@ class Verdict:
     in the sound cycle before it, still adding at least ``same_level`` (``SAME_LEVEL`` by default) x what it added
     there (a change in the code stays or grows, load comes and goes: the plain loop's "other" phase rose 4x, then
     1.6x, in an identical run), or so large in this one that noise cannot explain it (``beyond_doubt``, the steps
-    regular, the step slower by at least half the node's added time). Rows adding under ``MIN_ADDED_MS`` per step
-    are not flagged. ``unconfirmed`` are flagged for the first time: the next cycle confirms them or not.
+    regular, the step slower by at least half the node's added time). Neither counts where the cycle's threads waited
+    for a core at least half the row's added time per step longer than in the sound cycles before: that load explains
+    it, and the row stays unconfirmed. Rows adding under ``MIN_ADDED_MS`` per step are not flagged. ``unconfirmed`` are flagged for the first time: the next cycle confirms them or not.
     """
 
     skipped: str | None = None
@@ -151,12 +152,13 @@ class RegressionWatch:
             step_rise = median_step - statistics.median(self.medians) if step_ms and self.medians else 0.0
             regular = (step_spread(step_ms) or 0.0) <= CONFIRM_SPREAD
             for r in flagged:
-                stats = by_name[r.node]
+                stats, added = by_name[r.node], added_per_step(by_name[r.node], r, steps)
                 # (a row outside the nodes, one value per cycle, is confirmed by the next sound cycle only: it
                 # moves with the nodes' work, and noise cannot be told from one cycle)
-                clear = (stats.op not in ("step", "unowned") and beyond_doubt(stats, r, steps, median_step) and regular
-                         and step_rise >= added_per_step(stats, r, steps) / 2)
-                if self._confirms(r) or (clear and not short):
+                explained = waited_out(added, wait, self.wait, median_step)  # (load: the next cycle tells)
+                clear = (not explained and stats.op not in ("step", "unowned") and regular
+                         and beyond_doubt(stats, r, steps, median_step) and step_rise >= added / 2)
+                if not explained and (self._confirms(r) or (clear and not short)):
                     verdict.regressions.append(r)
                 elif clear or not short:  # (on a short baseline, only a change beyond doubt is flagged at all)
                     verdict.unconfirmed.append(r)

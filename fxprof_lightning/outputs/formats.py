@@ -41,7 +41,7 @@ def legend_report(options: dict) -> list[str]:
         "too, beyond the cycle's shared slowdown; checked once "
         f"{MIN_BASELINE} sound cycles came before (with one or two, only a change beyond doubt is flagged), and reported once confirmed: flagged in the next sound cycle "
         f"too, or every call {CONFIRM_RATIO:g}x and {CONFIRM_FLOOR_MS:g} ms slower with regular steps that got slower by "
-        "it. Partial cycles and "
+        "it, unless the threads waited for a core half as long as it added longer than before (load). Partial cycles and "
         "those distorted by other load (step spread > 50%; the process's threads waiting for a core > 30% of the "
         "steps; where Linux does not say, a 2x step jump or a CPU-per-wall drop with the nodes slower in proportion) "
         "are not checked; a step slower because a few nodes are is their regression.", WIDTH)
