@@ -415,7 +415,7 @@ def legend(options: dict, factor: float, baseline_cycles: int) -> list[str]:
     text = (f"SLOWER / faster: beyond the noise, i.e. the median ms per call changed by more than {k:g} x the noise "
             f"({spread}, robust: 1.4826 x MAD), more than {100 * floor:g}%, {DEFAULT_MIN_MS * 1000:g} us and "
             f"{100 * DEFAULT_MIN_SHARE:g}% of B's node time, and the fastest call moved too; counted (exit 1) when it "
-            f"adds at least {MIN_ADDED_MS:g} ms a step. B's nodes ran "
+            f"adds at least {MIN_ADDED_MS:g} ms a step, more than twice B's threads' longer wait for a core. B's nodes ran "
             f"{factor:.2f}x A's as a whole (median ratio)"
             + ("; that shared change is discounted: it shows in the totals, not as a layer's."
                if abs(factor - 1) > 0.005 else "."))

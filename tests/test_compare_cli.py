@@ -55,15 +55,16 @@ def profiled(tmp_path_factory):
 
 
 def copy_cycle(source: Path, target: Path, index: int, slower: dict[str, float] | None = None,
-               step_ms: float = 10.0) -> Path:
+               step_ms: float = 10.0, wait_ms: float = 0.0) -> Path:
     """``source`` copied to ``target`` as cycle ``index`` of a steady run (steady step times, calls within 2 % of
-    their median); forward times of the nodes in ``slower`` scaled."""
+    their median, its threads waiting ``wait_ms`` a step for a core); forward times of the nodes in ``slower``
+    scaled."""
     shutil.copytree(source, target)
     summary = json.loads((target / SUMMARY).read_text())
     # (steady: no thread waited for a core, one CPU second per wall second; the real cycle's own figures may say load:
     # on torch 2.6 the first cycle's steps waited 2-100 ms, which the copies' 1 ms steps made a 250 % wait)
     summary.update(index=index, steps=[10 * index + i for i in range(3)], step_ms=[step_ms] * 3, regressions=[],
-                   step_wait_ms=[0.0] * 3, step_cpu_ms=[step_ms] * 3)
+                   step_wait_ms=[wait_ms] * 3, step_cpu_ms=[step_ms] * 3)
     (target / SUMMARY).write_text(json.dumps(summary) + "\n")
     # Steady by construction, whatever the machine did while the real cycle ran: every call within 2 % of the median,
     # and the totals those calls make (a call the load stretched left a total that hid a planted change as too small
@@ -275,6 +276,24 @@ def test_compare_waits_for_the_cycle_before_when_a_node_3_5x_slower_is_2_percent
                        step + added if slower else step)
     status, out, _ = run_cli(capsys, "compare", str(tmp_path / "a"), str(tmp_path / "b"))
     assert status == 0 and marks(out)[0] == "slower?", out
+
+
+def test_compare_leaves_a_slowdown_the_threads_wait_for_a_core_explains_in_question(capsys, profiled, tmp_path):
+    """As the engine's watch: every call of a node 3.5x slower, a fifth of the step, beyond doubt; where B's threads
+    waited for a core longer by as much (not enough to call the cycle distorted), it is load's doing: 'slower?'."""
+    _, prof = profiled
+    node = slowest(prof.cycles[0].nodes)
+    stats = next(n for n in prof.cycles[0].nodes if n.name == node)
+    added = 2.5 * stats.median_ms * stats.calls / len(prof.cycles[0].steps)
+    for name, wait in (("a", 0.0), ("quiet", 0.0), ("loaded", 0.9 * added)):
+        for i in range(4):
+            slower = {node: 3.5} if name != "a" and i == 3 else None
+            copy_cycle(prof.cycles[0].directory, tmp_path / name / f"cycle_{i:04d}", i, slower,
+                       5 * added + (added if slower else 0.0), wait if slower else 0.0)
+    status, out, _ = run_cli(capsys, "compare", str(tmp_path / "a"), str(tmp_path / "quiet"))
+    assert status == 1 and marks(out)[0] == "SLOWER", out
+    status, out, _ = run_cli(capsys, "compare", str(tmp_path / "a"), str(tmp_path / "loaded"))
+    assert status == 0 and marks(out)[0] == "slower?" and "distorted" not in out, out
 
 
 @pytest.mark.parametrize("added_ms", [0.4, 0.03])
