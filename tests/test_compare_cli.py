@@ -26,7 +26,7 @@ from fxprof_lightning.outputs.runs import RunError, find_cycles, load_cycle, loa
 from fxprof_lightning.report import UNOWNED_FORWARD, ModuleStats, NodeStats, last_sound, shorten
 
 SUMMARY = "cycle.jsonl"
-TIMES = ("mean_ms", "median_ms", "min_ms", "max_ms", "total_ms")
+TIMES = ("mean_ms", "median_ms", "min_ms", "max_ms", "total_ms", "mad_ms")  # (the spread scales with the node)
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +55,10 @@ def profiled(tmp_path_factory):
 
 
 def copy_cycle(source: Path, target: Path, index: int, slower: dict[str, float] | None = None,
-               step_ms: float = 10.0, wait_ms: float = 0.0) -> Path:
+               step_ms: float = 10.0, wait_ms: float = 0.0, even_ms: float | None = None) -> Path:
     """``source`` copied to ``target`` as cycle ``index`` of a steady run (steady step times, calls within 2 % of
-    their median, its threads waiting ``wait_ms`` a step for a core); forward times of the nodes in ``slower``
+    their median, its threads waiting ``wait_ms`` a step for a core; with ``even_ms``, every node's median that many
+    ms per call forward and backward, whatever load the real cycle had); forward times of the nodes in ``slower``
     scaled."""
     shutil.copytree(source, target)
     summary = json.loads((target / SUMMARY).read_text())
@@ -69,6 +70,8 @@ def copy_cycle(source: Path, target: Path, index: int, slower: dict[str, float] 
     # Steady by construction, whatever the machine did while the real cycle ran: every call within 2 % of the median,
     # and the totals those calls make (a call the load stretched left a total that hid a planted change as too small
     # a share of the node time: seen once in the suite run under load).
+    if even_ms is not None:
+        edit_nodes(target / "fx_nodes.csv", None, {f"{side}median_ms": lambda row: even_ms for side in ("", "bwd_")})
     edit_nodes(target / "fx_nodes.csv", None, {
         **{f"{side}{column}": (lambda row, side=side, f=factor: f * float(row[f"{side}median_ms"]))
            for side in ("", "bwd_") for column, factor in (("mad_ms", 0.02), ("min_ms", 0.98), ("max_ms", 1.02),
@@ -304,13 +307,14 @@ def test_compare_confirms_a_smaller_slowdown_by_the_cycle_before(capsys, profile
     _, prof = profiled
     source = prof.cycles[0].directory
     node = slowest(prof.cycles[0].nodes)
-    stats = next(n for n in prof.cycles[0].nodes if n.name == node)
-    scale = added_ms / (0.8 * stats.median_ms * stats.calls / len(prof.cycles[0].steps))  # (the node's time in A)
+    assert {n.calls for n in prof.cycles[0].nodes} == {len(prof.cycles[0].steps)}  # (each node once a step)
+    even = added_ms / 0.8  # (every node's ms per call: 1.8x adds 0.8x it a step; a table as even as a quiet run's)
     for i in range(3):
-        copy_cycle(source, tmp_path / "a" / f"cycle_{i:04d}", i, {node: scale})
+        copy_cycle(source, tmp_path / "a" / f"cycle_{i:04d}", i, even_ms=even)
     for name, slow_from in (("once", 2), ("twice", 1)):
         for i in range(3):
-            copy_cycle(source, tmp_path / name / f"cycle_{i:04d}", i, {node: scale * (1.8 if i >= slow_from else 1)})
+            copy_cycle(source, tmp_path / name / f"cycle_{i:04d}", i, {node: 1.8 if i >= slow_from else 1},
+                       even_ms=even)
     status, out, _ = run_cli(capsys, "compare", str(tmp_path / "a"), str(tmp_path / "once"))
     assert status == 0 and marks(out) == ["slower?"] and "No node of B is slower than A beyond the noise." in out
     status, out, _ = run_cli(capsys, "compare", str(tmp_path / "a"), str(tmp_path / "twice"))

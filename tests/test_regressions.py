@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -201,6 +202,19 @@ def test_noise_matches_a_reference_computed_by_hand():
     # with 2 baseline cycles there is no cycle-to-cycle term
     (delta,) = compare(baseline[:2], now)
     assert delta.noise_ms == pytest.approx(math.hypot(1.4826 * 0.01, 1.4826 * 0.02))
+
+
+def test_the_share_of_node_time_a_change_must_reach_counts_the_node_rows_only():
+    """A node 1.8x slower in a table of 2 ms a step is flagged whatever the step's other rows hold: under load, the
+    time between the rows and the loop's other phases (70 ms a step, one value per step) counted as node time and hid
+    it (a compare test under another process's load, 2026-11-28); so did the module rows, which sum nodes again."""
+    def table(ms: float, outside: float) -> list[NodeStats]:
+        rows = [node("fc", ms, mad=0.01 * ms), *(node(f"n{i}", 0.1, mad=0.001, bwd=0.2) for i in range(4))]
+        return [*rows, replace(node("step: other", outside), op="step", calls=1, total_ms=outside),
+                replace(node("module fc", ms), op="module", calls=1, total_ms=100 * outside)]
+    for outside in (1.0, 70.0):
+        deltas = {d.node: d for d in compare([table(0.5, outside)] * 3, table(0.9, outside))}
+        assert deltas["fc"].beyond_noise and deltas["fc"].slower, outside
 
 
 def test_bad_arguments():

@@ -56,6 +56,7 @@ __all__ = [
     "DEFAULT_MIN_SHARE",
     "MIN_ADDED_MS",
     "MIN_BASELINE",
+    "ROWS_OUTSIDE",
     "SAME_LEVEL",
     "Delta",
     "Regression",
@@ -82,6 +83,7 @@ MIN_BASELINE = 3  # find_regressions: earlier cycles needed before any flag (the
 MODE_MARGIN = 0.05  # a node within this of its highest baseline cycle is back at a level it had: not slower
 SHARED_FROM = 5  # compared (node, direction) pairs needed to estimate a shared slowdown
 DIRECTIONS = ("forward", "backward")
+ROWS_OUTSIDE = ("module", "step", "unowned")  # rows that are no node: a module's (its nodes' sum), the step's others
 
 
 @dataclass(frozen=True)
@@ -211,7 +213,8 @@ def compare(
         min_relative: the smallest relative change (of the baseline) that counts.
         min_ms: the smallest absolute change (ms per call) that counts.
         min_share: the smallest cost of the change, as a share of ``now``'s summed node time (forward and
-            backward, all calls), that counts.
+            backward, all calls, of the node rows: a module's row and the step's other rows are not summed; under
+            load, the step's other rows of 70 ms hid a node 1.8x slower in a 2 ms table), that counts.
         check_fastest: the fastest call must have moved beyond the noise too.
         discount_shared: measure changes against baselines scaled by the cycle's shared slowdown.
         levels: more earlier cycles (the run's sound cycles before the baseline's) whose per-call medians a node
@@ -238,7 +241,7 @@ def compare(
                     reached[key] = max(reached.get(key, 0.0), sample[0])
     factor = _factor(pairs) if discount_shared else 1.0
     up, down = max(factor, 1.0), min(factor, 1.0)  # slower than a shared slowdown, faster than a shared speedup
-    node_time = sum(s.total_ms + s.bwd_total_ms for s in now)
+    node_time = sum(s.total_ms + s.bwd_total_ms for s in now if s.op not in ROWS_OUTSIDE)  # (they hold ms per step)
     deltas = []
     for stats, direction, median, fastest in pairs:
         name = stats.name
@@ -338,7 +341,7 @@ def new_rows(baseline: Sequence[Sequence[NodeStats]], now: Sequence[NodeStats], 
     known = {s.name for table in baseline for s in table}
     found = []
     for stats in now:
-        if stats.name in known or stats.op in ("module", "step", "unowned"):
+        if stats.name in known or stats.op in ROWS_OUTSIDE:
             continue
         for direction in DIRECTIONS:
             sample = _samples(stats, direction)
@@ -361,7 +364,7 @@ def gone_rows(baseline: Sequence[Sequence[NodeStats]], now: Sequence[NodeStats])
     present, gone = {s.name for s in now}, {}
     for table in baseline:
         for stats in table:
-            if stats.name not in present and stats.op not in ("module", "step", "unowned"):
+            if stats.name not in present and stats.op not in ROWS_OUTSIDE:
                 gone.setdefault(stats.name, []).append(stats)
     found = []
     for name, earlier in gone.items():
@@ -417,7 +420,7 @@ def outside_explained(flagged: list[Regression], by_name: dict[str, NodeStats], 
     phases move with a slower part's work (its autograd nodes, the cache misses after it): that part says it better."""
     added = {r.node: added_per_step(by_name[r.node], r, steps) for r in flagged}
     outside = [r for r in flagged if by_name[r.node].op in ("step", "unowned")]
-    nodes = max((added[r.node] for r in flagged if by_name[r.node].op not in ("module", "step", "unowned")), default=0.0)
+    nodes = max((added[r.node] for r in flagged if by_name[r.node].op not in ROWS_OUTSIDE), default=0.0)
     most = max((added[r.node] for r in outside), default=0.0)
     return [r for r in flagged if r not in outside
             or (added[r.node] > nodes and added[r.node] >= most / 2 and added[r.node] >= STEP_SHARE * step_ms)]

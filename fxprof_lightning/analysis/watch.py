@@ -19,6 +19,7 @@ from fxprof_lightning.analysis.regressions import (
     CONFIRM_SPREAD,
     MIN_ADDED_MS,
     MIN_BASELINE,
+    ROWS_OUTSIDE,
     SAME_LEVEL,
     Regression,
     added_per_step,
@@ -65,7 +66,7 @@ def _at_level_before(table: Sequence[NodeStats], regressions: list[Regression],
     slower, old = {r.node for r in regressions}, {s.name: s for s in before}
     modules = [r.node.removeprefix("module ") for r in regressions if r.node.startswith("module ")]
     # A flagged module's new nodes stay new: the module, not they, is compared with the run before the slowdown.
-    slower |= {s.name for s in table if s.name not in old and s.op not in ("module", "step", "unowned") and any(
+    slower |= {s.name for s in table if s.name not in old and s.op not in ROWS_OUTSIDE and any(
         s.module_path == m or s.module_path.startswith(m + ".") for m in modules)}
     return [old.get(s.name, s) if s.name in slower else s for s in table if s.name not in slower or s.name in old]
 
@@ -136,7 +137,7 @@ class RegressionWatch:
         short = len(self.baseline) < MIN_BASELINE  # the cycle-to-cycle noise is not known yet: only the clear count
         if self.baseline:
             flagged = find_regressions(self.baseline, rows, self.baseline_cycles, min_baseline=1, **self.options)
-            before = {s.name for s in self.baseline[-1] if s.op not in ("module", "step", "unowned")}
+            before = {s.name for s in self.baseline[-1] if s.op not in ROWS_OUTSIDE}
             new_in = {s.module_path for s in nodes if s.name not in before}  # modules with nodes the baseline lacks
             flagged = [r for r in flagged if not r.node.startswith("module ") or any(
                 p == r.node[7:] or p.startswith(r.node[7:] + ".") for p in new_in)]  # else its nodes tell it better
