@@ -66,7 +66,7 @@ from bench_trainer_nodes import ACTIVE, BATCH, CYCLE, IDLE, RECORDED, SKIP, WAIT
 from run_info import closing_lines, cpu_stall_us, package_state, parse_args, quiet_stderr
 
 from fxprof_lightning import FXProfilerCallback, Profiler
-from fxprof_lightning.analysis.regressions import RegressionWatch
+from fxprof_lightning.analysis.watch import RegressionWatch
 from fxprof_lightning.engine.loop_phases import LoopClock
 from fxprof_lightning.engine.step_phases import PhaseClock
 from fxprof_lightning.timing.forward_swap import put_forward, take_forward
