@@ -66,9 +66,9 @@ class FXProfilerCallback(Callback, HoldsSettings):
             raise ValueError(f"module must be a dotted attribute path such as 'model.backbone' or None, got {module!r}")
         self.module_path = module
         self.dirpath = Path(options["dirpath"]) if options.get("dirpath") is not None else None
-        self.extra_sinks = checked_sinks(sinks or ())  # after the callback's own (CSV, pictures, loggers, console)
         self.profiler = Profiler.for_driver(self, options, chosen=module is not None, idle_hooks=IDLE_HOOKS,
                                             step_end="on_train_batch_end")
+        self.extra_sinks = checked_sinks(sinks or ())  # after the callback's own (CSV, pictures, loggers, console)
 
     @property
     def schedule(self) -> Schedule:
