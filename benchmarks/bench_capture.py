@@ -32,7 +32,8 @@ from torch._dynamo import external_utils
 sys.path.insert(0, str(Path(__file__).parent))
 from run_info import parse_args
 
-from fxprof_lightning.capture.dynamo import GUARD_SETTINGS, DynamoTimer
+from fxprof_lightning.capture.dynamo import DynamoTimer
+from fxprof_lightning.capture.dynamo_ways import GUARD_SETTINGS
 
 T = TypeVar("T")
 

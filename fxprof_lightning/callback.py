@@ -1,13 +1,13 @@
 """``FXProfilerCallback``: the Lightning shell over ``engine.Profiler``.
 
-It maps Trainer hooks onto the engine (a step is one ``training_step`` call; validation batches
-are a stage of their own), turns the Trainer's loggers into a sink, puts the output under the
-Trainer's log directory, and keeps the schedule position in checkpoints. The work itself is the
-engine's.
+It maps Trainer hooks onto the engine (a step is one ``training_step`` call; validation batches are a stage of their
+own) and hands it, at ``setup``, what it reads from the Trainer (``trainer_parts``: the module to time, the log
+directory, the loggers as a sink, the phases of a step). The work itself, checkpoints' state included, is the engine's.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -15,55 +15,37 @@ from typing import Any, ClassVar
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_warn
-from torch import nn
 from typing_extensions import override
 
-from fxprof_lightning import FxprofWarning
 from fxprof_lightning.engine.profiler import Profiler
-from fxprof_lightning.engine.settings import OPTIONS, HoldsSettings, Settings, takes_settings
-from fxprof_lightning.engine.step_phases import PhaseClock
-from fxprof_lightning.layout import DEFAULT_DIRPATH
-from fxprof_lightning.outputs.sinks import ConsoleSink, CsvSink, PictureSink, Sink, checked_sinks
-from fxprof_lightning.outputs.trackers import LoggerSink
+from fxprof_lightning.engine.settings import OPTIONS, HoldsSettings, takes_settings
+from fxprof_lightning.outputs.sinks import Sink, checked_sinks
 from fxprof_lightning.report import CycleReport
 from fxprof_lightning.schedule import Schedule
-from fxprof_lightning.trainer_parts import batch_size, module_to_time, printer
+from fxprof_lightning.trainer_parts import batch_size, log_dir, module_to_time, phase_clock, trainer_sinks
 
 __all__ = ["FXProfilerCallback"]
 
-# Between cycles (``engine.idle``) these hooks are ``pl.Callback``'s empty ones on the instance (Lightning looks them up
-# there at every call), and ``on_train_batch_end`` only counts the step.
+# Between cycles these hooks do nothing and ``on_train_batch_end`` only counts the step (``engine.idle``).
 IDLE_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward")
 
 
 class FXProfilerCallback(Callback, HoldsSettings):
-    """Profile scheduled training steps with torch.profiler and per-node ``torch.fx`` timing.
+    """Profile scheduled training steps with torch.profiler and per-node timing of Dynamo's graphs.
 
-    A step is one training batch (one ``training_step`` call), counted from 0 over the whole
-    ``fit``. The schedule has the semantics of ``torch.profiler.schedule``: ``skip_first``
-    idle steps, then cycles of ``wait`` idle, ``warmup`` traced-and-discarded and ``active``
-    recorded steps, ``repeat`` cycles (0: as long as training runs). At the last recorded step
-    of each cycle its per-node table is logged and written to ``<dirpath>/cycle_NNNN``.
+    A step is one training batch, counted from 0 over the whole ``fit``; the schedule is ``torch.profiler.schedule``'s.
+    Each cycle's per-node table is logged and written to ``<dirpath>/cycle_NNNN`` (docs/usage.md).
 
     Args:
-        module: dotted path, inside the LightningModule, of the ``nn.Module`` to time node by
-            node (None: the LightningModule where it has a forward of its own, else its one child with parameters,
-            else each child with parameters, captured on its own: ``trainer_parts.module_to_time``; a forward the
-            warm-up step does not run gives way to its children: ``Timers.children_instead``).
-        sinks: more places each cycle's report goes (``outputs.sinks.Sink``: ``write_cycle`` and ``close``), after
-            the callback's own: the CSV and ``cycle.jsonl``, the pictures, the Trainer's loggers, the console. The
-            same objects serve every ``fit`` and ``validate``: ``close`` ends each, and ``write_cycle`` may follow.
-        **options: the settings, as for ``Profiler`` (``Settings``: ``wait=``, ``active=``, ``top_k=``...; the table
-            of docs/usage.md#options), held by the engine: read them as ``callback.profiler.settings``. Here
-            ``dirpath=None`` is ``<trainer.log_dir>/fxprof``, and ``profile_validation=True`` also profiles
-            validation batches (with their own schedule position, into ``val_cycles``).
+        module: dotted path, inside the LightningModule, of the ``nn.Module`` to time (None: the LightningModule's own
+            forward, else the children ``training_step`` calls: ``trainer_parts.module_to_time``).
+        sinks: more places each cycle's report goes, after the callback's own (CSV, pictures, loggers, console).
+        **options: the settings, as for ``Profiler`` (docs/usage.md#options), read as ``callback.profiler.settings``;
+            ``dirpath=None`` is ``<trainer.log_dir>/fxprof``; ``profile_validation=True`` also profiles validation.
 
     Example:
         >>> profiler = FXProfilerCallback(wait=5, warmup=1, active=3, module="model")
-        >>> trainer = Trainer(callbacks=[profiler], max_steps=100)
-        >>> trainer.fit(lit_module)
+        >>> Trainer(callbacks=[profiler], max_steps=100).fit(lit_module)
         >>> print(profiler.cycles[-1].to_markdown())
     """
 
@@ -84,14 +66,9 @@ class FXProfilerCallback(Callback, HoldsSettings):
             raise ValueError(f"module must be a dotted attribute path such as 'model.backbone' or None, got {module!r}")
         self.module_path = module
         self.dirpath = Path(options["dirpath"]) if options.get("dirpath") is not None else None
-        settings = Settings.of(type(self).__name__, options)  # declared, defaulted and checked once, named as ours
-        self.profiler = Profiler(self._resolve_target, sinks=[], settings=settings)  # (a method: picklable)
-        self.profiler.name = type(self).__name__
-        self.profiler.timers.children_when_unused = module is None  # (its forward unused: the children it calls)
+        self.profiler = Profiler.for_driver(self, options, chosen=module is not None, idle_hooks=IDLE_HOOKS,
+                                            step_end="on_train_batch_end")
         self.extra_sinks = checked_sinks(sinks or ())  # after the callback's own (CSV, pictures, loggers, console)
-        self._pl_module: pl.LightningModule | None = None
-        self.profiler.idle.stand_ins(self, {name: getattr(Callback, name).__get__(self) for name in IDLE_HOOKS},
-                                     end="on_train_batch_end")
 
     @property
     def schedule(self) -> Schedule:
@@ -110,23 +87,11 @@ class FXProfilerCallback(Callback, HoldsSettings):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage not in ("fit", "validate"):
-            return
-        self._pl_module = pl_module  # (its module to time is resolved when the loop starts: configure_model may build it)
-        self.profiler.reset(train=stage == "fit")  # a new fit counts from 0 unless a checkpoint says otherwise
-        out_dir = self.dirpath if self.dirpath is not None else Path(trainer.log_dir or trainer.default_root_dir) / DEFAULT_DIRPATH
-        self.profiler.dirpath = out_dir
-        logdir = next((lg.root_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), out_dir)
-        self.profiler.sinks = [CsvSink(), PictureSink(), LoggerSink(trainer.loggers), ConsoleSink(logdir=logdir, write=printer(trainer)),
-                               *self.extra_sinks]
-        own = f"[Callback]{self.state_key}"  # (the phases of recorded steps, from what Lightning tells its profiler)
-        self.profiler.notes.make_clock = lambda: PhaseClock(trainer.profiler, own, inside=f"{own}.on_train_batch_end")
-        if not trainer.loggers:
-            rank_zero_warn("FXProfilerCallback: the Trainer has no logger, so no scalars or text are logged; "
-                           f"the per-cycle CSV and traces are still written under {out_dir}", category=FxprofWarning)
-
-    def _resolve_target(self) -> nn.Module:
-        return module_to_time(self._pl_module, self.module_path)
+        if stage in ("fit", "validate"):  # (the module is resolved when the loop starts: configure_model may build it)
+            out_dir = self.dirpath if self.dirpath is not None else log_dir(trainer)
+            self.profiler.attach(functools.partial(module_to_time, pl_module, self.module_path), out_dir,
+                                 [*trainer_sinks(trainer, out_dir), *self.extra_sinks],
+                                 phase_clock(trainer, self.state_key), train=stage == "fit")
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -134,7 +99,7 @@ class FXProfilerCallback(Callback, HoldsSettings):
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.profiler.begin_stage("val")  # eval mode: its own capture (trainer.validate: the run begins too)
+        self.profiler.begin_validation()  # eval mode: its own capture
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -148,7 +113,7 @@ class FXProfilerCallback(Callback, HoldsSettings):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.profiler.end_train_step()  # (between cycles: ``IDLE_HOOKS`` empty, this hook counts the step)
+        self.profiler.end_train_step()
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -173,7 +138,7 @@ class FXProfilerCallback(Callback, HoldsSettings):
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:  # a validation cycle never stays open over training steps: a new piece
-            self.profiler.end_stage("val")
+            self.profiler.end_validation()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -193,7 +158,7 @@ class FXProfilerCallback(Callback, HoldsSettings):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return self.profiler.state_dict()  # (the step count of now, also between cycles)
+        return self.profiler.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -449,7 +449,7 @@ def lend_stream_query(lent: bool) -> None:
     _stream_query.__code__ = _answers_false.__code__ if lent else _STREAM_QUERY_CODE
 
 
-# Following torch's own frames after a graph break (the capture's "follow" way, ``DynamoTimer._explore``): Dynamo's
+# Following torch's own frames after a graph break (the capture's "follow" way, ``dynamo_ways.Ways.explore``): Dynamo's
 # ``dont_skip_tracing`` (2.8+) makes ``trace_rules.lookup_inner`` answer "trace" for all but Dynamo's own functions. On
 # 2.6-2.7 ``following`` swaps in, for the capture alone, a ``lookup_inner`` answering so for torch's own code (Python's
 # stays skipped; it, ``getfile``, ``_module_dir``, the two variable classes: 2.6-2.15). Without one (``FOLLOWS``

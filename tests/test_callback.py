@@ -498,7 +498,7 @@ class HookSpy(pl.Callback):
 
 @notices("the Trainer has no logger")
 def test_idle_steps_skip_the_hooks_and_count_every_step(tmp_path):
-    """Between cycles the per-step hooks are pl.Callback's empty ones (on_train_batch_end only counts); the cycles,
+    """Between cycles the per-step hooks do nothing (on_train_batch_end only counts); the cycles,
     their steps, the batch size and a checkpoint's step count are those of a run whose hooks all ran."""
     callback = FXProfilerCallback(skip_first=2, wait=4, warmup=1, active=2, repeat=3, pictures=False, module="model")
     spy = HookSpy(callback)

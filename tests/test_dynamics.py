@@ -595,7 +595,7 @@ def test_a_full_backward_hook_leaves_every_layer_its_row(tmp_path):
     # Dynamo breaks its graph at a module with full backward hooks; inside nn.Sequential's loop that break sends the
     # whole Sequential to run eagerly, and Dynamo then starts frames only at torch.nn forwards with hooks: the ReLU
     # between the two Linears ran untimed, its time in "(between the rows...)". Each torch.nn module's forward gets
-    # a frame of ours instead (``_Way.framed``), so every layer has its row.
+    # a frame of ours instead (``Way.framed``), so every layer has its row.
     lit, callback = fit_both(tmp_path, BackwardHooked, classifier_loader, 12, module="model", wait=1, warmup=1, active=2)
     assert lit.backward_calls == 12  # the hook ran once a step, as without the profiler
     last = callback.cycles[-1]

@@ -33,26 +33,19 @@ function Dynamo saw and the module that called it (``layer1_0_iadd``, ``self_att
 
 from __future__ import annotations
 
+import functools
 import time
-import types
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import fx, nn
+from torch import nn
 
 from fxprof_lightning import torch_api
 from fxprof_lightning.capture import verify
-from fxprof_lightning.capture.dynamo_rules import (
-    TRACEABLE,
-    frames_skipped,
-    guarded_functions,
-    hooks_eager,
-    not_compiling,
-    opened_frames,
-)
+from fxprof_lightning.capture.dynamo_rules import TRACEABLE, guarded_functions
 from fxprof_lightning.capture.dynamo_timing import DynamoGraphs
+from fxprof_lightning.capture.dynamo_ways import OPENED, Attempt, Way, Ways, in_one_frame, placed
 from fxprof_lightning.capture.entry_guards import EntryGuards
 from fxprof_lightning.capture.graph_breaks import graph_break_counter, graph_break_reasons, host_reads
 from fxprof_lightning.capture.recaptures import (
@@ -69,9 +62,7 @@ from fxprof_lightning.capture.recaptures import (
     run_eagerly,
     untimed_text,
 )
-from fxprof_lightning.capture.row_names import FRAMED, Owners
-from fxprof_lightning.nodes import ROW, is_timed
-from fxprof_lightning.timing.flops import float_grouped_mm_meta
+from fxprof_lightning.capture.row_names import Owners
 from fxprof_lightning.timing.forward_swap import put_forward
 from fxprof_lightning.timing.quiet import quiet_dynamo
 
@@ -84,164 +75,12 @@ missing_for_dynamo = torch_api.missing_for_dynamo
 
 DYNAMO = ("torch._dynamo's graphs, run eagerly by a backend that times each op (no Inductor), checked bitwise against "
           "eager (outputs, gradients, buffers, random states) before use, captured again when a guard fails")
-
-
-# Frames Dynamo must run eagerly, from our first install on: ``float(tensor)`` breaks the graph and runs
-# ``torch._as_tensor_fullprec`` as a frame; after Mask R-CNN's capture, that frame's compiled code called itself until
-# a ``RecursionError`` (BatchNorm with ``momentum=None`` in the same process: SWA's BatchNorm epoch fell back).
-ALWAYS_EAGER = tuple(f for f in (torch_api.as_tensor_fullprec,) if f is not None)
 FAILED = "capturing with Dynamo failed"  # (an exception in Dynamo or the graph, not a difference from eager)
 # Why an FSDP2 model is not captured again (a guard failed): its checking calls' collectives would hang the job.
 ONCE = "under FSDP2, which is captured once: capturing again would run collectives on this rank alone"
-
-# Dynamo's defaults leave out guards on module hooks (a hook added after the capture would be bypassed): ours keep them.
-GUARD_SETTINGS = {"skip_nnmodule_hook_guards": False,
-                  # Guards skip an nn.Module subtree whose dicts' version tags are unchanged (MLP-300: 300 -> 22 us per
-                  # check). Still caught: flags, attributes, hooks, requires_grad, inputs, grad mode, autocast. Assumes
-                  # no function's __code__/__defaults__/__closure__ is rebound (Dynamo's assume_dunder_attributes...).
-                  "use_recursive_dict_tags_for_guards": True,
-                  # NumPy's random functions run eagerly (graph breaks), drawing from NumPy's own state as in eager
-                  # (Dynamo's default draws them from torch's: wav2vec2's SpecAugment masks would differ).
-                  "use_numpy_random_stream": True,
-                  # Dynamo skips a frame that runs an nn.RNN/LSTM/GRU by default; allowed, the RNN is one op of the graph.
-                  "allow_rnn": True,
-                  # A Python number the forward reads that changes between calls (a step counter in a module
-                  # attribute or a dict, a float annealed every step) becomes an input of the graph at its second
-                  # value, as torch.compile's automatic dynamic shapes do, instead of a constant guarded on (a capture
-                  # at every call). Dynamo's defaults keep nn.Module ints and all floats constants.
-                  "allow_unspec_int_on_nn_module": True,
-                  "specialize_float": False}
-
-
-# Python functions of torch that Dynamo puts into its graphs as one call, though they run many ops (the trace rule
-# ``TorchInGraphFunctionVariable``): while we capture, Dynamo traces into them, so their ops are rows.
-OPENED = (torch.nn.functional.multi_head_attention_forward,)
-OPENED_BY = (nn.MultiheadAttention,)  # the modules that call them
+# A function of torch's that Dynamo was let trace into (``dynamo_ways.OPENED``) but captured whole: its one row.
 _OPENED_NAMES = {f"{f.__module__}.{f.__name__}" for f in OPENED}
 WHOLE = "{} timed as one row: traced into, it broke Dynamo's graph (its checks), so it was captured whole"
-
-
-def _in_one_frame(attempt: _Attempt, way: _Way, sharded: bool) -> bool:
-    """Whether a capture is one graph of the forward's own frame (no graph break, no layer outside the graphs, no frame
-    of ours): a call then runs no other frame Dynamo guards, so the code Dynamo made for the frame can run directly
-    once the guards are asked (``EntryGuards.fitting``)."""
-    return attempt.graph_calls == 1 and not attempt.breaks and not attempt.untimed and not (
-        way.eager_hooks or way.framed or way.follow or sharded)
-
-
-@dataclass(frozen=True)
-class _Way:
-    """How Dynamo captures: the torch functions it traces into, whether it follows torch's own frames after a graph
-    break (``dont_skip_tracing``), and whether the traced code is told it is not being compiled."""
-
-    opening: tuple[Callable[..., Any], ...] = ()
-    follow: bool = False
-    eager_branches: bool = False  # Dynamo answers ``torch.compiler.is_compiling()`` with False
-    eager_hooks: bool = False  # the model's forward hooks and pre-hooks run eagerly, between graphs (``hooks_eager``)
-    # Every torch.nn submodule gets a forward of ours, a frame Dynamo starts (``_Frames``): a module with full
-    # backward hooks breaks its parent's frame, and its siblings' torch.nn frames would run eagerly, untimed.
-    framed: bool = False
-
-
-@dataclass
-class _Attempt:
-    """One capture (``DynamoTimer._attempt``): its way, where its graphs begin in the timer's lists, what it gave."""
-
-    way: _Way
-    graphs: int
-    uncounted: int
-    graph_calls: int = 0
-    difference: str | None = None  # how it differs from eager (None: bitwise the same)
-    breaks: dict[str, int] = field(default_factory=dict)  # its graph breaks, by reason
-    host_reads: dict[str, str] = field(default_factory=dict)  # module path -> a read of a tensor's value there
-    timed: int = 0  # how many of its timed ops are placed in a layer (``_placed``)
-    untimed: list[str] = field(default_factory=list)  # layers that ran outside its graphs (``_untimed_layers``)
-
-
-class _Frames:
-    """Forwards of ours for torch.nn submodules, frames Dynamo starts where it would skip torch.nn's: with the hooks
-    run eagerly, for each submodule with forward hooks where this torch's Dynamo skips its frame
-    (``torch_api.hooked_forward``); with ``every`` (``_Way.framed``), for each torch.nn submodule. One function per
-    module for the whole run, as the graphs that inline it guard on it."""
-
-    def __init__(self) -> None:
-        self.made: dict[tuple[int, bool], tuple[nn.Module, Callable[..., Any]]] = {}
-        self.now: list[nn.Module] = []
-
-    def frame(self, module: nn.Module, every: bool) -> None:
-        for submodule in module.modules():
-            # (hooked: the forward of ours itself, cheap; every: whether one is needed, made once below)
-            needed = _framed(submodule) if every else torch_api.hooked_forward(submodule)
-            if submodule is not module and needed:
-                if self.made.get((id(submodule), every), (None,))[0] is not submodule:
-                    self.made[id(submodule), every] = (submodule, _own_frame(submodule) if every else needed)
-                submodule.forward = self.made[id(submodule), every][1]
-                self.now.append(submodule)
-
-    def restore(self) -> None:
-        """The submodules' own forwards back."""
-        for submodule in self.now:
-            submodule.__dict__.pop("forward", None)
-        self.now.clear()
-
-
-def _framed(module: nn.Module) -> bool:
-    """Whether ``module`` gets a forward of ours under ``_Way.framed``: a torch.nn (or torch.ao) module without a
-    forward of its own already."""
-    return "forward" not in module.__dict__ and type(module).__module__.startswith(("torch.nn.", "torch.ao."))
-
-
-def _own_frame(module: nn.Module) -> Callable[..., Any]:
-    """A forward of ours for a torch.nn ``module`` (``_framed``): a frame Dynamo starts where it skips torch.nn's,
-    its ``self`` the module, as in the frame Dynamo starts at a hooked module's forward (the rows are named from it)."""
-    code = _framed_forward.__code__.replace(co_name=f"{FRAMED}{id(module)}")  # (a graph's stack names its module)
-    return types.MethodType(types.FunctionType(code, _framed_forward.__globals__, code.co_name), module)
-
-
-def _framed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return type(self).forward(self, *args, **kwargs)
-
-
-def _follows(first: _Attempt) -> bool:
-    """Whether ``_explore`` tries following torch's own frames after a break (``torch_api.FOLLOWS``): on 2.14+ (a
-    cache per context) wherever the first capture broke; before, only where layers ran outside its graphs: each
-    capture there leaves Dynamo state on the code objects (skip marks, automatic-dynamic sizes), and a capture after
-    the first was seen to win without timing a layer more (test_dynamics: a helper's row then named by its caller)."""
-    return torch_api.FOLLOWS and (torch_api.ISOLATED_CACHE or bool(first.untimed))
-
-
-def _other_ways(module: nn.Module, first: _Attempt) -> list[_Way]:
-    """The ways to try after a first capture that broke the graph or was refused:
-
-    * Without tracing into ``OPENED`` (the checks inside ``F.multi_head_attention_forward`` with a padding mask
-      break the graph, and torch's own code after a break runs untimed).
-    * Following torch's own frames after a break (``dont_skip_tracing``: ``nn.Transformer``'s causal-mask check
-      breaks the graph, after which its layers would run untimed).
-    * Refused: on the branches eager takes (``torch.compiler.is_compiling()`` answered False while Dynamo
-      traces): libraries take other branches while compiling (HF drops an all-ones attention mask in eager
-      only, and picks its MoE kernels by it), which computes the same values by other ops.
-    * Each torch.nn layer in a frame of its own (``framed``) where a module has backward hooks: it breaks its parent's
-      frame, and its siblings' frames would run untimed (not for other breaks: a layer whose ``.item()`` breaks each
-      call is better timed by following torch's frames)."""
-    way = first.way
-    opens = any(isinstance(m, OPENED_BY) for m in module.modules())  # calls a function in ``OPENED``
-    others = [replace(way, opening=())] if way.opening and opens and first.breaks else []
-    others += [replace(way, follow=True)] if first.breaks and not way.follow and _follows(first) else []
-    others += [replace(way, eager_branches=True)] if first.difference and not way.eager_branches else []
-    backward_hooked = any(m._backward_hooks or m._backward_pre_hooks for m in module.modules())
-    return others + ([replace(way, framed=True)] if backward_hooked and not way.framed else [])
-
-
-def _placed(node: fx.Node, first: bool) -> int:
-    """A timed op's score in the choice of a way to capture (``DynamoTimer._explore``): 1 inside a submodule; -1
-    outside any module in a graph after the first (code of torch's own that Dynamo followed after a graph break,
-    whose rows could not say which layer ran them); else 0 (the root's own ops: the same in every way)."""
-    if not is_timed(node):
-        return 0
-    info = node.meta.get(ROW)
-    if info is not None and info.module_stack:
-        return 1
-    return 0 if first else -1
 
 
 class DynamoTimer(DynamoGraphs):
@@ -252,8 +91,8 @@ class DynamoTimer(DynamoGraphs):
         on_refused: called once, with the reason, when a capture is refused.
         The rest as ``NodeTimer``.
 
-    This class is the capture side (each capture verified against eager, and the other ways of capturing it tries:
-    ``_explore``); the timing of the graphs is its base's, ``dynamo_timing.DynamoGraphs``.
+    This class is the capture side (each capture verified against eager); how Dynamo captures, and the other ways it
+    tries, are its part ``dynamo_ways.Ways``; the timing of the graphs is its base's, ``dynamo_timing.DynamoGraphs``.
 
     Attributes:
         mismatch: why the captured graphs were refused (None while they are trusted).
@@ -278,16 +117,10 @@ class DynamoTimer(DynamoGraphs):
         self.host_reads: dict[str, str] = {}  # module path -> where its forward reads a tensor's value (``host_reads``)
         self._global_hooks: tuple[tuple[int, ...], ...] = ()  # the global module hooks at the last capture
         self._flags: ParameterFlags | None = None  # parameters' requires_grad at the last capture (where Dynamo misses it)
-        self._eager_hooks: tuple[Callable[..., Any], ...] = ()  # hook functions run eagerly (``_Way.eager_hooks``)
-        self._eager_functions: tuple[Callable[..., Any], ...] = ()  # and the functions whose reads failed guards
-        # How Dynamo captures (``_explore`` may change it); FSDP2: following torch's frames (a hook's break in a loop)
-        self._way, self._sharded = _Way(OPENED, follow=sharded), sharded
-        self._explored = False
+        self._ways, self._sharded = Ways(sharded), sharded  # how Dynamo captures (``Ways.explore`` may change it)
         self._retried = False  # a first capture that failed was tried again at the next call
         self._context = self._new_context()
         self._own_forward: Callable[..., Any] | None = None  # the installed module's own forward
-        # torch.nn submodules with hooks, each given a forward of ours while installed with the hooks run eagerly
-        self._frames = _Frames()  # torch.nn submodules' forwards of ours, frames Dynamo starts
 
     def install(self, module: nn.Module, backward_hooks: bool = False) -> None:
         """Make ``module(...)`` run the captured graphs until ``uninstall``; see the module docstring."""
@@ -330,10 +163,8 @@ class DynamoTimer(DynamoGraphs):
                 return self._timed_call(args, kwargs, state, after_capture=False, entered=entered)
 
         self._saved_forward[id(module)] = put_forward(module, forward)
-        if self._way.eager_hooks or self._way.framed:
-            self._frames.frame(module, every=self._way.framed)
         TRACEABLE.enter()
-        frames_skipped(self._eager_hooks + ALWAYS_EAGER, True)
+        self._ways.enter(module)
         if self._fsdp is not None:
             self._fsdp.install(module, backward_hooks)
 
@@ -341,8 +172,7 @@ class DynamoTimer(DynamoGraphs):
         if id(module) in self._saved_forward:
             try:
                 TRACEABLE.exit()
-                frames_skipped(self._eager_hooks, False)
-                self._frames.restore()
+                self._ways.exit()
             finally:  # (FSDP2's own methods back, whatever failed)
                 if self._fsdp is not None:
                     self._fsdp.uninstall()
@@ -356,7 +186,7 @@ class DynamoTimer(DynamoGraphs):
                       kwargs: dict[str, Any]) -> Any:
         """Capture (Dynamo compiles where its guards fail), verify against eager, then make the call itself.
 
-        The first capture that has graph breaks or is refused also tries other ways (``_explore``)."""
+        The first capture that has graph breaks or is refused also tries other ways (``Ways.explore``)."""
         started = time.perf_counter()
         reason, self._pending, self._pending_for = self._pending, None, None
         self.interruptions += 1
@@ -368,12 +198,13 @@ class DynamoTimer(DynamoGraphs):
         except Exception as error:  # the module's own forward failed: the call below fails as it would without us
             eager = error
         state.restore()
-        attempt = self._attempt(module, eager, state, args, kwargs, self._way)
+        ways, attempt_in = self._ways, functools.partial(self._attempt, module, eager, state, args, kwargs)
+        attempt = attempt_in(ways.way)
         hooks_now_eager = False
         # (not under FSDP2: the ways tried hang on bitwise results that may differ by rank, and each runs collectives)
-        if (attempt.breaks or attempt.difference) and not self._explored and not self._sharded:
-            attempt = self._explore(module, eager, state, args, kwargs, attempt)
-        hooks = hook_functions(module) if not self._way.eager_hooks and not self._way.follow else ()
+        if (attempt.breaks or attempt.difference) and not ways.explored and not self._sharded:
+            attempt = ways.explore(module, attempt, attempt_in, self._drop)
+        hooks = hook_functions(module) if not ways.way.eager_hooks and not ways.way.follow else ()
         # A state of the forward's own making (a random layer drop) comes back, it does not run away: not in a row,
         # and not a hook's doing (a hook's place can be any dataclass's ``__init__``, as the failure's is).
         of_the_call = bool(self._guard_failures) and all(map(on_a_value_of_the_call, self._guard_failures))
@@ -388,10 +219,9 @@ class DynamoTimer(DynamoGraphs):
         # A hook, or a function the forward calls, changes what Dynamo guards on: run eagerly, between graphs.
         if attempt.difference is None and ((hooks and (in_a_row or in_hooks)) or found):
             self._drop(attempt)
-            self._eager_functions += found
-            self._way = replace(self._way, eager_hooks=True)
+            ways.run_hooks_eagerly(found)
             self._streak = 0
-            attempt = self._attempt(module, eager, state, args, kwargs, self._way)
+            attempt = attempt_in(ways.way)
             if attempt.difference is None and attempt.untimed and not found:  # (a function: its time is its row)
                 attempt.difference = hooks_refusal(attempt.untimed)
             hooks_now_eager = True
@@ -419,7 +249,7 @@ class DynamoTimer(DynamoGraphs):
             return own_forward(*args, **kwargs)
         self._global_hooks = global_hooks()
         self._flags = None if torch_api.PARAMETER_FLAGS_GUARDED else ParameterFlags(module)
-        self._one_frame = _in_one_frame(attempt, self._way, self._sharded) and self._one_frame is not False
+        self._one_frame = in_one_frame(attempt, ways.way, self._sharded) and self._one_frame is not False
         state, missed = self._entry.check(args, kwargs) if self._entry is not None else (None, "")
         if missed:
             self._entry, state = None, None  # the guards cannot be asked before a call here (the call just captured would miss)
@@ -428,28 +258,11 @@ class DynamoTimer(DynamoGraphs):
         self.capture_s.append(time.perf_counter() - started)
         return out
 
-    def _explore(self, module: nn.Module, eager: verify.CallResult | Exception, state: verify.State, args: tuple[Any, ...],
-                 kwargs: dict[str, Any], first: _Attempt) -> _Attempt:
-        """The first capture broke the graph or was refused: try the other ways (``_other_ways``), each in a fresh
-        Dynamo cache. Keeps the way that verifies and times the most ops inside layers (``_placed``; the first of
-        equals), from now on."""
-        self._explored = True
-        tried, others = [first], _other_ways(module, first)
-        for other in others:
-            self._drop(tried[-1])
-            tried.append(self._attempt(module, eager, state, args, kwargs, other))
-        best = max(tried, key=lambda a: (a.difference is None, a.timed, -sum(a.breaks.values())))
-        if best is not tried[-1]:
-            self._drop(tried[-1])
-            best = self._attempt(module, eager, state, args, kwargs, best.way)
-        self._way = best.way
-        return best
-
     def _attempt(self, module: nn.Module, eager: verify.CallResult | Exception, state: verify.State, args: tuple[Any, ...],
-                 kwargs: dict[str, Any], way: _Way) -> _Attempt:
+                 kwargs: dict[str, Any], way: Way) -> Attempt:
         """One capture through Dynamo (the ``way``), run and compared with ``eager``; the module's state and the
         timer's logs put back after."""
-        attempt = _Attempt(way, len(self.graphs), len(self._uncounted))
+        attempt = Attempt(way, len(self.graphs), len(self._uncounted))
         mark = self.mark()
         breaks = dict(graph_break_counter())
         reasons = len(graph_break_reasons())
@@ -457,16 +270,7 @@ class DynamoTimer(DynamoGraphs):
             if isinstance(eager, Exception):
                 raise eager
             before, self._inputs_seen = self.samples.calls, set()
-            self._frames.restore()
-            if way.eager_hooks:
-                frames_skipped(self._eager_hooks, False)
-                self._eager_hooks = hook_functions(module) + self._eager_functions
-                frames_skipped(self._eager_hooks, True)
-            if way.eager_hooks or way.framed:
-                self._frames.frame(module, every=way.framed)
-            with (torch_api.following(way.follow, GUARD_SETTINGS), opened_frames(way.opening),
-                  not_compiling(way.eager_branches), hooks_eager(self._eager_hooks if way.eager_hooks else ()),
-                  float_grouped_mm_meta()):
+            with self._ways.capturing(module, way):
                 captured = verify.run_checked(self._compiled, module, args, kwargs)
             attempt.graph_calls = self.samples.calls - before
             attempt.untimed = _untimed_layers(module, eager, self._inputs_seen)
@@ -483,10 +287,10 @@ class DynamoTimer(DynamoGraphs):
                           if count > breaks.get(why, 0)}
         attempt.host_reads = host_reads(graph_break_reasons()[reasons:], module)
         ours = self.graphs[attempt.graphs:]
-        attempt.timed = sum(_placed(node, first=i == 0) for i, graph in enumerate(ours) for node in graph.captured.graph.nodes)
+        attempt.timed = sum(placed(node, first=i == 0) for i, graph in enumerate(ours) for node in graph.captured.graph.nodes)
         return attempt
 
-    def _drop(self, attempt: _Attempt) -> None:
+    def _drop(self, attempt: Attempt) -> None:
         """Forget an attempt's graphs: a fresh Dynamo cache, so that the next call captures again."""
         self._fresh_cache(self.graphs[attempt.graphs:])
         del self.graphs[attempt.graphs:], self._uncounted[attempt.uncounted:]

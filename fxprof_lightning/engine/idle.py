@@ -54,11 +54,13 @@ class IdleSteps:
         self.then: Callable[[], None] | None = None  # what the driver does when the stretch ends at a step's end
         self.spent_ns = 0  # the time inside ``step_ended`` since it was last handed to the follower
 
-    def stand_ins(self, driver: Any, methods: dict[str, Any], end: str, then: Callable[[], None] | None = None) -> None:
-        """For each stretch, put ``methods`` on ``driver`` by name, and ``step_ended`` as ``end`` (the Lightning
-        callback: its per-step hooks, looked up on the instance at every call; ``Profiler``: its ``step``). ``then``:
-        called when the stretch ends at the end of a step (``Profiler`` begins the next step)."""
-        self.driver, self.swapped, self.then = driver, {**methods, end: self.step_ended}, then
+    def stand_ins(self, driver: Any, end: str, empty: tuple[str, ...] = (), then: Callable[[], None] | None = None) -> None:
+        """For each stretch, put ``step_ended`` on ``driver`` as its method ``end``, and a method that does nothing as
+        each of ``empty`` (the Lightning callback: its per-step hooks, looked up on the instance at every call;
+        ``Profiler``: its ``step``). ``then``: called when the stretch ends at the end of a step (``Profiler`` begins
+        the next step)."""
+        self.driver, self.then = driver, then
+        self.swapped = {**dict.fromkeys(empty, _nothing), end: self.step_ended}
 
     def begin(self, left: int, stage: Stage, follow: Follow, plan: Callable[[Trigger, int], None]) -> None:
         """Skip the next ``left`` steps of ``stage`` (``plan``: where a trigger of ``follow`` goes)."""
@@ -145,3 +147,7 @@ class IdleSteps:
     def _now(self) -> None:
         """(The request thread.) Batch at the next step."""
         self.due = 0
+
+
+def _nothing(*_: Any, **__: Any) -> None:
+    """An idle step's stand-in for a per-step method of the driver (a Lightning hook)."""

@@ -1,20 +1,26 @@
 """``Profiler``: profiling for any training loop (plain PyTorch, Fabric, FSDP2), used like ``torch.profiler.profile``.
 
 The engine underneath (``core.Engine``) does the work; this is its face for a loop that calls ``step()``: it starts
-and stops the run, times the plain loop's phases (``loop_phases``) and keeps the schedule position for a resume.
+and stops the run, times the plain loop's phases (``loop_phases``) and keeps the schedule position for a resume. The
+Lightning callback drives one too (``for_driver``, ``attach``), through the same validation loop's ends and state.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
+
+from torch import nn
 
 from fxprof_lightning.engine.core import Engine
 from fxprof_lightning.engine.follow import Trigger
 from fxprof_lightning.engine.loop_phases import LoopClock
+from fxprof_lightning.engine.settings import Settings
 from fxprof_lightning.engine.stage import Stage
+from fxprof_lightning.outputs.sinks import Sink
 from fxprof_lightning.schedule import ProfilerAction
 
 __all__ = ["Profiler"]
@@ -50,13 +56,37 @@ class Profiler(Engine):
 
     _running = False  # between start() and stop()
 
+    @classmethod
+    def for_driver(cls, driver: Any, options: dict[str, Any], *, chosen: bool, idle_hooks: tuple[str, ...],
+                   step_end: str) -> Profiler:
+        """The engine of another driver (the Lightning callback): its options checked, and its warnings named, under
+        the driver's name; its module, directory and sinks come with ``attach``. Between cycles the driver's
+        ``idle_hooks`` do nothing and its ``step_end`` counts the step (``idle.IdleSteps``). ``chosen``: the user named
+        the module; else a module whose forward a warm-up step did not run gives way to the children it calls
+        (``Timers.children_instead``)."""
+        name = type(driver).__name__
+        profiler = cls(_not_attached, sinks=[], settings=Settings.of(name, options))
+        profiler.name = name
+        profiler.timers.children_when_unused = not chosen
+        profiler.idle.stand_ins(driver, step_end, empty=idle_hooks)
+        return profiler
+
+    def attach(self, module: Callable[[], nn.Module], dirpath: Path, sinks: list[Sink], clock: Callable[[], Any],
+               train: bool = True) -> None:
+        """A driver's loop is set up (the callback's ``setup``): ``reset`` (with ``train``, training counts from step 0
+        again; a checkpoint loaded afterwards says otherwise), then the module to time (a function, called when the run
+        begins), where the cycles go, their sinks, and the driver's clock of a recorded step's phases (``DriverNotes``)."""
+        self.reset(train)
+        self.module, self.dirpath, self.sinks = module, dirpath, sinks
+        self.notes.make_clock = clock
+
     def start(self) -> None:
         """Begin profiling; the code until the next ``step()`` is training step ``step_num``."""
         if self._running:
             raise RuntimeError(f"{self.name}.start() was called twice without stop()")
         self.notes.make_clock = lambda: LoopClock(self.target)
         # Between cycles ``step`` is the idle steps' counter itself (one call a step); the step after them begins here.
-        self.idle.stand_ins(self, {}, "step", then=functools.partial(self.begin_step, "train"))
+        self.idle.stand_ins(self, "step", then=functools.partial(self.begin_step, "train"))
         self.begin_run()
         self.prepare()
         self._running = True
@@ -124,21 +154,31 @@ class Profiler(Engine):
         """
         if not self._running:
             raise RuntimeError(f"{self.name}.validation() needs a started profiler")
-        self.idle.wake()
-        train = self._train
-        if train.open is not None:
-            train.open.pause(self.target)
-        self._current = self._val
-        self.prepare("val")
+        self.idle.wake()  # (``step()`` inside is a validation step, not an idle training step's end)
+        self.begin_validation()
         self.begin_step("val")
         try:
             yield self
         finally:
-            self._finish_step(self._val)
-            self.end_stage("val")
-            self._current = train
-            if train.in_step and train.open is not None and self._enabled:
-                train.open.resume(self.target)
+            self.end_validation()
+
+    def begin_validation(self) -> None:
+        """A validation loop starts (``validation()``; the callback's ``on_validation_start``): the training step in
+        progress paused, and the module captured in eval mode (with ``profile_validation``; the run begins where none
+        has: ``trainer.validate``)."""
+        if self._train.open is not None:
+            self._train.open.pause(self.target)
+        self._current = self._val
+        self.begin_stage("val")
+
+    def end_validation(self) -> None:
+        """The validation loop ended: its step in progress counted or dropped (``_finish_step``), a cycle it left
+        written (a new piece next time), and the training step in progress resumed."""
+        self._finish_step(self._val)
+        self.end_stage("val")
+        self._current = train = self._train
+        if train.in_step and train.open is not None and self._enabled:
+            train.open.resume(self.target)
 
     def _finish_step(self, stage: Stage) -> None:
         """The step in progress when a loop stops: counted if the module ran in it, else dropped."""
@@ -169,3 +209,8 @@ class Profiler(Engine):
         trigger = state_dict.get("trigger")
         self._train.trigger = Trigger(**trigger) if isinstance(trigger, dict) else None
         self._train.planned = {int(step): ProfilerAction[name] for step, name in state_dict.get("planned", {}).items()}
+
+
+def _not_attached() -> nn.Module:
+    """A driver's engine before ``attach``: no module to time yet."""
+    raise RuntimeError("the profiler has no module to time yet: its driver attaches one (Profiler.attach) first")
