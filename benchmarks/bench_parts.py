@@ -1,7 +1,7 @@
 """What the user pays per step, itemised by part: recorded and idle steps of a Lightning fit and of a plain loop.
 
-    .venv/bin/python benchmarks/bench_parts.py --threads 1          # full run, about 5-6 minutes on 2 CPU cores
-    .venv/bin/python benchmarks/bench_parts.py --threads 1 --quick  # smoke run (one round, about a minute)
+    .venv/bin/python benchmarks/bench_parts.py --threads 1          # full run, about 8-9 minutes on 2 CPU cores
+    .venv/bin/python benchmarks/bench_parts.py --threads 1 --quick  # smoke run (one round, about 2 minutes)
 
 Workload: ``bench_overhead``'s MLP-199 (66 x [Linear(64, 64), ReLU, residual add] and a head: small layers, where the
 fixed costs show), batch 32, SGD, CPU, the schedule of ``bench_trainer_nodes`` (``skip_first=10``, cycles of
@@ -98,7 +98,7 @@ class Budget:
 
 
 QUICK = Budget(Rounds(1, 1, 0), 3, Rounds(6, 6, 0), 2000)
-FULL = Budget(Rounds(3, 12, 180), 4, Rounds(20, 80, 20), 20000)
+FULL = Budget(Rounds(6, 12, 360), 4, Rounds(20, 80, 20), 20000)  # (about a minute a round: 6 rounds for an interval)
 
 
 # ------------------------------------------------------------------ the runs
