@@ -506,6 +506,7 @@ def table(face: str, runs: dict[str, list[tuple[float, float, float]]], live: Li
     total = (diff("ours", "empty", 1), diff("ours", "empty", 0))
     line("ours - empty (measured total)", *total)
     line("torch.profiler alone - empty", diff("torch.profiler", "empty", 1), diff("torch.profiler", "empty", 0))
+    line("ours - torch.profiler alone", diff("ours", "torch.profiler", 1), diff("ours", "torch.profiler", 0))
     line("recorded - idle (ours) - (recorded - idle (empty))",
          [a - b for a, b in zip(total[0], total[1], strict=True)], None)
     print(f"  {'-- from the options (ours - ours with it off)':<{width}}")
