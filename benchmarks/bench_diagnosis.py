@@ -216,10 +216,10 @@ def first_line(callback: FXProfilerCallback, regression: bool) -> str:
 
 
 def scores(line: str, case: Case) -> bool:
-    """The line names the place (the module or a node of it: `2`, `module 2`, `2_mul`, `2.fc`; or the phase's word)
-    and the cause."""
+    """The line names the place (the module or a node of it: `2`, `2 (Linear)`, `module 2`, `2_mul`, `2.fc`; or the
+    phase's word) and the cause."""
     lowered = line.lower()
-    names = [name.removeprefix("module ") for name in re.findall(r"`([^`]+)`", line)]
+    names = [name.removeprefix("module ").split(" (")[0] for name in re.findall(r"`([^`]+)`", line)]  # (`0 (Linear)`)
     place = any(n == case.place or n.startswith((f"{case.place}_", f"{case.place}.")) for n in names) or (
         case.place in ("batch", "optimizer") and case.place in lowered)
     return place and any(word.lower() in lowered for word in case.cause)
