@@ -175,16 +175,6 @@ def cache_entries(code: types.CodeType, region: int | None) -> list[Any]:
     return list(_entries_of_code(code)) if _entries_of_code is not None else []
 
 
-def dynamo_config(settings: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
-    """``torch._dynamo.config.patch`` with those of ``settings`` this torch knows (each names a version beside it)."""
-    config = torch._dynamo.config
-    return config.patch({name: value for name, value in settings.items() if hasattr(config, name)})
-
-
-def has_dynamo_setting(name: str) -> bool:
-    return hasattr(torch._dynamo.config, name)
-
-
 def frames_skipped(functions: tuple[Callable[..., Any], ...], skipped: bool) -> None:
     """Whether Dynamo leaves the frames of ``functions``, and the frames they call, to run eagerly."""
     for function in functions:
@@ -209,7 +199,6 @@ def source_name(node: Any) -> str:
 # The higher-order op Dynamo puts a ``torch.utils.checkpoint`` region into (2.1+; not on ``torch.ops.higher_order``
 # until first used in 2.6-2.7): without it, checkpointed regions are not opened into rows.
 tag_activation_checkpoint = _find("torch._higher_order_ops.wrap:tag_activation_checkpoint", "checkpoints kept whole")
-
 
 # ---------------------------------------------------------------- Dynamo, continued
 # Older aliases of ``torch.compiler.is_compiling`` (2.6-2.15): without one, the public two are answered alone.
@@ -458,7 +447,8 @@ _lookup_inner = _find("torch._dynamo.trace_rules:lookup_inner", "torch's frames 
 _getfile = _find("torch._dynamo.trace_rules:getfile", "torch's frames after a break run untimed")
 _module_dir = _find("torch._dynamo.trace_rules:_module_dir", "torch's frames after a break run untimed")
 UserFunctionVariable = _find("torch._dynamo.variables:UserFunctionVariable", "torch's frames after a break run untimed")
-FOLLOWS = has_dynamo_setting("dont_skip_tracing") or None not in (
+DONT_SKIP_TRACING = hasattr(torch._dynamo.config, "dont_skip_tracing")  # (2.8+)
+FOLLOWS = DONT_SKIP_TRACING or None not in (
     _lookup_inner, _getfile, _module_dir, SkipFunctionVariable, UserFunctionVariable)
 # Where a Dynamo context has no cache of its own (< 2.14), a frame its trace rules skipped (``trace_rules.check``,
 # 2.6-2.15) stays marked skipped on its code object for every later context: torch's frames that a capture not
@@ -486,11 +476,12 @@ def following(follow: bool, settings: dict[str, Any]) -> Any:
             _SKIPPED.clear()
         saved["check"] = _check
         trace_rules.check = _noting_check
-    if follow and FOLLOWS and not has_dynamo_setting("dont_skip_tracing"):
+    if follow and FOLLOWS and not DONT_SKIP_TRACING:
         saved["lookup_inner"] = _lookup_inner
         trace_rules.lookup_inner = _followed_lookup
     try:
-        with dynamo_config({**settings, "dont_skip_tracing": follow}):
+        config = torch._dynamo.config  # (those of the settings this torch knows: each names a version beside it)
+        with config.patch({n: v for n, v in {**settings, "dont_skip_tracing": follow}.items() if hasattr(config, n)}):
             yield
     finally:
         for name, value in saved.items():
@@ -506,8 +497,7 @@ def _noting_check(obj: Any, *args: Any, **kwargs: Any) -> bool:
 
 def _torch_not_dynamo(filename: str) -> bool:
     """Whether ``filename`` is torch's own code but not Dynamo's."""
-    torch_files = str(_module_dir(torch)).replace("\\", "/")
-    filename = filename.replace("\\", "/")
+    torch_files, filename = str(_module_dir(torch)).replace("\\", "/"), filename.replace("\\", "/")
     return filename.startswith(torch_files) and not filename.startswith(torch_files + "_dynamo")
 
 
@@ -526,8 +516,19 @@ def _followed_lookup(obj: Any, name: Any = None, filename: Any = None, is_direct
 
 
 # Whether Dynamo goes on after a graph break inside a loop (2.11, 2.14, 2.15 yes; 2.6 no: the frame runs eagerly,
-# its layers untimed, each named in ``Capture.untimed``: HF Llama's ``lm_head``).
+# its layers untimed, each named in ``Capture.untimed``: HF Llama's ``lm_head``; and before 2.8 its code stays skipped
+# in every context: a shared HF wrapper skipped in Wav2Vec2's capture left the next model's frames all eager).
 RESUMES_IN_LOOPS = torch.torch_version.TorchVersion(TORCH) >= "2.11"
+
+
+def codes_unskipped(kept: set[int] | None = None) -> set[int]:
+    """Where Dynamo skips a code for good (< 2.8), each code it saw not skipped but those in ``kept`` (None: none
+    changed); the ids of the codes it saw so far (a run notes them at its start and keeps them at its end)."""
+    codes = [c for c in (r() for r in list(_input_codes.seen)) if c is not None] if _input_codes is not None else []
+    for code in codes if kept is not None and _set_code_exec_strategy is None else ():
+        if id(code) not in kept:
+            _code_skipped(code, False)
+    return {id(code) for code in codes}
 
 # ---------------------------------------------------------------- saved tensors: what autograd keeps for backward
 # Read running no hook, recomputing nothing: a node's ``_raw_saved_<name>`` (2.6-2.15), ``SavedTensor.data`` and
@@ -565,7 +566,6 @@ def _noting_pop() -> None:
     if _NOTES and _NOTES[0] == threading.get_ident() and _NOTES[2]:
         _NOTES[2].pop()
         _NOTES[1].append((sequence_nr_now(), _NOTES[2][-1] if _NOTES[2] else None))
-
 
 
 def saved_tensors(node: Any, notes: list[tuple[int, Any]] | None = None) -> list[tuple[Any, Any]]:

@@ -669,6 +669,20 @@ def test_llama_without_padding_is_captured_on_the_branches_eager_takes(tmp_path)
         assert "graph break inside a loop" in cycle.capture.untimed["lm_head"]
 
 
+@notices("counted no step", "FLOPs not counted")  # (Wav2Vec2's own: LayerDrop on 2.6, its masks' nonzero)
+def test_a_model_profiled_after_another_in_one_process_is_captured_as_if_alone(tmp_path):
+    """Before torch 2.8 a frame Dynamo skips (2.6: a graph break inside a loop) stays skipped for every later capture:
+    after a Wav2Vec2 was profiled, a Llama in the same process had every layer untimed, not only ``lm_head`` (the
+    suite's order found it). A run's end now lets go of the skips its capture made (``torch_api.codes_unskipped``)."""
+    from hf_models import LitHF, audio_loader, tiny_llama, tiny_wav2vec2
+
+    train_both(tmp_path / "wav2vec2", lambda: LitHF(tiny_wav2vec2), steps=4, loader_fn=audio_loader)
+    _, callback = train_both(tmp_path / "llama", lambda: LitHF(tiny_llama), steps=4, loader_fn=unpadded_lm_loader)
+    untimed = callback.cycles[0].capture.untimed
+    assert {"model_layers_0_self_attn_q_proj", "model_layers_1_mlp_down_proj"} <= names(callback.cycles[0]), untimed
+    assert set(untimed) <= {"lm_head"}, untimed
+
+
 def tiny_mixtral() -> nn.Module:
     """MixtralForCausalLM from its default config with ``output_router_logits=True`` (its auxiliary load-balancing
     loss, as MoE training recipes set it), only the sizes shrunk."""

@@ -37,6 +37,9 @@ from fxprof_lightning.timing.readings import Collected, Progress, Traits
 
 __all__ = ["CAPTURES", "Timer", "Timers", "check_capture"]
 
+# The code objects Dynamo first saw in a run of ours (ids): each run's end lets go of the skips it made in them.
+_CAPTURED_CODES: set[int] = set()
+
 CAPTURES = ("dynamo",)
 
 
@@ -107,6 +110,7 @@ class Timers:
         self._kernels: CompiledKernels | None = None  # kept for the process: graphs compiled in earlier runs
         self._timers: dict[bool, tuple[Timer, Capture]] = {}
         self._told_missing = False  # the user was told that this torch cannot capture with Dynamo
+        self._codes: set[int] | None = None  # the code objects Dynamo had seen when the run started (ids)
         # A LightningModule chosen for its forward (the callback without module=) whose training step calls its
         # children instead: they are timed from the step after the warm-up step its forward sat out.
         self.children_when_unused = False
@@ -126,15 +130,20 @@ class Timers:
         self.stop()
         self.capture, self.backward, self.ranges, self.memory = capture, backward, ranges, memory
         self._timers, self._told_missing = {}, False
+        self._codes = torch_api.codes_unskipped()
         if compiled:
             self._kernels = self._kernels or CompiledKernels()
             self._kernels.start()
         self.compiled = self._kernels if compiled else None
 
     def stop(self) -> None:
-        """Put Inductor's settings back."""
+        """Put Inductor's settings back; where Dynamo skips a frame's code for good (< 2.8), the codes it first saw in
+        the run not skipped any more: a later model in the process is captured as if this run had not been."""
         if self.compiled is not None:
             self.compiled.stop()
+        if self._codes is not None:  # (those of an earlier run too: this one may have skipped them again)
+            _CAPTURED_CODES.update(torch_api.codes_unskipped(self._codes - _CAPTURED_CODES) - self._codes)
+            self._codes = None
 
     @property
     def chosen(self) -> dict[bool, tuple[Timer, Capture]]:
