@@ -609,13 +609,15 @@ def test_checkpointed_regions_under_the_users_own_profiler(tmp_path):
 
 @pytest.mark.slow  # (7 s)
 @notices("FLOPs not counted")
+@notices("counted no step")  # (2.6: LayerDrop's first count mismatch and the capture after it fill cycle 0)
 def test_wav2vec2_with_its_numpy_masks(tmp_path):
     """SpecAugment draws its masks with NumPy's random functions: they must draw from NumPy's own state, as in eager
     (Dynamo's default draws them from torch's, and the graph was refused)."""
     from hf_models import LitHF, audio_loader, tiny_wav2vec2
 
-    _, callback = train_both(tmp_path, lambda: LitHF(tiny_wav2vec2), steps=4, loader_fn=audio_loader)
-    cycle = callback.cycles[0]
+    _, callback = train_both(tmp_path, lambda: LitHF(tiny_wav2vec2), steps=8, loader_fn=lambda: audio_loader(8),
+                             repeat=2)
+    cycle = callback.cycles[-1]
     assert cycle.capture.method == "dynamo" and "refused" not in cycle.capture.error
     assert any(name.startswith("wav2vec2_feature_extractor_conv_layers_0") for name in names(cycle))
 
