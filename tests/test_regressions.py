@@ -225,9 +225,11 @@ def test_bad_arguments():
 # RegressionWatch: what the engine and ``fxprof report`` do cycle after cycle ------------------------------------------
 
 
-def watched(tables: list[list[NodeStats]], steps: list[list[float]], cpu: list[list[float]] | None = None):
+def watched(tables: list[list[NodeStats]], steps: list[list[float]], cpu: list[list[float]] | None = None,
+            waits: list[list[float]] | None = None):
     watch = RegressionWatch()
-    return [watch.check(t, s, (cpu or [[]] * len(tables))[i]) for i, (t, s) in enumerate(zip(tables, steps))]
+    return [watch.check(t, s, (cpu or [[]] * len(tables))[i], step_wait_ms=(waits or [[]] * len(tables))[i])
+            for i, (t, s) in enumerate(zip(tables, steps))]
 
 
 def scaled(table: list[NodeStats], name: str, factor: float) -> list[NodeStats]:
@@ -331,19 +333,15 @@ def test_a_slowdown_the_threads_wait_for_a_core_explains_is_not_confirmed_by_its
     steps = [[10.0, 10.1, 10.0]] * 4 + [[12.6, 12.7, 12.6]] + [[10.0, 10.1, 10.0]] * 2
     quiet, loaded = [0.1, 0.1, 0.1], [2.0, 2.1, 2.0]
 
-    def verdicts(tables: list[list[NodeStats]], waits: list[list[float]]) -> list:
-        watch = RegressionWatch()
-        return [watch.check(t, s, step_wait_ms=w) for t, s, w in zip(tables, steps, waits)]
-
-    under_load = verdicts(slower, [quiet] * 4 + [loaded] + [quiet] * 2)
+    under_load = watched(slower, steps, waits=[quiet] * 4 + [loaded] + [quiet] * 2)
     assert under_load[4].distortion is None and [r.node for r in under_load[4].unconfirmed] == ["n9"]
     assert all(v.regressions == [] for v in under_load)
     # The same cycle with the threads as quiet as before: beyond doubt, confirmed at once (as without the rule).
-    assert [r.node for r in verdicts(slower, [quiet] * 7)[4].regressions] == ["n9"]
+    assert [r.node for r in watched(slower, steps, waits=[quiet] * 7)[4].regressions] == ["n9"]
     # A slowdown that starts in the loaded cycle and stays is reported by the next, quiet, cycle.
     lasting = [*tables[:4], *(scaled(t, "n9", 3.5) for t in tables[4:])]
     steps[5:] = [[12.6, 12.7, 12.6]] * 2
-    later = verdicts(lasting, [quiet] * 4 + [loaded] + [quiet] * 2)
+    later = watched(lasting, steps, waits=[quiet] * 4 + [loaded] + [quiet] * 2)
     assert later[4].regressions == [] and [r.node for r in later[5].regressions] == ["n9"]
 
 
